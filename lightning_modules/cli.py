@@ -1,0 +1,51 @@
+"""The ``benchx`` command line: a thin dispatcher that loads each subcommand's module by name.
+
+Each subcommand is a module-level ``main(argv) -> int`` with its own argparse parser, so
+``benchx train --help`` imports only what training needs. Loading by name keeps the dependency
+direction of DESIGN.md section 0: the base package never imports :mod:`synthx`.
+
+Example::
+
+    benchx phantom --out data/phantom --cases 200
+    benchx train --recipe recipes/unet.yaml profile=cpu
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module, function, one-line help)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "phantom": ("lightning_modules.phantom", "main", "write the embedded phantom cohort (layout A + metadata.csv)"),
+    "validate": ("lightning_modules.validation", "main", "check a cohort and list every problem at once"),
+    "make-splits": ("lightning_modules.splits", "main", "write a patient-grouped, stratified split CSV"),
+    "train": ("lightning_modules.training", "main", "train a backbone from a recipe (+ key=value overrides)"),
+}
+
+
+def usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: benchx <command> [options]", "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += ["", "Run 'benchx <command> --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"benchx: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module_name, function, _ = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    result = getattr(module, function)(rest)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
