@@ -169,19 +169,31 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, check: boo
         raise RecipeError(f"bad override in {overrides}: {error}") from error
     layers.append(("command line", cli))
 
-    config = schema
-    OmegaConf.set_struct(config, True)
+    # Profiles are sets of overrides, not values: collect them from every layer (later layers win)
+    # and merge the selected one after the layers, so the schema still checks every key they set.
+    profiles = OmegaConf.create({})
+    stripped = []
     for source, layer in layers:
+        if "profiles" in layer:
+            profiles = OmegaConf.merge(profiles, layer.profiles)
+            layer = OmegaConf.masked_copy(layer, [k for k in layer if k != "profiles"])
+        stripped.append((source, layer))
+
+    config = schema
+    _seal(config)
+    for source, layer in stripped:
         config = _merge(config, layer, source)
     profile = config.profile
     if profile not in ("full", "", None):
-        if profile not in config.profiles:
+        if profile not in profiles:
             raise RecipeError(
-                f"{path}: profile {profile!r} is not defined (available: full, {', '.join(config.profiles) or 'none'})"
+                f"{path}: profile {profile!r} is not defined (available: full, {', '.join(profiles) or 'none'})"
             )
-        config = _merge(config, OmegaConf.create(OmegaConf.to_container(config.profiles[profile])), f"{path} profiles.{profile}")
+        config = _merge(config, profiles[profile], f"{path} profiles.{profile}")
         config = _merge(config, cli, "command line")
-    if "name" not in layers[-2][1]:
+    OmegaConf.set_struct(config.profiles, False)
+    config.profiles = profiles
+    if "name" not in stripped[-2][1]:
         config.name = path.stem
     if check:
         check_recipe(config, source=str(path))
@@ -196,8 +208,20 @@ def _merge(config: DictConfig, layer: DictConfig, source: str) -> DictConfig:
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None)
         raise RecipeError(f"{source}: invalid value for {key!r}: {str(error).splitlines()[0]}") from error
-    OmegaConf.set_struct(merged, True)
+    _seal(merged)
     return merged
+
+
+# Free-form mappings inside the schema: keys are checked elsewhere (builder signatures) or are free.
+_OPEN_NODES = ("model.options", "tracking.tags", "profiles")
+
+
+def _seal(config: DictConfig) -> None:
+    OmegaConf.set_struct(config, True)
+    for key in _OPEN_NODES:
+        node = OmegaConf.select(config, key)
+        if node is not None:
+            OmegaConf.set_struct(node, False)
 
 
 def check_recipe(config: DictConfig, source: str = "recipe") -> None:
