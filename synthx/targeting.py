@@ -1,0 +1,395 @@
+"""How many synthetic tumors SynthX should make per (sex, age band, phase) cell.
+
+The allocation starts from the TRAINING split's positive (tumor) real cases, counted per cell of
+the grid sex x age band x phase (DESIGN.md section 4 groups). A case whose sex, age or phase is
+Unknown belongs to no cell: Unknown is a value, never a guess, so it is neither counted nor
+requested. Three rules:
+
+- ``min_positives:k``: bring every cell to at least ``k`` positives, ``requested = max(0, k - count)``.
+- ``match:<distribution>`` (``match:test``, ``match:val``, ``match:uniform`` or ``match:<table>``;
+  ``match_test`` is accepted too): spend a total budget ``B`` of synthetic cases so that the
+  training positives' distribution over cells comes as close as it can to the target distribution
+  ``p``. With real counts ``c_i`` the request is ``r_i = max(0, p_i * T - c_i)``, with the level ``T``
+  chosen so that ``sum r_i = B`` (water filling: a cell that already holds more than its share gets
+  nothing, the others are filled to the common level). When ``B`` is large enough, ``T = C + B`` and
+  the match is exact. The real-valued requests are rounded to integers that sum exactly to ``B`` by
+  largest remainders, ties going to the earlier cell. The arithmetic is exact (fractions).
+- ``counts:<file>`` (or just a ``.csv``/``.yaml`` path): explicit counts from a table with columns
+  ``sex, age_band, phase, requested``.
+
+The result is a table ``(sex, age_band, phase, real_positives, requested)``, one row per cell in a
+stable order (sex F, M; age bands youngest first; phases non-contrast, arterial, venous, delayed).
+
+Example::
+
+    targets = compute_targets("data/phantom", "splits/phantom.csv", "min_positives:4")
+    targets = compute_targets("data/phantom", "splits/phantom.csv", "match:test", budget=40)
+    log_targets(targets)  # inside an active MLflow run
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import pandas as pd
+
+from lightning_modules.cohort import Cohort, load_cohort
+from lightning_modules.metadata import AGE_BAND_NAMES, PHASES, SEXES, UNKNOWN, normalize_phase, normalize_sex
+
+CELL_COLUMNS = ("sex", "age_band", "phase")
+TARGET_COLUMNS = CELL_COLUMNS + ("real_positives", "requested")
+SPLIT_NAMES = ("train", "val", "test")
+
+
+class TargetingError(ValueError):
+    """A targeting rule, table or split cannot be used; the message says which and why."""
+
+
+def cell_grid(
+    sexes: Sequence[str] = SEXES,
+    age_bands: Sequence[str] = AGE_BAND_NAMES,
+    phases: Sequence[str] = PHASES,
+) -> pd.DataFrame:
+    """Every (sex, age band, phase) cell in the stable order used by all targeting tables."""
+    for value, allowed, column in ((sexes, SEXES, "sex"), (age_bands, AGE_BAND_NAMES, "age_band"), (phases, PHASES, "phase")):
+        unknown = [v for v in value if v not in allowed]
+        if unknown:
+            raise TargetingError(f"{column} {unknown} is not a cell value (allowed: {', '.join(allowed)})")
+    # Keep the canonical order whatever order the caller listed the values in.
+    rows = [
+        (sex, band, phase)
+        for sex in SEXES
+        if sex in sexes
+        for band in AGE_BAND_NAMES
+        if band in age_bands
+        for phase in PHASES
+        if phase in phases
+    ]
+    return pd.DataFrame(rows, columns=list(CELL_COLUMNS))
+
+
+def read_split(path: Path | str) -> pd.DataFrame:
+    """Read a split CSV (``case_id, patient_id, split``; DESIGN.md section 2), checking its columns and values."""
+    path = Path(path)
+    if not path.is_file():
+        raise TargetingError(f"split file {path} does not exist")
+    table = pd.read_csv(path, dtype=str, keep_default_na=False)
+    missing = [c for c in ("case_id", "split") if c not in table.columns]
+    if missing:
+        raise TargetingError(f"split file {path}: missing column(s) {missing} (expected case_id, patient_id, split)")
+    table["case_id"] = table["case_id"].str.strip()
+    table["split"] = table["split"].str.strip().str.lower()
+    bad = table.loc[~table["split"].isin(SPLIT_NAMES)]
+    if len(bad):
+        case_id, value = bad.iloc[0]["case_id"], bad.iloc[0]["split"]
+        raise TargetingError(f"split file {path}: case {case_id} has split {value!r} (expected train, val or test)")
+    duplicated = table.loc[table["case_id"].duplicated(), "case_id"]
+    if len(duplicated):
+        raise TargetingError(f"split file {path}: case {duplicated.iloc[0]} is listed more than once")
+    return table
+
+
+def labelled_cases(cohort: Cohort, split: pd.DataFrame, lesion_class: str = "pancreatic_lesion") -> pd.DataFrame:
+    """The cohort's normalized metadata with the resolved scan-level ``tumor`` label and each case's ``split``.
+
+    Cases missing from the split file get split ``""`` (in no split); a case in the split file but
+    not in the cohort is an error naming it.
+    """
+    absent = [c for c in split["case_id"] if c not in cohort]
+    if absent:
+        raise TargetingError(
+            f"split lists {len(absent)} case(s) that are not in cohort {cohort.root}, e.g. {absent[0]}"
+        )
+    table = cohort.metadata.copy()
+    table["tumor"] = cohort.resolve_tumor_labels(lesion_class).to_numpy()
+    split_of = dict(zip(split["case_id"], split["split"]))
+    table["split"] = [split_of.get(case_id, "") for case_id in table["case_id"]]
+    return table
+
+
+def count_positives(cases: pd.DataFrame, split_name: str, grid: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Positive real cases of one split per cell: the grid with a ``count`` column.
+
+    Synthetic rows and rows with an Unknown sex, age band or phase are not counted.
+    """
+    grid = cell_grid() if grid is None else grid
+    chosen = cases[
+        (cases["split"] == split_name)
+        & (cases["tumor"].astype(int) == 1)
+        & (cases.get("synthetic", 0) == 0)
+        & (cases["sex"] != UNKNOWN)
+        & (cases["age_band"] != UNKNOWN)
+        & (cases["phase"] != UNKNOWN)
+    ]
+    counts = chosen.groupby(list(CELL_COLUMNS)).size().rename("count").reset_index()
+    table = grid.merge(counts, on=list(CELL_COLUMNS), how="left")
+    table["count"] = table["count"].fillna(0).astype(int)
+    return table
+
+
+def plan_min_positives(train_counts: pd.DataFrame, k: int) -> pd.DataFrame:
+    """``requested = max(0, k - real_positives)`` for every cell.
+
+    Args:
+        train_counts: the grid with the training positives in ``count`` (see :func:`count_positives`).
+        k: the least number of positives each cell should hold after augmentation.
+    """
+    if k < 0:
+        raise TargetingError(f"min_positives needs k >= 0, got {k}")
+    table = _base_table(train_counts)
+    table["requested"] = [max(0, k - int(c)) for c in table["real_positives"]]
+    return table
+
+
+def plan_match(train_counts: pd.DataFrame, target_weights: Sequence, budget: int) -> pd.DataFrame:
+    """Spend ``budget`` synthetic cases so the training positives move towards a target distribution.
+
+    Args:
+        train_counts: the grid with the training positives in ``count``.
+        target_weights: one non-negative weight per cell of ``train_counts`` (in its order), e.g.
+            the test split's positive counts; normalized here.
+        budget: the total number of synthetic cases to request.
+    """
+    if budget < 0:
+        raise TargetingError(f"the synthetic budget must be >= 0, got {budget}")
+    weights = [Fraction(w) if not isinstance(w, float) else Fraction(str(w)) for w in target_weights]
+    if len(weights) != len(train_counts):
+        raise TargetingError(f"{len(weights)} target weights for {len(train_counts)} cells")
+    if any(w < 0 for w in weights):
+        raise TargetingError("target weights must be non-negative")
+    total_weight = sum(weights)
+    if total_weight == 0:
+        raise TargetingError("the target distribution is empty: no cell has a positive weight")
+    shares = [w / total_weight for w in weights]
+    counts = [int(c) for c in train_counts["count"]]
+    exact = _water_fill(counts, shares, budget)
+    table = _base_table(train_counts)
+    table["requested"] = _round_largest_remainder(exact, budget)
+    return table
+
+
+def plan_explicit(train_counts: pd.DataFrame, explicit: pd.DataFrame, source: str = "table") -> pd.DataFrame:
+    """Explicit requested counts per cell; cells not listed get 0.
+
+    Args:
+        train_counts: the grid with the training positives in ``count``.
+        explicit: rows ``sex, age_band, phase, requested`` (``count`` is accepted for ``requested``).
+        source: where the table came from, for error messages.
+    """
+    explicit = explicit.rename(columns={"count": "requested"})
+    missing = [c for c in TARGET_COLUMNS if c not in explicit.columns and c != "real_positives"]
+    if missing:
+        raise TargetingError(f"{source}: missing column(s) {missing} (expected sex, age_band, phase, requested)")
+    requested: dict[tuple[str, str, str], int] = {}
+    for row_number, row in enumerate(explicit.to_dict("records"), start=2):
+        cell = _read_cell(row, f"{source} row {row_number}")
+        try:
+            value = int(str(row["requested"]).strip())
+        except ValueError:
+            raise TargetingError(f"{source} row {row_number}: requested {row['requested']!r} is not an integer") from None
+        if value < 0:
+            raise TargetingError(f"{source} row {row_number}: requested {value} is negative")
+        if cell in requested:
+            raise TargetingError(f"{source} row {row_number}: cell {cell} is listed twice")
+        requested[cell] = value
+    table = _base_table(train_counts)
+    cells = list(zip(table["sex"], table["age_band"], table["phase"]))
+    outside = [cell for cell in requested if cell not in set(cells)]
+    if outside:
+        raise TargetingError(f"{source}: cell {outside[0]} is outside the targeted grid")
+    table["requested"] = [requested.get(cell, 0) for cell in cells]
+    return table
+
+
+def compute_targets(
+    cohort_root: Path | str | Cohort,
+    split_path: Path | str,
+    rule: str,
+    budget: int | None = None,
+    sexes: Sequence[str] = SEXES,
+    age_bands: Sequence[str] = AGE_BAND_NAMES,
+    phases: Sequence[str] = PHASES,
+    lesion_class: str = "pancreatic_lesion",
+) -> pd.DataFrame:
+    """The targeting table for a cohort, its split and a rule (see the module docstring).
+
+    Args:
+        cohort_root: the real cohort (a folder or an already loaded :class:`Cohort`).
+        split_path: its split CSV.
+        rule: ``min_positives:k``, ``match:test|val|uniform|<table>``, ``counts:<table>`` or a table path.
+        budget: the total synthetic budget for ``match`` rules (required there, unused otherwise).
+        sexes / age_bands / phases: restrict the grid (e.g. to the phases the generator knows).
+        lesion_class: the lesion mask that defines a positive case when ``tumor`` is not recorded.
+    """
+    cohort = cohort_root if isinstance(cohort_root, Cohort) else load_cohort(cohort_root)
+    cases = labelled_cases(cohort, read_split(split_path), lesion_class)
+    grid = cell_grid(sexes, age_bands, phases)
+    train_counts = count_positives(cases, "train", grid)
+    kind, argument = parse_rule(rule)
+    if kind == "min_positives":
+        return plan_min_positives(train_counts, int(argument))
+    if kind == "counts":
+        return plan_explicit(train_counts, _read_table(Path(argument)), str(argument))
+    if budget is None:
+        raise TargetingError(f"rule {rule!r} needs a total synthetic budget (--budget N)")
+    if argument in SPLIT_NAMES:
+        weights = count_positives(cases, argument, grid)["count"].tolist()
+        if sum(weights) == 0:
+            raise TargetingError(
+                f"rule {rule!r}: the {argument} split has no positive case with known sex, age and phase"
+            )
+    elif argument == "uniform":
+        weights = [1] * len(grid)
+    else:
+        weights = _weights_from_table(grid, _read_table(Path(argument)), str(argument))
+    return plan_match(train_counts, weights, int(budget))
+
+
+def parse_rule(rule: str) -> tuple[str, str]:
+    """Split a rule into (kind, argument): ``min_positives:4`` -> (``min_positives``, ``4``)."""
+    text = str(rule).strip()
+    if text.startswith("match_") and ":" not in text:
+        text = "match:" + text[len("match_"):]
+    if ":" not in text:
+        if Path(text).suffix.lower() in {".csv", ".yaml", ".yml"}:
+            return "counts", text
+        raise TargetingError(
+            f"unknown targeting rule {rule!r} (expected min_positives:k, match:test, match:val, "
+            "match:uniform, match:<table>, counts:<table>)"
+        )
+    kind, argument = text.split(":", 1)
+    kind, argument = kind.strip(), argument.strip()
+    if kind == "min_positives":
+        if not argument.isdigit():
+            raise TargetingError(f"rule {rule!r}: k must be a non-negative integer")
+        return kind, argument
+    if kind in {"match", "counts"} and argument:
+        return kind, argument
+    raise TargetingError(f"unknown targeting rule {rule!r}")
+
+
+def requests_from_targets(targets: pd.DataFrame) -> list[dict]:
+    """Expand a targeting table into one request per synthetic case.
+
+    Each request is ``{"sex", "age_band", "phase", "index"}`` where ``index`` counts the cases of
+    its cell from 0, so a request is identified by (cell, index) whatever the other cells hold:
+    raising one cell's count later adds cases without renaming any.
+    """
+    missing = [c for c in CELL_COLUMNS + ("requested",) if c not in targets.columns]
+    if missing:
+        raise TargetingError(f"targeting table lacks column(s) {missing}")
+    requests = []
+    for row in targets.to_dict("records"):
+        cell = _read_cell(row, "targeting table")
+        for index in range(int(row["requested"])):
+            requests.append({"sex": cell[0], "age_band": cell[1], "phase": cell[2], "index": index})
+    return requests
+
+
+def log_targets(targets: pd.DataFrame, artifact_file: str = "synthx/targets.json", run_id: str | None = None) -> None:
+    """Log the targeting table to MLflow (a table for the UI and a CSV twin) plus the total requested.
+
+    Args:
+        targets: the table from :func:`compute_targets`.
+        artifact_file: where the table goes among the run's artifacts (``.json``, as mlflow.log_table needs).
+        run_id: the run to log to; the active run when None.
+    """
+    import mlflow
+
+    mlflow.log_table(data=targets, artifact_file=artifact_file, run_id=run_id)
+    csv_name = str(Path(artifact_file).with_suffix(".csv"))
+    client = mlflow.MlflowClient()
+    active = run_id or mlflow.active_run().info.run_id
+    client.log_text(active, targets.to_csv(index=False), csv_name)
+    client.log_metric(active, "synthx/requested_total", float(targets["requested"].sum()))
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _base_table(train_counts: pd.DataFrame) -> pd.DataFrame:
+    table = train_counts[list(CELL_COLUMNS)].copy()
+    table["real_positives"] = train_counts["count"].astype(int).to_numpy()
+    return table.reset_index(drop=True)
+
+
+def _water_fill(counts: Sequence[int], shares: Sequence[Fraction], budget: int) -> list[Fraction]:
+    """Solve ``sum_i max(0, p_i T - c_i) = B`` for the level ``T`` and return each ``max(0, p_i T - c_i)``.
+
+    The left side is piecewise linear and increasing in ``T`` with a kink at each ``c_i / p_i``;
+    walking the kinks in order finds the segment that holds the solution.
+    """
+    if budget == 0:
+        return [Fraction(0)] * len(counts)
+    kinks = sorted((Fraction(c) / p, i) for i, (c, p) in enumerate(zip(counts, shares)) if p > 0)
+    active_share, active_count = Fraction(0), Fraction(0)
+    level = Fraction(0)
+    for position, (kink, i) in enumerate(kinks):
+        active_share += shares[i]
+        active_count += counts[i]
+        level = (budget + active_count) / active_share
+        next_kink = kinks[position + 1][0] if position + 1 < len(kinks) else None
+        if next_kink is None or level <= next_kink:
+            break
+    return [max(Fraction(0), p * level - c) for c, p in zip(counts, shares)]
+
+
+def _round_largest_remainder(values: Sequence[Fraction], total: int) -> list[int]:
+    """Integers that sum to ``total``: floors first, then one more for the largest remainders (earlier cell on ties)."""
+    floors = [int(v) for v in values]  # values are non-negative, so int() is floor
+    missing = total - sum(floors)
+    order = sorted(range(len(values)), key=lambda i: (-(values[i] - floors[i]), i))
+    for i in order[:missing]:
+        floors[i] += 1
+    return floors
+
+
+def _read_cell(row: Mapping, where: str) -> tuple[str, str, str]:
+    try:
+        sex = normalize_sex(row.get("sex"))
+        phase = normalize_phase(row.get("phase"))
+    except ValueError as error:
+        raise TargetingError(f"{where}: {error}") from None
+    band = str(row.get("age_band", "")).strip()
+    if sex == UNKNOWN or phase == UNKNOWN or band not in AGE_BAND_NAMES:
+        raise TargetingError(
+            f"{where}: ({row.get('sex')!r}, {row.get('age_band')!r}, {row.get('phase')!r}) is not a cell "
+            f"(sex F/M, age band one of {', '.join(AGE_BAND_NAMES)}, a known phase; Unknown never forms a cell)"
+        )
+    return sex, band, phase
+
+
+def _read_table(path: Path) -> pd.DataFrame:
+    if not path.is_file():
+        raise TargetingError(f"targeting table {path} does not exist")
+    if path.suffix.lower() == ".csv":
+        return pd.read_csv(path, dtype=str, keep_default_na=False)
+    if path.suffix.lower() in {".yaml", ".yml"}:
+        import yaml
+
+        data = yaml.safe_load(path.read_text())
+        if isinstance(data, Mapping) and "cells" in data:
+            data = data["cells"]
+        if not isinstance(data, list) or not all(isinstance(item, Mapping) for item in data):
+            raise TargetingError(f"{path}: expected a list of {{sex, age_band, phase, requested}} mappings (or under 'cells')")
+        return pd.DataFrame([{k: str(v) for k, v in item.items()} for item in data])
+    raise TargetingError(f"targeting table {path}: expected a .csv, .yaml or .yml file")
+
+
+def _weights_from_table(grid: pd.DataFrame, table: pd.DataFrame, source: str) -> list[Fraction]:
+    """Per-cell weights from a ``sex, age_band, phase, weight`` table, in the grid's order (absent cells 0)."""
+    if "weight" not in table.columns:
+        raise TargetingError(f"{source}: a match distribution needs columns sex, age_band, phase, weight")
+    weights: dict[tuple[str, str, str], Fraction] = {}
+    for row_number, row in enumerate(table.to_dict("records"), start=2):
+        cell = _read_cell(row, f"{source} row {row_number}")
+        try:
+            weight = Fraction(str(row["weight"]).strip())
+        except (ValueError, ZeroDivisionError):
+            raise TargetingError(f"{source} row {row_number}: weight {row['weight']!r} is not a number") from None
+        if cell in weights:
+            raise TargetingError(f"{source} row {row_number}: cell {cell} is listed twice")
+        weights[cell] = weight
+    return [weights.get(cell, Fraction(0)) for cell in zip(grid["sex"], grid["age_band"], grid["phase"])]

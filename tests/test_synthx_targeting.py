@@ -1,0 +1,203 @@
+"""Targeting arithmetic on hand-computed examples: min_positives, match (water filling), explicit tables.
+
+Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_synthx_targeting.py -x -q
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from synthx.targeting import (
+    TARGET_COLUMNS,
+    TargetingError,
+    cell_grid,
+    compute_targets,
+    log_targets,
+    parse_rule,
+    plan_match,
+    requests_from_targets,
+)
+
+
+def _case(case_id, sex, age, phase, tumor, split):
+    return {"case_id": case_id, "patient_id": f"P{case_id}", "sex": sex, "age": age, "phase": phase, "tumor": tumor, "split": split}
+
+
+@pytest.fixture
+def cohort_with_split(tmp_path):
+    """Metadata only (targeting reads no images): train positives F/60-80 venous x4, F/60-80 arterial x1,
+    M/40-60 venous x2, plus cases that must not count (negatives, other splits, Unknowns)."""
+    rows = (
+        [_case(f"TV{i}", "F", 70, "venous", 1, "train") for i in range(4)]
+        + [_case("TA0", "female", 65, "arterial", 1, "train")]
+        + [_case(f"TM{i}", "M", 50, "portal venous", 1, "train") for i in range(2)]
+        + [_case("TNEG", "F", 70, "non-contrast", 0, "train")]
+        + [_case("TUS", "", 70, "venous", 1, "train")]  # unknown sex: no cell
+        + [_case("TUA", "F", "", "venous", 1, "train")]  # unknown age: no cell
+        + [_case("TUP", "F", 70, "", 1, "train")]  # unknown phase: no cell
+        # test positives over F/60-80: non-contrast 1, arterial 1, venous 2
+        + [_case("XN", "F", 61, "non-contrast", 1, "test"), _case("XA", "F", 79, "arterial", 1, "test")]
+        + [_case(f"XV{i}", "F", 80, "venous", 1, "test") for i in range(2)]
+        + [_case("VA", "M", 50, "arterial", 1, "val")]
+    )
+    table = pd.DataFrame(rows)
+    root = tmp_path / "cohort"
+    root.mkdir()
+    table.drop(columns=["split"]).to_csv(root / "metadata.csv", index=False)
+    split_path = tmp_path / "split.csv"
+    table[["case_id", "patient_id", "split"]].to_csv(split_path, index=False)
+    return root, split_path
+
+
+def _requested(targets, sex, band, phase):
+    row = targets[(targets["sex"] == sex) & (targets["age_band"] == band) & (targets["phase"] == phase)]
+    assert len(row) == 1
+    return int(row["requested"].iloc[0]), int(row["real_positives"].iloc[0])
+
+
+def test_grid_order_is_stable_whatever_the_argument_order():
+    grid = cell_grid(sexes=["M", "F"], age_bands=["60-80", "le20"], phases=["venous", "non-contrast"])
+    assert list(map(tuple, grid.to_numpy())) == [
+        ("F", "le20", "non-contrast"), ("F", "le20", "venous"), ("F", "60-80", "non-contrast"), ("F", "60-80", "venous"),
+        ("M", "le20", "non-contrast"), ("M", "le20", "venous"), ("M", "60-80", "non-contrast"), ("M", "60-80", "venous"),
+    ]
+    assert len(cell_grid()) == 2 * 5 * 4
+    with pytest.raises(TargetingError, match="Unknown"):
+        cell_grid(sexes=["F", "Unknown"])
+
+
+def test_min_positives_by_hand(cohort_with_split):
+    root, split = cohort_with_split
+    targets = compute_targets(root, split, "min_positives:3")
+    assert list(targets.columns) == list(TARGET_COLUMNS)
+    assert len(targets) == 40
+    assert tuple(targets.iloc[0][["sex", "age_band", "phase"]]) == ("F", "le20", "non-contrast")
+    assert _requested(targets, "F", "60-80", "venous") == (0, 4)  # already above k
+    assert _requested(targets, "F", "60-80", "arterial") == (2, 1)
+    assert _requested(targets, "M", "40-60", "venous") == (1, 2)
+    assert _requested(targets, "F", "60-80", "non-contrast") == (3, 0)  # the train negative does not count
+    assert _requested(targets, "M", "40-60", "arterial") == (3, 0)  # the val positive does not count
+    # 37 empty cells x 3 + 2 + 1; Unknown-sex/age/phase positives formed no cell.
+    assert targets["requested"].sum() == 37 * 3 + 2 + 1
+    assert targets["real_positives"].sum() == 7
+
+
+@pytest.mark.parametrize(
+    "budget, expected",
+    [
+        (0, [0, 0, 0]),
+        (1, [1, 0, 0]),  # level T=4: only non-contrast is below its share
+        (2, [2, 0, 0]),  # T=6: exact [1.5, 0.5, 0]; the tied remainder goes to the earlier cell
+        (3, [2, 1, 0]),  # T=8 = C+B: exact match, venous already holds its share
+        (11, [4, 3, 4]),  # T=16: final counts [4, 4, 8] are proportional to the test's [1, 1, 2]
+    ],
+)
+def test_match_test_by_hand(cohort_with_split, budget, expected):
+    root, split = cohort_with_split
+    # Restrict the grid to F/60-80 so the arithmetic is the hand example c=[0,1,4], p=[1/4,1/4,1/2].
+    targets = compute_targets(
+        root, split, "match_test", budget=budget, sexes=["F"], age_bands=["60-80"], phases=["non-contrast", "arterial", "venous"]
+    )
+    assert targets["real_positives"].tolist() == [0, 1, 4]
+    assert targets["requested"].tolist() == expected
+    assert targets["requested"].sum() == budget
+
+
+def test_match_keeps_cells_missing_from_the_target_at_zero():
+    counts = cell_grid(sexes=["F"], age_bands=["le20"], phases=["arterial", "venous"]).assign(count=[0, 0])
+    targets = plan_match(counts, [0, 3], budget=5)
+    assert targets["requested"].tolist() == [0, 5]
+    with pytest.raises(TargetingError, match="empty"):
+        plan_match(counts, [0, 0], budget=5)
+
+
+def test_match_needs_a_budget_and_a_nonempty_target(cohort_with_split):
+    root, split = cohort_with_split
+    with pytest.raises(TargetingError, match="budget"):
+        compute_targets(root, split, "match:test")
+    with pytest.raises(TargetingError, match="val split has no positive"):
+        compute_targets(root, split, "match:val", budget=3, sexes=["F"])
+
+
+def test_match_uniform_and_weight_table(cohort_with_split, tmp_path):
+    root, split = cohort_with_split
+    kwargs = dict(sexes=["F"], age_bands=["60-80"], phases=["non-contrast", "arterial", "venous"])
+    uniform = compute_targets(root, split, "match:uniform", budget=7, **kwargs)
+    # c=[0,1,4], p=1/3 each: T=12 -> [4, 3, 0]
+    assert uniform["requested"].tolist() == [4, 3, 0]
+    table = tmp_path / "weights.csv"
+    table.write_text("sex,age_band,phase,weight\nF,60-80,non-contrast,1\nF,60-80,arterial,0.5\n")
+    weighted = compute_targets(root, split, f"match:{table}", budget=5, **kwargs)
+    # p=[2/3, 1/3, 0]: T=9 -> [6, 2, 0] exceeds B; kinks 0 then 3 -> T=(5+1)/1=6 -> [4, 1, 0]
+    assert weighted["requested"].tolist() == [4, 1, 0]
+
+
+def test_explicit_counts_from_csv_and_yaml(cohort_with_split, tmp_path):
+    root, split = cohort_with_split
+    csv = tmp_path / "counts.csv"
+    csv.write_text("sex,age_band,phase,requested\nmale,20-40,plain,5\nF,60-80,pv,2\n")
+    targets = compute_targets(root, split, f"counts:{csv}")
+    assert _requested(targets, "M", "20-40", "non-contrast") == (5, 0)
+    assert _requested(targets, "F", "60-80", "venous") == (2, 4)
+    assert targets["requested"].sum() == 7
+    yaml_path = tmp_path / "counts.yaml"
+    yaml_path.write_text("cells:\n  - {sex: F, age_band: le20, phase: arterial, requested: 4}\n")
+    assert compute_targets(root, split, str(yaml_path))["requested"].sum() == 4
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("sex,age_band,phase,requested\nUnknown,20-40,venous,5\n", "Unknown never forms a cell"),
+        ("sex,age_band,phase,requested\nF,20-40,venous,5\nF,20-40,venous,1\n", "listed twice"),
+        ("sex,age_band,phase,requested\nF,20-40,venous,-1\n", "negative"),
+        ("sex,age_band,phase,requested\nF,30,venous,1\n", "not a cell"),
+        ("sex,age_band,phase,requested\nX,20-40,venous,1\n", "unknown sex"),
+        ("sex,age_band,phase\nF,20-40,venous\n", "missing column"),
+    ],
+)
+def test_explicit_counts_reject_bad_rows(cohort_with_split, tmp_path, content, message):
+    root, split = cohort_with_split
+    csv = tmp_path / "bad.csv"
+    csv.write_text(content)
+    with pytest.raises(TargetingError, match=message):
+        compute_targets(root, split, f"counts:{csv}")
+
+
+def test_rules_parse_and_errors_name_the_problem(cohort_with_split, tmp_path):
+    assert parse_rule("min_positives:4") == ("min_positives", "4")
+    assert parse_rule("match_test") == ("match", "test")
+    assert parse_rule("table.csv") == ("counts", "table.csv")
+    for rule in ("min_positives:-1", "min_positives:x", "median", "match:"):
+        with pytest.raises(TargetingError):
+            parse_rule(rule)
+    root, _ = cohort_with_split
+    bad_split = tmp_path / "bad_split.csv"
+    bad_split.write_text("case_id,patient_id,split\nGHOST,P1,train\n")
+    with pytest.raises(TargetingError, match="GHOST"):
+        compute_targets(root, bad_split, "min_positives:1")
+    bad_split.write_text("case_id,patient_id,split\nTV0,P1,holdout\n")
+    with pytest.raises(TargetingError, match="TV0.*holdout"):
+        compute_targets(root, bad_split, "min_positives:1")
+
+
+def test_requests_expand_per_cell_indices():
+    targets = cell_grid(sexes=["F"], age_bands=["le20"], phases=["arterial", "venous"]).assign(real_positives=0, requested=[2, 1])
+    assert requests_from_targets(targets) == [
+        {"sex": "F", "age_band": "le20", "phase": "arterial", "index": 0},
+        {"sex": "F", "age_band": "le20", "phase": "arterial", "index": 1},
+        {"sex": "F", "age_band": "le20", "phase": "venous", "index": 0},
+    ]
+
+
+def test_log_targets_round_trips_through_mlflow(cohort_with_split, mlflow_uri):
+    import mlflow
+
+    root, split = cohort_with_split
+    targets = compute_targets(root, split, "min_positives:2")
+    with mlflow.start_run() as run:
+        log_targets(targets)
+    loaded = mlflow.load_table("synthx/targets.json", run_ids=[run.info.run_id])
+    assert loaded[list(TARGET_COLUMNS)].to_dict("records") == targets.to_dict("records")
+    assert mlflow.get_run(run.info.run_id).data.metrics["synthx/requested_total"] == targets["requested"].sum()
