@@ -34,11 +34,11 @@ class DataConfig:
     patch_size: list[int] = field(default_factory=lambda: [96, 96, 96])
     batch_size: int = 2
     samples_per_volume: int = 2
-    # RandCropByPosNegLabeld: positive (foreground) vs negative patch centres; the positive
-    # label is the tumor when a case has one, so lesions are sampled often.
-    pos: float = 2.0
+    # Patch centres (RandCropByLabelClassesd ratios): background `neg`, each organ class `pos`,
+    # each lesion class `pos * lesion_ratio`, so lesions are sampled often though they are small.
+    pos: float = 1.0
     neg: float = 1.0
-    tumor_oversample: float = 0.5
+    lesion_ratio: float = 2.0
     augment: bool = True
     cache: bool = True
     num_workers: int = 0

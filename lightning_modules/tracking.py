@@ -1,0 +1,83 @@
+"""MLflow helpers shared by training, evaluation, SynthX and the sweeps (DESIGN.md section 6).
+
+Tracking URI: the recipe's ``tracking.uri`` (default ``sqlite:///mlflow.db``, MLflow's own default;
+the ``./mlruns`` file store is refused by MLflow 3), overridden by ``MLFLOW_TRACKING_URI`` when set.
+Tags on every run: ``backbone``, ``recipe``, ``variant``, ``synthx_ratio``, ``split_sha256``, ``git_commit``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import mlflow
+from mlflow.tracking import MlflowClient
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+
+
+def tracking_uri(recipe_uri: str | None = None) -> str:
+    """The tracking URI in force: ``MLFLOW_TRACKING_URI`` if set, else the recipe's, else the default."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or recipe_uri or DEFAULT_TRACKING_URI
+
+
+def git_commit(path: str | Path | None = None) -> str:
+    """The code version: ``git rev-parse HEAD`` of the repository holding this package, '+dirty' if modified."""
+    root = Path(path) if path else Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+def experiment_id(name: str, uri: str) -> str:
+    """Get or create an experiment by name (used before workers start, so creation never races)."""
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(name)
+    except mlflow.exceptions.MlflowException:
+        # Another process created it between our look-up and our create.
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def run_tags(recipe, split_sha256: str, variant: str | None = None) -> dict[str, str]:
+    """The standard tags of DESIGN.md section 6 for a training or evaluation run."""
+    ratio = float(recipe.synthx.ratio)
+    tags = {
+        "backbone": str(recipe.model.backbone),
+        "recipe": str(recipe.name),
+        "profile": str(recipe.profile),
+        "variant": variant or ("synthx" if ratio > 0 else "baseline"),
+        "synthx_ratio": f"{ratio:g}",
+        "split_sha256": split_sha256,
+        "git_commit": git_commit(),
+    }
+    tags.update({str(k): str(v) for k, v in dict(recipe.tracking.tags).items()})
+    return tags
+
+
+def flatten(mapping, prefix: str = "") -> dict[str, str]:
+    """Flatten a nested mapping into dotted keys (MLflow params)."""
+    flat: dict[str, str] = {}
+    for key, value in mapping.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = str(value)[:6000]
+    return flat

@@ -1,0 +1,261 @@
+"""``benchx train``: train a backbone from a recipe on a cohort + split, tracked in MLflow, resumable.
+
+Before the first step the cohort is validated and the split audited for patient overlap and
+duplicates; a broken cohort or a leaking split is refused with the full list of problems (the
+leakage check can be overridden with ``data.allow_leakage=true``, which is recorded in MLflow).
+
+Each run has an output folder ``<tracking.output_dir>/<recipe name>-<fingerprint>`` (the fingerprint
+is a hash of the resolved recipe), holding ``checkpoints/last.ckpt`` and ``best.ckpt`` and the MLflow
+run id. Running the same command again after an interruption resumes from ``last.ckpt`` into the
+same MLflow run, at the same step.
+
+Example::
+
+    benchx train --recipe recipes/unet.yaml profile=cpu trainer.max_steps=200
+    mlflow run . -e train -P recipe=recipes/unet.yaml -P overrides="profile=cpu" --env-manager local
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import MLFlowLogger
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_modules.backbones import build_backbone, get_backbone
+from lightning_modules.cohort import CohortError, load_cohort
+from lightning_modules.datamodule import CohortDataModule
+from lightning_modules.recipe import load_recipe, recipe_to_yaml
+from lightning_modules.segmentation_module import SegmentationModule
+from lightning_modules.tracking import experiment_id, flatten, run_tags, tracking_uri
+
+RUN_ID_FILE = "mlflow_run_id.txt"
+
+
+@dataclass
+class TrainResult:
+    """What a training run leaves behind."""
+
+    run_id: str
+    output_dir: Path
+    best_checkpoint: Path | None
+    last_checkpoint: Path
+    metrics: dict[str, float] = field(default_factory=dict)
+    global_step: int = 0
+
+
+def recipe_fingerprint(recipe: DictConfig) -> str:
+    """A short hash of the resolved recipe (without tracking settings): same recipe -> same folder."""
+    container = OmegaConf.to_container(recipe, resolve=True)
+    container.pop("tracking", None)
+    container.pop("profiles", None)
+    return hashlib.sha256(json.dumps(container, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def default_output_dir(recipe: DictConfig) -> Path:
+    return Path(recipe.tracking.output_dir) / f"{recipe.name}-{recipe_fingerprint(recipe)}"
+
+
+def build_module(recipe: DictConfig) -> SegmentationModule:
+    """The SegmentationModule for a recipe: its backbone, loss, optimizer and inference settings."""
+    spec = get_backbone(recipe.model.backbone)
+    options = OmegaConf.to_container(recipe.model.options, resolve=True)
+    network = build_backbone(
+        recipe.model.backbone,
+        in_channels=1,
+        out_channels=len(recipe.data.classes) + 1,
+        patch_size=tuple(int(p) for p in recipe.data.patch_size),
+        **options,
+    )
+    return SegmentationModule(
+        network,
+        classes=list(recipe.data.classes),
+        tumor_class=recipe.data.tumor_class,
+        output=spec.output,
+        patch_size=tuple(int(p) for p in recipe.data.patch_size),
+        optim=OmegaConf.to_container(recipe.optim, resolve=True),
+        max_steps=int(recipe.trainer.max_steps),
+        loss=OmegaConf.to_container(recipe.loss, resolve=True),
+        sw_batch_size=int(recipe.trainer.sw_batch_size),
+        sw_overlap=float(recipe.trainer.sw_overlap),
+        small_tumor_mm=float(recipe.detection.small_tumor_mm),
+    )
+
+
+def check_data(recipe: DictConfig, cohort, split) -> list[str]:
+    """Validate the cohort and audit the split before training. Returns the leakage findings that
+    were overridden (empty when clean); raises CohortError on a broken cohort or unapproved leakage."""
+    from lightning_modules.audit import check_split_leakage
+    from lightning_modules.validation import validate_cohort
+
+    if recipe.data.validate:
+        problems = validate_cohort(cohort, classes=list(recipe.data.classes))
+        if problems:
+            raise CohortError(problems, cohort.root)
+    leakage = check_split_leakage(cohort, split)
+    if leakage and not recipe.data.allow_leakage:
+        raise CohortError(
+            [*leakage, "training refused: fix the split, or set data.allow_leakage=true to override (recorded in MLflow)"],
+            cohort.root,
+        )
+    return list(leakage)
+
+
+def train(
+    recipe: DictConfig,
+    output_dir: str | Path | None = None,
+    callbacks: Sequence[Callback] = (),
+    datamodule: CohortDataModule | None = None,
+    resume: bool = True,
+    variant: str | None = None,
+    extra_tags: dict[str, str] | None = None,
+    after_run_start: Callable[[MLFlowLogger], None] | None = None,
+    trainer_overrides: dict | None = None,
+) -> TrainResult:
+    """Train the recipe's backbone; resume from ``last.ckpt`` in ``output_dir`` when present.
+
+    Args:
+        recipe: a loaded recipe.
+        output_dir: run folder (default: ``default_output_dir(recipe)``).
+        callbacks: extra Lightning callbacks (e.g. the subgroup evaluation, an Optuna pruner).
+        datamodule: a prepared datamodule (default: the recipe's cohort and split).
+        resume: continue from ``last.ckpt`` into the same MLflow run when it exists.
+        variant: ``baseline`` or ``synthx`` (default: from ``synthx.ratio``).
+        extra_tags: more MLflow tags (e.g. a parent run id, an Optuna trial number).
+        after_run_start: called with the logger once the MLflow run exists (e.g. to log dataset inputs).
+        trainer_overrides: keyword arguments passed to ``pl.Trainer`` over the recipe's.
+    """
+    from lightning_modules.splits import split_sha256
+
+    pl.seed_everything(int(recipe.seed), workers=True)
+    output_dir = Path(output_dir) if output_dir else default_output_dir(recipe)
+    checkpoint_dir = output_dir / "checkpoints"
+    last = checkpoint_dir / "last.ckpt"
+    datamodule = datamodule or CohortDataModule(recipe)
+    datamodule._load()
+    overridden = check_data(recipe, datamodule.cohort, datamodule.split)
+
+    uri = tracking_uri(recipe.tracking.uri)
+    experiment = str(recipe.tracking.experiment)
+    experiment_id(experiment, uri)
+    run_id_path = output_dir / RUN_ID_FILE
+    resuming = resume and last.exists() and run_id_path.exists()
+    run_id = run_id_path.read_text().strip() if resuming else os.environ.get("MLFLOW_RUN_ID") or None
+    tags = run_tags(recipe, split_sha256(recipe.data.split), variant)
+    tags.update(extra_tags or {})
+    logger = MLFlowLogger(
+        experiment_name=experiment,
+        tracking_uri=uri,
+        run_name=recipe.tracking.run_name or f"train-{recipe.name}",
+        run_id=run_id,
+        tags=tags if run_id is None else None,
+        log_model=False,
+    )
+    run_id = logger.run_id
+    output_dir.mkdir(parents=True, exist_ok=True)
+    run_id_path.write_text(run_id)
+    client = logger.experiment
+    if not resuming:
+        if run_id is not None:
+            for key, value in tags.items():
+                client.set_tag(run_id, key, value)
+        logger.log_hyperparams(flatten(OmegaConf.to_container(recipe, resolve=True)))
+        client.log_text(run_id, recipe_to_yaml(recipe), "recipe.yaml")
+        if overridden:
+            client.set_tag(run_id, "leakage_override", "true")
+            client.log_text(run_id, "\n".join(overridden), "leakage_override.txt")
+        if after_run_start is not None:
+            after_run_start(logger)
+    else:
+        client.set_tag(run_id, "resumed", "true")
+
+    module = build_module(recipe)
+    tumor = recipe.data.tumor_class
+    best = ModelCheckpoint(
+        dirpath=checkpoint_dir,
+        filename="best",
+        monitor=f"val/dice/{tumor}",
+        mode="max",
+        save_top_k=1,
+        save_last=True,
+        enable_version_counter=False,
+    )
+    trainer_kwargs = dict(
+        max_steps=int(recipe.trainer.max_steps),
+        val_check_interval=int(recipe.trainer.val_every_n_steps),
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        accelerator=recipe.trainer.accelerator,
+        devices=recipe.trainer.devices,
+        strategy=recipe.trainer.strategy,
+        precision=recipe.trainer.precision,
+        log_every_n_steps=int(recipe.trainer.log_every_n_steps),
+        gradient_clip_val=recipe.trainer.gradient_clip_val,
+        deterministic=bool(recipe.trainer.deterministic),
+        default_root_dir=str(output_dir),
+        logger=logger,
+        callbacks=[best, LearningRateMonitor(logging_interval="step"), *callbacks],
+        enable_model_summary=False,
+    )
+    trainer_kwargs.update(trainer_overrides or {})
+    trainer = pl.Trainer(**trainer_kwargs)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resuming else None)
+
+    best_path = Path(best.best_model_path) if best.best_model_path else None
+    if trainer.is_global_zero:
+        if best_path and best_path.exists():
+            client.log_artifact(run_id, str(best_path), "checkpoints")
+        if last.exists():
+            client.log_artifact(run_id, str(last), "checkpoints")
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+    return TrainResult(run_id, output_dir, best_path, last, metrics, trainer.global_step)
+
+
+def load_module_from_checkpoint(recipe: DictConfig, checkpoint: str | Path) -> SegmentationModule:
+    """Rebuild the recipe's module and load a checkpoint's weights into it."""
+    import torch
+
+    module = build_module(recipe)
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    module.load_state_dict(state["state_dict"])
+    return module
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="benchx train",
+        description="Train a backbone from a recipe. Trailing key=value pairs override the recipe "
+        "(e.g. profile=cpu trainer.max_steps=100 data.root=/data/AbdomenAtlas).",
+    )
+    parser.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/unet.yaml")
+    parser.add_argument("--out", default=None, help="run folder (default: outputs/<recipe>-<hash>)")
+    parser.add_argument("--fresh", action="store_true", help="do not resume from an existing last.ckpt")
+    parser.add_argument("overrides", nargs="*", help="key=value recipe overrides")
+    return parser.parse_known_args(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, unknown = parse_args(sys.argv[1:] if argv is None else argv)
+    overrides = [o for o in [*args.overrides, *unknown] if o.strip()]
+    # `mlflow run` passes overrides as one space-separated string parameter.
+    overrides = [part for o in overrides for part in o.split()]
+    try:
+        recipe = load_recipe(args.recipe, overrides)
+        result = train(recipe, output_dir=args.out, resume=not args.fresh)
+    except CohortError as error:
+        print(f"benchx train: {error}", file=sys.stderr)
+        return 1
+    print(f"run {result.run_id}: {result.global_step} steps, best checkpoint {result.best_checkpoint}")
+    for key in sorted(result.metrics):
+        if key.startswith("val/"):
+            print(f"  {key} = {result.metrics[key]:.4f}")
+    return 0
