@@ -21,6 +21,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "validate": ("lightning_modules.validation", "main", "check a cohort and list every problem at once"),
     "make-splits": ("lightning_modules.splits", "main", "write a patient-grouped, stratified split CSV"),
     "train": ("lightning_modules.training", "main", "train a backbone from a recipe (+ key=value overrides)"),
+    "evaluate": ("lightning_modules.evaluation", "evaluate_main", "subgroup evaluation of a trained model into a new MLflow run"),
+    "compare": ("lightning_modules.evaluation", "compare_main", "paired comparison of evaluation runs (BenchX table 6)"),
+    "study": ("synthx.study", "main", "the baseline-vs-SynthX study on a cohort (the main job)"),
+    "sweep": ("synthx.sweep", "main", "Optuna sweep over the synthesis ratio"),
 }
 
 

@@ -87,6 +87,9 @@ class TrainerConfig:
     sw_batch_size: int = 4
     sw_overlap: float = 0.5
     deterministic: bool = False
+    # last.ckpt is also written every this many steps, so a killed run loses at most that much.
+    checkpoint_every_n_steps: int = 1000
+    progress_bar: bool = True
 
 
 @dataclass

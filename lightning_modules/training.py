@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_modules.backbones import build_backbone, get_backbone
 from lightning_modules.cohort import CohortError, load_cohort
 from lightning_modules.datamodule import CohortDataModule
+from lightning_modules.evaluation_callback import SubgroupEvaluation
 from lightning_modules.recipe import load_recipe, recipe_to_yaml
 from lightning_modules.segmentation_module import SegmentationModule
 from lightning_modules.tracking import experiment_id, flatten, run_tags, tracking_uri
@@ -120,6 +121,7 @@ def train(
     extra_tags: dict[str, str] | None = None,
     after_run_start: Callable[[MLFlowLogger], None] | None = None,
     trainer_overrides: dict | None = None,
+    evaluation: bool = True,
 ) -> TrainResult:
     """Train the recipe's backbone; resume from ``last.ckpt`` in ``output_dir`` when present.
 
@@ -133,6 +135,7 @@ def train(
         extra_tags: more MLflow tags (e.g. a parent run id, an Optuna trial number).
         after_run_start: called with the logger once the MLflow run exists (e.g. to log dataset inputs).
         trainer_overrides: keyword arguments passed to ``pl.Trainer`` over the recipe's.
+        evaluation: add the SubgroupEvaluation callback (subgroup detection metrics at each validation).
     """
     from lightning_modules.splits import split_sha256
 
@@ -189,6 +192,17 @@ def train(
         save_last=True,
         enable_version_counter=False,
     )
+    # A second writer of last.ckpt on a step interval, so an interruption between validations
+    # loses at most `checkpoint_every_n_steps` steps.
+    periodic = ModelCheckpoint(
+        dirpath=checkpoint_dir,
+        save_top_k=0,
+        save_last=True,
+        every_n_train_steps=int(recipe.trainer.checkpoint_every_n_steps),
+        enable_version_counter=False,
+    )
+    if evaluation:
+        callbacks = [SubgroupEvaluation.from_recipe(recipe), *callbacks]
     trainer_kwargs = dict(
         max_steps=int(recipe.trainer.max_steps),
         val_check_interval=int(recipe.trainer.val_every_n_steps),
@@ -203,8 +217,9 @@ def train(
         deterministic=bool(recipe.trainer.deterministic),
         default_root_dir=str(output_dir),
         logger=logger,
-        callbacks=[best, LearningRateMonitor(logging_interval="step"), *callbacks],
+        callbacks=[best, periodic, LearningRateMonitor(logging_interval="step"), *callbacks],
         enable_model_summary=False,
+        enable_progress_bar=bool(recipe.trainer.progress_bar) and sys.stderr.isatty(),
     )
     trainer_kwargs.update(trainer_overrides or {})
     trainer = pl.Trainer(**trainer_kwargs)
