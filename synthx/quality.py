@@ -44,6 +44,7 @@ from scipy.stats import wasserstein_distance
 
 from lightning_modules.cohort import Case, Cohort, load_cohort
 from lightning_modules.metadata import PHASES, UNKNOWN
+from lightning_modules.splits import load_split
 
 PERCENTILES = (5, 25, 50, 75, 95)
 # Per-tumor quantiles that stand for its HU distribution in the Wasserstein distance.
@@ -353,11 +354,9 @@ def quality_report(
         patch_size: cube edge (voxels) for the diversity NCC.
         seed: for the cross-validation folds.
     """
-    from synthx.targeting import read_split
-
     real_cohort = real_root if isinstance(real_root, Cohort) else load_cohort(real_root)
     synthetic_cohort = synthetic_root if isinstance(synthetic_root, Cohort) else load_cohort(synthetic_root)
-    split = read_split(split_path)
+    split = load_split(split_path, real_cohort)
     train_ids = [c for c in split.loc[split["split"] == "train", "case_id"] if c in real_cohort]
     real_rows = real_cohort.subset(train_ids) if train_ids else real_cohort.metadata.iloc[0:0]
     real_ids = [c for c, s in zip(real_rows["case_id"], real_rows["synthetic"]) if int(s) == 0]

@@ -37,10 +37,11 @@ import pandas as pd
 
 from lightning_modules.cohort import Cohort, load_cohort
 from lightning_modules.metadata import AGE_BAND_NAMES, PHASES, SEXES, UNKNOWN, normalize_phase, normalize_sex
+from lightning_modules.splits import SPLITS as SPLIT_NAMES
+from lightning_modules.splits import load_split
 
 CELL_COLUMNS = ("sex", "age_band", "phase")
 TARGET_COLUMNS = CELL_COLUMNS + ("real_positives", "requested")
-SPLIT_NAMES = ("train", "val", "test")
 
 
 class TargetingError(ValueError):
@@ -70,38 +71,16 @@ def cell_grid(
     return pd.DataFrame(rows, columns=list(CELL_COLUMNS))
 
 
-def read_split(path: Path | str) -> pd.DataFrame:
-    """Read a split CSV (``case_id, patient_id, split``; DESIGN.md section 2), checking its columns and values."""
-    path = Path(path)
-    if not path.is_file():
-        raise TargetingError(f"split file {path} does not exist")
-    table = pd.read_csv(path, dtype=str, keep_default_na=False)
-    missing = [c for c in ("case_id", "split") if c not in table.columns]
-    if missing:
-        raise TargetingError(f"split file {path}: missing column(s) {missing} (expected case_id, patient_id, split)")
-    table["case_id"] = table["case_id"].str.strip()
-    table["split"] = table["split"].str.strip().str.lower()
-    bad = table.loc[~table["split"].isin(SPLIT_NAMES)]
-    if len(bad):
-        case_id, value = bad.iloc[0]["case_id"], bad.iloc[0]["split"]
-        raise TargetingError(f"split file {path}: case {case_id} has split {value!r} (expected train, val or test)")
-    duplicated = table.loc[table["case_id"].duplicated(), "case_id"]
-    if len(duplicated):
-        raise TargetingError(f"split file {path}: case {duplicated.iloc[0]} is listed more than once")
-    return table
-
-
 def labelled_cases(cohort: Cohort, split: pd.DataFrame, lesion_class: str = "pancreatic_lesion") -> pd.DataFrame:
     """The cohort's normalized metadata with the resolved scan-level ``tumor`` label and each case's ``split``.
 
-    Cases missing from the split file get split ``""`` (in no split); a case in the split file but
-    not in the cohort is an error naming it.
+    Args:
+        cohort: the real cohort.
+        split: its split table, checked against the cohort (:func:`lightning_modules.splits.load_split`).
+        lesion_class: the lesion mask that defines a positive case when ``tumor`` is not recorded.
+
+    Cases missing from the split file get split ``""`` (in no split).
     """
-    absent = [c for c in split["case_id"] if c not in cohort]
-    if absent:
-        raise TargetingError(
-            f"split lists {len(absent)} case(s) that are not in cohort {cohort.root}, e.g. {absent[0]}"
-        )
     table = cohort.metadata.copy()
     table["tumor"] = cohort.resolve_tumor_labels(lesion_class).to_numpy()
     split_of = dict(zip(split["case_id"], split["split"]))
@@ -224,7 +203,7 @@ def compute_targets(
         lesion_class: the lesion mask that defines a positive case when ``tumor`` is not recorded.
     """
     cohort = cohort_root if isinstance(cohort_root, Cohort) else load_cohort(cohort_root)
-    cases = labelled_cases(cohort, read_split(split_path), lesion_class)
+    cases = labelled_cases(cohort, load_split(split_path, cohort), lesion_class)
     grid = cell_grid(sexes, age_bands, phases)
     train_counts = count_positives(cases, "train", grid)
     kind, argument = parse_rule(rule)

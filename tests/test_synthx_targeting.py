@@ -175,10 +175,10 @@ def test_rules_parse_and_errors_name_the_problem(cohort_with_split, tmp_path):
     root, _ = cohort_with_split
     bad_split = tmp_path / "bad_split.csv"
     bad_split.write_text("case_id,patient_id,split\nGHOST,P1,train\n")
-    with pytest.raises(TargetingError, match="GHOST"):
+    with pytest.raises(ValueError, match="GHOST"):
         compute_targets(root, bad_split, "min_positives:1")
-    bad_split.write_text("case_id,patient_id,split\nTV0,P1,holdout\n")
-    with pytest.raises(TargetingError, match="TV0.*holdout"):
+    bad_split.write_text("case_id,patient_id,split\nTV0,PTV0,holdout\n")
+    with pytest.raises(ValueError, match="TV0.*holdout"):
         compute_targets(root, bad_split, "min_positives:1")
 
 
