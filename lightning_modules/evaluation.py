@@ -174,23 +174,26 @@ def compare(
 
 
 def format_comparison(comparison: pd.DataFrame, metrics: Sequence[str] = ("sensitivity", "specificity", "f1")) -> str:
-    """The comparison as a terminal table: subgroup, n, per metric baseline / other / delta [CI] and '*' if significant."""
+    """The comparison as a terminal table (BenchX table 6 shape): one line per subgroup, per metric
+    baseline, other, difference with its paired 95% CI, and '*' when significant."""
     lines = []
     for run, table in comparison.groupby("run", sort=False):
-        lines.append(f"== {comparison.attrs.get('baseline', 'baseline')} vs {run} ==")
-        header = f"{'subgroup':<24}{'n':>6}" + "".join(f"  {m[:4]+' base':>9}{m[:4]+' new':>9}{'delta [95% CI]':>24}" for m in metrics)
-        lines.append(header)
-        for _, row in table.iterrows():
-            cells = [f"{(row['attribute'] + ':' + str(row['group']))[:23]:<24}{int(row['n']):>6}"]
+        lines.append(f"== {comparison.attrs.get('baseline', 'baseline')} (base) vs {run} (new), in % ==")
+        lines.append(f"{'subgroup':<26}{'n':>6}" + "".join(f"  {metric:<34}" for metric in metrics))
+        lines.append(f"{'':<32}" + "".join(f"  {'base':>6}{'new':>6} {'delta [95% CI]':<21}" for _ in metrics))
+        wide = table.pivot_table(
+            index=["attribute", "group"], columns="metric", values=["a", "b", "delta", "ci_low", "ci_high", "significant", "n"],
+            aggfunc="first", sort=False,
+        )
+        for (attribute, group), row in wide.iterrows():
+            n = row[("n", metrics[0])]
+            cells = [f"{(str(attribute) + ':' + str(group))[:25]:<26}{int(n):>6}"]
             for metric in metrics:
-                a, b, d = row[f"{metric}_a"], row[f"{metric}_b"], row[f"{metric}_delta"]
-                low, high = row[f"{metric}_delta_ci_low"], row[f"{metric}_delta_ci_high"]
-                star = "*" if bool(row.get(f"{metric}_significant", False)) else " "
-                cells.append(
-                    f"  {_fmt(a):>9}{_fmt(b):>9}{(_fmt(d, sign=True) + ' [' + _fmt(low, sign=True) + ', ' + _fmt(high, sign=True) + ']' + star):>24}"
-                )
+                star = "*" if bool(row[("significant", metric)]) else " "
+                interval = f"{_fmt(row[('delta', metric)], True)} [{_fmt(row[('ci_low', metric)], True)}, {_fmt(row[('ci_high', metric)], True)}]{star}"
+                cells.append(f"  {_fmt(row[('a', metric)]):>6}{_fmt(row[('b', metric)]):>6} {interval:<21}")
             lines.append("".join(cells))
-    lines.append("* significant: the paired 95% bootstrap CI of the difference excludes 0; '-' undefined")
+    lines.append("* significant: the paired 95% bootstrap CI of the difference excludes 0;  - undefined (no positives or negatives)")
     return "\n".join(lines)
 
 
@@ -205,15 +208,19 @@ def _fmt(value, sign: bool = False) -> str:
 
 
 def comparison_figure(comparison: pd.DataFrame, metric: str = "f1"):
-    """Per-subgroup difference (other minus baseline) with its paired CI."""
-    table = comparison.rename(
-        columns={
-            f"{metric}_delta": metric,
-            f"{metric}_delta_ci_low": f"{metric}_ci_low",
-            f"{metric}_delta_ci_high": f"{metric}_ci_high",
+    """Per-subgroup difference (other minus baseline) of one metric with its paired CI."""
+    rows = comparison[comparison["metric"] == metric]
+    table = pd.DataFrame(
+        {
+            "attribute": rows["attribute"],
+            "group": rows["group"].astype(str) + " [" + rows["run"].astype(str) + "]",
+            "n": rows["n"],
+            metric: rows["delta"],
+            f"{metric}_ci_low": rows["ci_low"],
+            f"{metric}_ci_high": rows["ci_high"],
         }
     )
-    figure = subgroup_figure(table[["attribute", "group", "n", metric, f"{metric}_ci_low", f"{metric}_ci_high"]], metrics=(metric,))
+    figure = subgroup_figure(table, metrics=(metric,))
     axis = figure.axes[0]
     axis.set_xlim(-1.02, 1.02)
     axis.axvline(0.0, color="black", linewidth=1)

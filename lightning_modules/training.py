@@ -35,6 +35,7 @@ from lightning_modules.backbones import build_backbone, get_backbone
 from lightning_modules.cohort import CohortError, load_cohort
 from lightning_modules.datamodule import CohortDataModule
 from lightning_modules.evaluation_callback import SubgroupEvaluation
+from lightning_modules.synthetic_mixing import log_dataset_inputs, mixing_datamodule
 from lightning_modules.recipe import load_recipe, recipe_to_yaml
 from lightning_modules.segmentation_module import SegmentationModule
 from lightning_modules.tracking import experiment_id, flatten, run_tags, tracking_uri
@@ -143,7 +144,7 @@ def train(
     output_dir = Path(output_dir) if output_dir else default_output_dir(recipe)
     checkpoint_dir = output_dir / "checkpoints"
     last = checkpoint_dir / "last.ckpt"
-    datamodule = datamodule or CohortDataModule(recipe)
+    datamodule = datamodule or mixing_datamodule(recipe)
     datamodule._load()
     overridden = check_data(recipe, datamodule.cohort, datamodule.split)
 
@@ -176,6 +177,7 @@ def train(
         if overridden:
             client.set_tag(run_id, "leakage_override", "true")
             client.log_text(run_id, "\n".join(overridden), "leakage_override.txt")
+        log_dataset_inputs(client, run_id, datamodule, str(recipe.data.split))
         if after_run_start is not None:
             after_run_start(logger)
     else:
