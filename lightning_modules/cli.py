@@ -18,6 +18,8 @@ import sys
 # name -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "phantom": ("lightning_modules.phantom", "main", "write the embedded phantom cohort (layout A + metadata.csv)"),
+    "import": ("lightning_modules.importers", "main", "import TotalSegmentator / nnU-Net / MSD / DICOM data into layout A"),
+    "fetch-example": ("lightning_modules.example_ct", "main", "fetch the real TotalSegmentator example CT as case TS_EXAMPLE"),
     "validate": ("lightning_modules.validation", "main", "check a cohort and list every problem at once"),
     "make-splits": ("lightning_modules.splits", "main", "write a patient-grouped, stratified split CSV"),
     "train": ("lightning_modules.training", "main", "train a backbone from a recipe (+ key=value overrides)"),
