@@ -581,7 +581,8 @@ def run_import(
     report = ImportReport(out=out)
 
     def save_state() -> None:
-        if rows:
+        # Also rewritten when the last row was dropped (a stale case that now fails).
+        if rows or metadata_path.exists():
             write_metadata(out, _rows_table(rows, ("case_id",)))
         if quarantine:
             atomic_write_csv(_rows_table(quarantine, QUARANTINE_COLUMNS), quarantine_path)
