@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "compare": ("lightning_modules.evaluation", "compare_main", "paired comparison of evaluation runs (BenchX table 6)"),
     "study": ("synthx.study", "main", "the baseline-vs-SynthX study on a cohort (the main job)"),
     "sweep": ("synthx.sweep", "main", "Optuna sweep over the synthesis ratio"),
+    "synthesize": ("synthx.generation", "main", "paint conditioned synthetic tumors into healthy training scans (resumable)"),
+    "synthx-quality": ("synthx.quality", "main", "synthetic vs real tumors: HU, contrast, phase faithfulness, diversity"),
 }
 
 
