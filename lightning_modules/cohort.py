@@ -202,6 +202,17 @@ def load_cohort(root: Path | str, strict: bool = True) -> Cohort:
 # Writing (layout A), atomically.
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _publish_mode(path: Path | str, directory: bool = False) -> None:
+    """Give a temp file/folder the permissions a plainly created one would have (mkstemp uses 0600/0700)."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -211,6 +222,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
+        _publish_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -226,6 +238,7 @@ def atomic_save_nifti(image: nib.Nifti1Image, path: Path) -> None:
     os.close(fd)
     try:
         nib.save(image, tmp)
+        _publish_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -254,7 +267,9 @@ def write_case(
     final = root / case_id
     if "/" in case_id or "\\" in case_id or ".." in case_id or case_id in {"", "."}:
         raise ValueError(f"unsafe case id {case_id!r}")
+    root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{case_id}."))
+    _publish_mode(staging, directory=True)
     try:
         ct_image = nib.Nifti1Image(np.asarray(ct).astype(np.int16), affine, header)
         ct_image.set_data_dtype(np.int16)
