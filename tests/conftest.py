@@ -42,3 +42,43 @@ def mlflow_uri(tmp_path, monkeypatch) -> str:
     mlflow.set_tracking_uri(uri)
     yield uri
     mlflow.set_tracking_uri(None)
+
+
+# ------------------------------------------------------------------------------------------------
+# A tiny phantom cohort + split shared by the training, evaluation, study and sweep tests.
+
+TINY_SHAPE = (48, 48, 32)
+TINY_CASES = 24
+
+
+@pytest.fixture(scope="session")
+def tiny_phantom(tmp_path_factory):
+    """(cohort root, split path) of a 24-case phantom at 48x48x32, split by patient with seed 0."""
+    from lightning_modules.cohort import load_cohort
+    from lightning_modules.phantom import generate_phantom_cohort
+    from lightning_modules.splits import make_splits, write_split
+
+    root = tmp_path_factory.mktemp("tiny_phantom")
+    generate_phantom_cohort(root / "cohort", n_cases=TINY_CASES, seed=0, shape=TINY_SHAPE)
+    split = root / "split.csv"
+    write_split(make_splits(load_cohort(root / "cohort").metadata, seed=0, val_fraction=0.2, test_fraction=0.25), split)
+    return root / "cohort", split
+
+
+def tiny_overrides(root, split, tmp_path, steps: int = 2) -> list[str]:
+    """Recipe overrides that make any backbone recipe train in seconds on the tiny phantom."""
+    return [
+        "profile=cpu",
+        f"data.root={root}",
+        f"data.split={split}",
+        "data.patch_size=[16,16,16]",
+        "data.samples_per_volume=1",
+        f"trainer.max_steps={steps}",
+        f"trainer.val_every_n_steps={steps}",
+        "trainer.checkpoint_every_n_steps=1",
+        "trainer.sw_batch_size=16",
+        "detection.bootstrap_resamples=50",
+        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        f"tracking.output_dir={tmp_path / 'outputs'}",
+        "model.options.channels=[4,8,16,32]",
+    ]
