@@ -11,6 +11,8 @@ Conventions every backbone keeps (the SegmentationModule relies on them):
 - Deep supervision: in training mode a backbone with ``deep_supervision=True`` may return a list
   of tensors, full resolution first then coarser scales; in eval mode it always returns one tensor.
 - ``divisor``: every patch dimension must be divisible by it (checked at recipe load).
+- ``check``: further rules on the options and the patch (per-axis strides, widths divisible by
+  heads, ...), called at recipe load with the builder's defaults filled in; raises ValueError.
 
 Example::
 
@@ -25,7 +27,25 @@ from typing import Callable, Sequence
 
 from torch import nn
 
+from lightning_modules.backbones.mednext import build_mednext, check_mednext_options, mednext_divisor
+from lightning_modules.backbones.nnunet import build_nnunet, build_resenc, check_nnunet_options
+from lightning_modules.backbones.swin_unetr import (
+    SWIN_DIVISOR,
+    build_swin_unetr_base,
+    build_swin_unetr_small,
+    build_swin_unetr_tiny,
+    check_swin_unetr_options,
+)
+from lightning_modules.backbones.stunet import build_stunet, check_stunet_options, stunet_divisor
 from lightning_modules.backbones.unet import build_unet
+from lightning_modules.backbones.unetr import UNETR_TOKEN_SIZE, build_unetr, check_unetr_options
+from lightning_modules.backbones.universal_model import (
+    build_universal_model_a,
+    build_universal_model_b,
+    check_universal_model_options,
+    universal_model_divisor,
+)
+from lightning_modules.backbones.vsmtrans import build_vsmtrans, check_vsmtrans_options, vsmtrans_divisor
 
 
 @dataclass(frozen=True)
@@ -38,6 +58,8 @@ class BackboneSpec:
     # Each patch dimension must be divisible by this (may depend on options: see `divisor_for`).
     divisor: int | Callable[[dict], int] = 1
     description: str = ""
+    # Further shape/option rules: check(options with defaults, patch_size) raises ValueError.
+    check: Callable[[dict, tuple[int, ...]], None] | None = None
 
     def divisor_for(self, options: dict) -> int:
         return self.divisor(options) if callable(self.divisor) else int(self.divisor)
@@ -48,6 +70,76 @@ BACKBONES: dict[str, BackboneSpec] = {
         build_unet,
         divisor=lambda o: 2 ** len(o.get("strides", (2, 2, 2, 2))),
         description="MONAI UNet (Ronneberger et al. 2015; Kerfoot et al. residual units)",
+    ),
+    "unetr": BackboneSpec(
+        build_unetr,
+        divisor=UNETR_TOKEN_SIZE,
+        check=check_unetr_options,
+        description="MONAI UNETR (Hatamizadeh et al. 2022): ViT encoder, img_size = patch",
+    ),
+    "swin_unetr_tiny": BackboneSpec(
+        build_swin_unetr_tiny,
+        divisor=SWIN_DIVISOR,
+        check=check_swin_unetr_options,
+        description="MONAI SwinUNETR (Tang et al. 2022), feature size 12",
+    ),
+    "swin_unetr_small": BackboneSpec(
+        build_swin_unetr_small,
+        divisor=SWIN_DIVISOR,
+        check=check_swin_unetr_options,
+        description="MONAI SwinUNETR (Tang et al. 2022), feature size 24",
+    ),
+    "swin_unetr_base": BackboneSpec(
+        build_swin_unetr_base,
+        divisor=SWIN_DIVISOR,
+        check=check_swin_unetr_options,
+        description="MONAI SwinUNETR (Tang et al. 2022), feature size 48",
+    ),
+    "nnunet": BackboneSpec(
+        build_nnunet,
+        deep_supervision=True,
+        check=check_nnunet_options,
+        description="nnU-Net PlainConvUNet (Isensee et al. 2021), planned topology (per-axis strides)",
+    ),
+    "resenc": BackboneSpec(
+        build_resenc,
+        deep_supervision=True,
+        check=check_nnunet_options,
+        description="nnU-Net ResEnc L (Isensee et al. 2024), planned topology (per-axis strides)",
+    ),
+    "mednext": BackboneSpec(
+        build_mednext,
+        deep_supervision=True,
+        divisor=mednext_divisor,
+        check=check_mednext_options,
+        description="MONAI MedNeXt-L (Roy et al. 2023), kernel 3",
+    ),
+    "universal_model_a": BackboneSpec(
+        build_universal_model_a,
+        output="sigmoid",
+        divisor=lambda o: universal_model_divisor(o, default_backbone="unet3d"),
+        check=check_universal_model_options,
+        description="CLIP-Driven Universal Model (Liu et al. 2023), Models Genesis 3D U-Net backbone",
+    ),
+    "universal_model_b": BackboneSpec(
+        build_universal_model_b,
+        output="sigmoid",
+        divisor=lambda o: universal_model_divisor(o, default_backbone="swin"),
+        check=check_universal_model_options,
+        description="CLIP-Driven Universal Model (Liu et al. 2023), SwinUNETR (feature size 48) backbone",
+    ),
+    "stunet_b": BackboneSpec(
+        build_stunet,
+        deep_supervision=True,
+        divisor=stunet_divisor,
+        check=check_stunet_options,
+        description="STU-Net-B (Huang et al. 2023): residual nnU-Net, nearest + 1x1x1 upsampling",
+    ),
+    "vsmtrans": BackboneSpec(
+        build_vsmtrans,
+        divisor=vsmtrans_divisor,
+        check=check_vsmtrans_options,
+        description="VSmTrans (Liu et al. 2024): variable-shape window attention + parallel convolution",
     ),
 }
 
@@ -79,6 +171,14 @@ def check_backbone_config(
     if bad:
         raise ValueError(
             f"backbone {name!r} needs every patch dimension divisible by {divisor}; data.patch_size is {list(patch_size)}"
+        )
+    if spec.check is not None:
+        with_defaults = signature.bind(spatial_dims, in_channels, out_channels, patch_size=tuple(patch_size), **options)
+        with_defaults.apply_defaults()
+        positional = ("spatial_dims", "in_channels", "out_channels", "patch_size")
+        spec.check(
+            {k: v for k, v in with_defaults.arguments.items() if k not in positional},
+            tuple(int(p) for p in patch_size),
         )
     return bound
 
