@@ -270,7 +270,10 @@ def _check_same_evaluation_set(records_a: pd.DataFrame, records_b: pd.DataFrame,
         "label": (labels(records_a), labels(aligned_b)),
     }
     for attribute in attributes:
-        checks[ATTRIBUTE_COLUMNS[attribute]] = (attribute_values(records_a, attribute), attribute_values(aligned_b, attribute))
+        checks[ATTRIBUTE_COLUMNS[attribute]] = (
+            attribute_values(records_a, attribute),
+            attribute_values(aligned_b, attribute),
+        )
     for column, (values_a, values_b) in checks.items():
         differs = np.flatnonzero(values_a != values_b)
         if len(differs):

@@ -136,7 +136,9 @@ def validate_records(
     column = score_column(score)
     values = pd.to_numeric(records[column], errors="coerce").to_numpy(dtype=float)
     for i in np.flatnonzero(~np.isfinite(values))[:5]:
-        problems.append(f"case {case_ids.iloc[i]}: column '{column}' must be a finite number, got {records[column].iloc[i]!r}")
+        problems.append(
+            f"case {case_ids.iloc[i]}: column '{column}' must be a finite number, got {records[column].iloc[i]!r}"
+        )
 
     for attribute in attributes:
         if attribute not in CLOSED_GROUPS:
@@ -594,7 +596,8 @@ def mlflow_metric_keys(table: pd.DataFrame, stage: str, ci: bool = True) -> dict
     rate_columns = [m for m in RATE_METRICS if m in table.columns]
     ci_columns = []
     if ci:
-        ci_columns = [f"{m}_ci_{side}" for m in RATE_METRICS for side in ("low", "high") if f"{m}_ci_{side}" in table.columns]
+        candidates = [f"{m}_ci_{side}" for m in RATE_METRICS for side in ("low", "high")]
+        ci_columns = [c for c in candidates if c in table.columns]
     for row in table.itertuples(index=False):
         row_values = row._asdict()
         attribute, group = str(row_values["attribute"]), str(row_values["group"])

@@ -208,7 +208,9 @@ BENCHX_TABLE_4 = [
 
 
 @pytest.mark.parametrize("model,phase,positives,true_positives,sen,spe,auc", BENCHX_TABLE_4)
-def test_benchx_table_auc_is_mean_of_sensitivity_and_specificity(model, phase, positives, true_positives, sen, spe, auc):
+def test_benchx_table_auc_is_mean_of_sensitivity_and_specificity(
+    model, phase, positives, true_positives, sen, spe, auc
+):
     negatives = 1000
     true_negatives = round(spe * 10)
     label = np.r_[np.ones(positives), np.zeros(negatives)].astype(int)
