@@ -1,0 +1,227 @@
+"""The SynthX recipe schema: OmegaConf YAML merged onto a structured schema in struct mode.
+
+Same approach as :mod:`lightning_modules.recipe` (whose merge helpers are reused): schema defaults
+-> ``recipes/synthx.yaml`` -> the selected profile (``profiles.<name>``) -> command-line
+``key=value`` overrides, so a mistyped key is an error naming the file and the key. The top level of
+``recipes/synthx.yaml`` is the full-size (GPU) setting; ``profile=cpu`` shrinks it for a 2-core CPU
+and the tests. Unlike the backbone recipes there is no ``_base.yaml`` layer: the generator shares no
+keys with the segmentation recipes except ``tracking`` (the same :class:`TrackingConfig`).
+
+Example::
+
+    recipe = load_synthx_recipe("recipes/synthx.yaml", ["profile=cpu", "trainer.max_steps=50"])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lightning_modules.recipe import RecipeError, TrackingConfig, _load_yaml, _merge, _seal, recipe_to_yaml
+from synthx.mask_prior import SIZE_CLASSES
+from synthx.model import ORGAN_OF_LESION
+
+__all__ = ["SynthXRecipe", "load_synthx_recipe", "check_synthx_recipe", "recipe_to_yaml", "RecipeError"]
+
+PREDICTION_TYPES = ("epsilon", "sample", "v_prediction")
+SAMPLING_SCHEDULERS = ("ddpm", "ddim", "dpm_solver")
+
+
+@dataclass
+class SynthXDataConfig:
+    root: str = "data/phantom"
+    split: str = "splits/phantom.csv"
+    # The lesion class whose tumors are learned; its organ (pancreas for pancreatic_lesion) is the organ condition.
+    tumor_class: str = "pancreatic_lesion"
+    spacing: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
+    hu_window: list[float] = field(default_factory=lambda: [-175.0, 250.0])
+    patch_size: list[int] = field(default_factory=lambda: [96, 96, 96])
+    batch_size: int = 4
+    # The inpainted region is the lesion dilated by this much, so the model learns the tumor border.
+    inpaint_margin_mm: float = 3.0
+    # Patch centres move up to this fraction of the free space around the lesion, so tumors are not always centred.
+    centre_jitter: float = 0.5
+    augment: bool = True
+    num_workers: int = 4
+    # Restrict training to these (training-split) cases; empty means every training case with a tumor.
+    case_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SynthXModelConfig:
+    channels: list[int] = field(default_factory=lambda: [64, 128, 256, 256])
+    attention_levels: list[bool] = field(default_factory=lambda: [False, False, False, True])
+    num_res_blocks: int = 2
+    norm_num_groups: int = 32
+    num_head_channels: int = 32
+    blend_sigma_mm: float = 1.0
+    # Latent mode: diffuse the latents of a trained SynthXAutoencoder saved at vae_path.
+    latent: bool = False
+    vae_path: Optional[str] = None
+
+
+@dataclass
+class NoiseSchedulerConfig:
+    num_train_timesteps: int = 1000
+    beta_schedule: str = "linear"
+    beta_start: float = 1.0e-4
+    beta_end: float = 2.0e-2
+    prediction_type: str = "epsilon"
+    clip_sample: bool = True
+
+
+@dataclass
+class ConditionDropoutConfig:
+    # Each factor alone is replaced by the null token with `each`, all four together with `all`,
+    # so the model learns the unconditional and partly conditional tasks that guidance needs.
+    each: float = 0.1
+    all: float = 0.1
+
+
+@dataclass
+class SynthXLossConfig:
+    # Squared error weighted `tumor_weight` inside the inpainting region, 1 elsewhere.
+    tumor_weight: float = 10.0
+
+
+@dataclass
+class SynthXOptimConfig:
+    lr: float = 1.0e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 500
+
+
+@dataclass
+class EMAConfig:
+    enabled: bool = True
+    decay: float = 0.9999
+    # diffusers EMAModel warm-up: decay = 1 - (1 + step)^-power, capped at `decay`.
+    power: float = 0.6667
+
+
+@dataclass
+class SynthXTrainerConfig:
+    max_steps: int = 100_000
+    accelerator: str = "auto"
+    devices: Any = 1
+    precision: str = "32-true"
+    log_every_n_steps: int = 50
+    gradient_clip_val: Optional[float] = 1.0
+    deterministic: bool = False
+
+
+@dataclass
+class SamplingConfig:
+    # The scheduler saved with the pipeline (built from the training scheduler's config).
+    scheduler: str = "ddim"
+    num_inference_steps: int = 50
+    guidance_scale: float = 1.0
+
+
+@dataclass
+class MaskPriorConfig:
+    erosion_mm: float = 1.5
+    # Tumors to draw per canvas, by size class (synthx.mask_prior.SIZE_CLASSES).
+    size_class_counts: dict[str, int] = field(
+        default_factory=lambda: {"tiny": 1, "small": 2, "medium": 1, "large": 0}
+    )
+
+
+@dataclass
+class SynthXRecipe:
+    name: str = "synthx"
+    seed: int = 0
+    profile: str = "full"
+    data: SynthXDataConfig = field(default_factory=SynthXDataConfig)
+    model: SynthXModelConfig = field(default_factory=SynthXModelConfig)
+    scheduler: NoiseSchedulerConfig = field(default_factory=NoiseSchedulerConfig)
+    condition_dropout: ConditionDropoutConfig = field(default_factory=ConditionDropoutConfig)
+    loss: SynthXLossConfig = field(default_factory=SynthXLossConfig)
+    optim: SynthXOptimConfig = field(default_factory=SynthXOptimConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
+    trainer: SynthXTrainerConfig = field(default_factory=SynthXTrainerConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    mask_prior: MaskPriorConfig = field(default_factory=MaskPriorConfig)
+    tracking: TrackingConfig = field(default_factory=lambda: TrackingConfig(experiment="synthx"))
+    profiles: dict[str, Any] = field(default_factory=dict)
+
+
+def load_synthx_recipe(path: str | Path, overrides: list[str] | None = None) -> DictConfig:
+    """Load a SynthX recipe: schema <- recipe <- profile <- overrides, in struct mode, then check it.
+
+    Args:
+        path: the recipe YAML (e.g. ``recipes/synthx.yaml``).
+        overrides: ``key=value`` strings (dotted keys), applied last.
+
+    Raises:
+        RecipeError: naming the file and the key or value that is wrong.
+    """
+    path = Path(path)
+    layer = _load_yaml(path)
+    try:
+        cli = OmegaConf.from_dotlist(list(overrides or []))
+    except OmegaConfBaseException as error:
+        raise RecipeError(f"bad override in {overrides}: {error}") from error
+    # Profiles are sets of overrides, applied after the recipe and before the command line.
+    profiles = OmegaConf.create({})
+    for source in (layer, cli):
+        if "profiles" in source:
+            profiles = OmegaConf.merge(profiles, source.profiles)
+    layer = OmegaConf.masked_copy(layer, [k for k in layer if k != "profiles"])
+    cli_values = OmegaConf.masked_copy(cli, [k for k in cli if k != "profiles"])
+
+    config = OmegaConf.structured(SynthXRecipe)
+    _seal(config)
+    config = _merge(config, layer, str(path))
+    config = _merge(config, cli_values, "command line")
+    if config.profile not in ("full", "", None):
+        if config.profile not in profiles:
+            raise RecipeError(
+                f"{path}: profile {config.profile!r} is not defined (available: full, {', '.join(profiles) or 'none'})"
+            )
+        config = _merge(config, profiles[config.profile], f"{path} profiles.{config.profile}")
+        config = _merge(config, cli_values, "command line")
+    OmegaConf.set_struct(config.profiles, False)
+    config.profiles = profiles
+    check_synthx_recipe(config, source=str(path))
+    return config
+
+
+def check_synthx_recipe(config: DictConfig, source: str = "recipe") -> None:
+    """Check values the schema's types cannot: shapes, ranges, names, divisibility."""
+    data, model = config.data, config.model
+    if len(data.patch_size) != 3 or len(data.spacing) != 3 or len(data.hu_window) != 2:
+        raise RecipeError(f"{source}: data.patch_size and data.spacing need 3 values, data.hu_window 2")
+    if not data.hu_window[1] > data.hu_window[0]:
+        raise RecipeError(f"{source}: data.hu_window must be increasing, got {list(data.hu_window)}")
+    if data.tumor_class not in ORGAN_OF_LESION:
+        raise RecipeError(
+            f"{source}: data.tumor_class {data.tumor_class!r} has no organ condition; expected one of {', '.join(ORGAN_OF_LESION)}"
+        )
+    if len(model.channels) != len(model.attention_levels):
+        raise RecipeError(f"{source}: model.channels and model.attention_levels need the same length")
+    bad_groups = [c for c in model.channels if c % model.norm_num_groups]
+    if bad_groups:
+        raise RecipeError(f"{source}: model.channels {list(model.channels)} must be multiples of model.norm_num_groups={model.norm_num_groups}")
+    divisor = 2 ** (len(model.channels) - 1)
+    if any(p % divisor for p in data.patch_size):
+        raise RecipeError(f"{source}: every data.patch_size value must be divisible by {divisor} (2^(levels-1)); got {list(data.patch_size)}")
+    if model.latent and not model.vae_path:
+        raise RecipeError(f"{source}: model.latent=true needs model.vae_path (a saved SynthXAutoencoder)")
+    if config.scheduler.prediction_type not in PREDICTION_TYPES:
+        raise RecipeError(f"{source}: scheduler.prediction_type must be one of {', '.join(PREDICTION_TYPES)}")
+    if config.sampling.scheduler not in SAMPLING_SCHEDULERS:
+        raise RecipeError(f"{source}: sampling.scheduler must be one of {', '.join(SAMPLING_SCHEDULERS)}")
+    for name in ("each", "all"):
+        value = config.condition_dropout[name]
+        if not 0.0 <= value < 1.0:
+            raise RecipeError(f"{source}: condition_dropout.{name} must be in [0, 1), got {value}")
+    if config.loss.tumor_weight < 1.0:
+        raise RecipeError(f"{source}: loss.tumor_weight must be >= 1, got {config.loss.tumor_weight}")
+    unknown = [k for k in config.mask_prior.size_class_counts if k not in SIZE_CLASSES]
+    if unknown:
+        raise RecipeError(f"{source}: mask_prior.size_class_counts has unknown classes {unknown}; expected {', '.join(SIZE_CLASSES)}")
