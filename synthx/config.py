@@ -65,6 +65,20 @@ class SynthXModelConfig:
 
 
 @dataclass
+class AutoencoderConfig:
+    """The SynthXAutoencoder of latent mode, trained with ``benchx synthx-train --stage autoencoder``."""
+
+    channels: list[int] = field(default_factory=lambda: [32, 64, 64])
+    latent_channels: int = 4
+    num_res_blocks: int = 1
+    norm_num_groups: int = 16
+    max_steps: int = 20_000
+    lr: float = 1.0e-4
+    # L1 reconstruction (weighted like the diffusion loss toward the tumor) + kl_weight * KL.
+    kl_weight: float = 1.0e-6
+
+
+@dataclass
 class NoiseSchedulerConfig:
     num_train_timesteps: int = 1000
     beta_schedule: str = "linear"
@@ -138,6 +152,7 @@ class SynthXRecipe:
     profile: str = "full"
     data: SynthXDataConfig = field(default_factory=SynthXDataConfig)
     model: SynthXModelConfig = field(default_factory=SynthXModelConfig)
+    autoencoder: AutoencoderConfig = field(default_factory=AutoencoderConfig)
     scheduler: NoiseSchedulerConfig = field(default_factory=NoiseSchedulerConfig)
     condition_dropout: ConditionDropoutConfig = field(default_factory=ConditionDropoutConfig)
     loss: SynthXLossConfig = field(default_factory=SynthXLossConfig)
@@ -210,6 +225,9 @@ def check_synthx_recipe(config: DictConfig, source: str = "recipe") -> None:
     divisor = 2 ** (len(model.channels) - 1)
     if any(p % divisor for p in data.patch_size):
         raise RecipeError(f"{source}: every data.patch_size value must be divisible by {divisor} (2^(levels-1)); got {list(data.patch_size)}")
+    autoencoder = config.autoencoder
+    if any(c % autoencoder.norm_num_groups for c in autoencoder.channels):
+        raise RecipeError(f"{source}: autoencoder.channels {list(autoencoder.channels)} must be multiples of autoencoder.norm_num_groups={autoencoder.norm_num_groups}")
     if model.latent and not model.vae_path:
         raise RecipeError(f"{source}: model.latent=true needs model.vae_path (a saved SynthXAutoencoder)")
     if config.scheduler.prediction_type not in PREDICTION_TYPES:

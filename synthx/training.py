@@ -19,6 +19,11 @@ Run::
 
     benchx synthx-train --recipe recipes/synthx.yaml profile=cpu
     benchx synthx-train --recipe recipes/synthx.yaml --root data/phantom --split splits/phantom.csv trainer.max_steps=300
+
+Latent mode (full-size runs): train the autoencoder first, then the generator on its latents::
+
+    benchx synthx-train --recipe recipes/synthx.yaml --stage autoencoder --out outputs/synthx-ae
+    benchx synthx-train --recipe recipes/synthx.yaml model.latent=true model.vae_path=outputs/synthx-ae/autoencoder
 """
 
 from __future__ import annotations
@@ -540,6 +545,15 @@ class SynthXTrainResult:
     mean_step_seconds: float
 
 
+@dataclass
+class AutoencoderTrainResult:
+    run_id: str
+    output_dir: Path
+    autoencoder_dir: Path
+    steps: int
+    scaling_factor: float
+
+
 def build_dataset(recipe: DictConfig, cohort: Cohort, split: pd.DataFrame) -> TumorPatchDataset:
     data = recipe.data
     case_ids = training_tumor_cases(cohort, split, data.tumor_class, list(data.case_ids) or None)
@@ -556,21 +570,7 @@ def build_dataset(recipe: DictConfig, cohort: Cohort, split: pd.DataFrame) -> Tu
     )
 
 
-def train_synthx(
-    recipe: DictConfig,
-    output_dir: str | Path | None = None,
-    resume: bool = False,
-    enable_progress_bar: bool | None = None,
-) -> SynthXTrainResult:
-    """Train the generator of a loaded recipe and log it (with its pipeline) as one MLflow run.
-
-    Args:
-        recipe: from :func:`synthx.config.load_synthx_recipe`.
-        output_dir: run folder (default ``<tracking.output_dir>/synthx-<run id prefix>``).
-        resume: continue from ``<output_dir>/checkpoints/last.ckpt`` (into a new MLflow run).
-        enable_progress_bar: Lightning's progress bar (default: when stderr is a terminal).
-    """
-    pl.seed_everything(int(recipe.seed), workers=True)
+def _training_data(recipe: DictConfig) -> tuple[TumorPatchDataset, DataLoader]:
     cohort = load_cohort(recipe.data.root)
     split = read_split(recipe.data.split, cohort)
     dataset = build_dataset(recipe, cohort, split)
@@ -582,15 +582,20 @@ def train_synthx(
         drop_last=len(dataset) >= int(recipe.data.batch_size),
         persistent_workers=int(recipe.data.num_workers) > 0,
     )
-    module = SynthXTrainingModule.from_recipe(recipe)
+    return dataset, loader
 
+
+def _start_run(
+    recipe: DictConfig, variant: str, run_name: str, dataset: TumorPatchDataset, output_dir: str | Path | None
+) -> tuple[MLFlowLogger, Path]:
+    """Open the MLflow run (tags, params, resolved recipe, training case list) and the run folder."""
     uri = tracking_uri(recipe.tracking.uri)
     experiment = str(recipe.tracking.experiment)
     experiment_id(experiment, uri)
     tags = {
         "recipe": str(recipe.name),
         "profile": str(recipe.profile),
-        "variant": "generator",
+        "variant": variant,
         "split_sha256": file_sha256(recipe.data.split),
         "git_commit": git_commit(),
         **{str(k): str(v) for k, v in dict(recipe.tracking.tags).items()},
@@ -598,30 +603,34 @@ def train_synthx(
     logger = MLFlowLogger(
         experiment_name=experiment,
         tracking_uri=uri,
-        run_name=recipe.tracking.run_name or f"synthx-train-{recipe.name}",
+        run_name=recipe.tracking.run_name or run_name,
         tags=tags,
         log_model=False,
     )
-    run_id = logger.run_id
-    client = logger.experiment
-    output_dir = Path(output_dir) if output_dir else Path(recipe.tracking.output_dir) / f"synthx-{run_id[:8]}"
+    run_id, client = logger.run_id, logger.experiment
+    output_dir = Path(output_dir) if output_dir else Path(recipe.tracking.output_dir) / f"{variant}-{run_id[:8]}"
     output_dir.mkdir(parents=True, exist_ok=True)
     logger.log_hyperparams(flatten(OmegaConf.to_container(recipe, resolve=True)))
     client.log_text(run_id, recipe_to_yaml(recipe), "recipe.yaml")
     client.log_text(run_id, "case_id\n" + "\n".join(r.case_id for r in dataset.regions) + "\n", "training_cases.csv")
     client.log_param(run_id, "n_training_cases", len(dataset.regions))
     client.log_param(run_id, "n_training_lesions", len(dataset))
-    client.log_param(run_id, "denoiser_parameters", sum(p.numel() for p in module.denoiser.parameters()))
+    return logger, output_dir
 
+
+def _trainer(
+    recipe: DictConfig, max_steps: int, output_dir: Path, logger: MLFlowLogger, enable_progress_bar: bool | None
+) -> pl.Trainer:
+    # last.ckpt every few thousand steps, so a long GPU run that stops can resume (--resume).
     checkpoints = ModelCheckpoint(
         dirpath=output_dir / "checkpoints",
         save_top_k=0,
         save_last=True,
-        every_n_train_steps=max(1, min(int(recipe.trainer.max_steps), 5000)),
+        every_n_train_steps=max(1, min(max_steps, 5000)),
         enable_version_counter=False,
     )
-    trainer = pl.Trainer(
-        max_steps=int(recipe.trainer.max_steps),
+    return pl.Trainer(
+        max_steps=max_steps,
         accelerator=recipe.trainer.accelerator,
         devices=recipe.trainer.devices,
         precision=recipe.trainer.precision,
@@ -636,6 +645,29 @@ def train_synthx(
         enable_model_summary=False,
         enable_progress_bar=sys.stderr.isatty() if enable_progress_bar is None else enable_progress_bar,
     )
+
+
+def train_synthx(
+    recipe: DictConfig,
+    output_dir: str | Path | None = None,
+    resume: bool = False,
+    enable_progress_bar: bool | None = None,
+) -> SynthXTrainResult:
+    """Train the generator of a loaded recipe and log it (with its pipeline) as one MLflow run.
+
+    Args:
+        recipe: from :func:`synthx.config.load_synthx_recipe`.
+        output_dir: run folder (default ``<tracking.output_dir>/generator-<run id prefix>``).
+        resume: continue from ``<output_dir>/checkpoints/last.ckpt`` (into a new MLflow run).
+        enable_progress_bar: Lightning's progress bar (default: when stderr is a terminal).
+    """
+    pl.seed_everything(int(recipe.seed), workers=True)
+    dataset, loader = _training_data(recipe)
+    module = SynthXTrainingModule.from_recipe(recipe)
+    logger, output_dir = _start_run(recipe, "generator", f"synthx-train-{recipe.name}", dataset, output_dir)
+    run_id, client = logger.run_id, logger.experiment
+    client.log_param(run_id, "denoiser_parameters", sum(p.numel() for p in module.denoiser.parameters()))
+    trainer = _trainer(recipe, int(recipe.trainer.max_steps), output_dir, logger, enable_progress_bar)
     last = output_dir / "checkpoints" / "last.ckpt"
     trainer.fit(module, train_dataloaders=loader, ckpt_path=str(last) if resume and last.exists() else None)
 
@@ -652,6 +684,102 @@ def train_synthx(
     return SynthXTrainResult(run_id, output_dir, pipeline_dir, trainer.global_step, [r.case_id for r in dataset.regions], mean_step)
 
 
+class SynthXAutoencoderModule(pl.LightningModule):
+    """Trains the latent-mode :class:`SynthXAutoencoder`: tumor-weighted L1 reconstruction + ``kl_weight`` * KL.
+
+    Args:
+        autoencoder: the network.
+        lr: Adam learning rate.
+        kl_weight: weight of the KL term (small: a near-deterministic latent).
+        tumor_weight: L1 weight inside the inpainting region (1 elsewhere), so tumor texture survives encoding.
+    """
+
+    def __init__(self, autoencoder: SynthXAutoencoder, lr: float = 1e-4, kl_weight: float = 1e-6, tumor_weight: float = 10.0):
+        super().__init__()
+        self.autoencoder = autoencoder
+        self.lr = float(lr)
+        self.kl_weight = float(kl_weight)
+        self.tumor_weight = float(tumor_weight)
+
+    def loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(total, weighted L1, KL per sample)."""
+        image, region = batch["image"], batch["region"]
+        reconstruction, z_mu, z_sigma = self.autoencoder(image)
+        weight = 1.0 + (self.tumor_weight - 1.0) * region
+        l1 = (weight * (reconstruction - image).abs()).sum() / weight.sum()
+        kl = 0.5 * (z_mu.pow(2) + z_sigma.pow(2) - torch.log(z_sigma.pow(2) + 1e-12) - 1.0)
+        kl = kl.flatten(1).sum(1).mean()
+        return l1 + self.kl_weight * kl, l1, kl
+
+    def training_step(self, batch: dict, batch_index: int) -> torch.Tensor:
+        loss, l1, kl = self.loss(batch)
+        size = batch["image"].shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=size)
+        self.log("train/l1", l1, batch_size=size)
+        self.log("train/kl", kl, batch_size=size)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.autoencoder.parameters(), lr=self.lr)
+
+    @torch.no_grad()
+    def latent_scaling_factor(self, loader: DataLoader, max_batches: int = 16) -> float:
+        """1 / standard deviation of the latents of up to ``max_batches`` batches (latent diffusion's rule)."""
+        self.autoencoder.eval()
+        latents = []
+        for index, batch in enumerate(loader):
+            if index >= max_batches:
+                break
+            z_mu, _ = self.autoencoder.autoencoder.encode(batch["image"].to(self.device))
+            latents.append(z_mu.flatten().cpu())
+        spread = float(torch.cat(latents).std())
+        if not math.isfinite(spread) or spread <= 0:
+            raise ValueError(f"cannot scale latents: their standard deviation is {spread}")
+        return 1.0 / spread
+
+
+def train_autoencoder(
+    recipe: DictConfig, output_dir: str | Path | None = None, resume: bool = False, enable_progress_bar: bool | None = None
+) -> AutoencoderTrainResult:
+    """Train the latent-mode autoencoder on the generator's patches and log it (artifact ``autoencoder``).
+
+    Use the saved folder as ``model.vae_path`` with ``model.latent=true`` to train the generator in latent space.
+    """
+    pl.seed_everything(int(recipe.seed), workers=True)
+    dataset, loader = _training_data(recipe)
+    settings = recipe.autoencoder
+    module = SynthXAutoencoderModule(
+        SynthXAutoencoder(
+            channels=list(settings.channels),
+            latent_channels=int(settings.latent_channels),
+            num_res_blocks=int(settings.num_res_blocks),
+            norm_num_groups=int(settings.norm_num_groups),
+        ),
+        lr=settings.lr,
+        kl_weight=settings.kl_weight,
+        tumor_weight=recipe.loss.tumor_weight,
+    )
+    factor = module.autoencoder.downsampling_factor
+    if any(int(p) % factor for p in recipe.data.patch_size):
+        raise ValueError(f"autoencoder: every data.patch_size value must be divisible by {factor}; got {list(recipe.data.patch_size)}")
+    logger, output_dir = _start_run(recipe, "autoencoder", f"synthx-autoencoder-{recipe.name}", dataset, output_dir)
+    run_id, client = logger.run_id, logger.experiment
+    trainer = _trainer(recipe, int(settings.max_steps), output_dir, logger, enable_progress_bar)
+    last = output_dir / "checkpoints" / "last.ckpt"
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=str(last) if resume and last.exists() else None)
+
+    scaling = module.latent_scaling_factor(loader)
+    autoencoder = module.autoencoder.cpu().eval()
+    autoencoder.register_to_config(scaling_factor=scaling)
+    autoencoder_dir = output_dir / "autoencoder"
+    if trainer.is_global_zero:
+        autoencoder.save_pretrained(str(autoencoder_dir))
+        client.log_artifacts(run_id, str(autoencoder_dir), artifact_path="autoencoder")
+        client.log_metric(run_id, "latent_scaling_factor", scaling)
+    logger.finalize("success")
+    return AutoencoderTrainResult(run_id, output_dir, autoencoder_dir, trainer.global_step, scaling)
+
+
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="benchx synthx-train",
@@ -663,6 +791,12 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--split", default=None, help="split CSV (overrides data.split)")
     parser.add_argument("--out", default=None, help="run folder (default: <tracking.output_dir>/synthx-<run id>)")
     parser.add_argument("--resume", action="store_true", help="continue from <out>/checkpoints/last.ckpt")
+    parser.add_argument(
+        "--stage",
+        choices=("generator", "autoencoder"),
+        default="generator",
+        help="generator (default), or the latent-mode autoencoder (then set model.latent=true model.vae_path=<its folder>)",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value recipe overrides")
     return parser.parse_known_args(list(argv))
 
@@ -679,6 +813,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.split:
         overrides.append(f"data.split={args.split}")
     recipe = load_synthx_recipe(args.recipe, overrides)
+    if args.stage == "autoencoder":
+        trained = train_autoencoder(recipe, output_dir=args.out, resume=args.resume)
+        print(
+            f"SynthX autoencoder trained for {trained.steps} steps (latent scaling {trained.scaling_factor:.3f}); "
+            f"MLflow run {trained.run_id}; saved to {trained.autoencoder_dir}; train the generator on it with "
+            f"model.latent=true model.vae_path={trained.autoencoder_dir}"
+        )
+        return 0
     result = train_synthx(recipe, output_dir=args.out, resume=args.resume)
     print(
         f"SynthX generator trained for {result.steps} steps on {len(result.case_ids)} training cases "

@@ -243,3 +243,30 @@ def test_benchx_synthx_train_logs_the_run_and_the_pipeline_to_mlflow(cohort_dir,
     out = pipeline(image, organ, sex="M", age=70, phase="venous", num_inference_steps=2, size_class="small",
                    generator=torch.Generator().manual_seed(0))
     assert out.images.shape == (1, PATCH, PATCH, PATCH) and out.tumor_masks[0].any()
+
+
+def test_latent_mode_trains_the_autoencoder_then_the_generator_on_its_latents(cohort_dir, mlflow_uri, tmp_path):
+    from synthx.model import SynthXAutoencoder
+    from synthx.training import train_autoencoder, train_synthx
+
+    stage_one = tiny_recipe(cohort_dir, "autoencoder.max_steps=3", f"tracking.uri={mlflow_uri}")
+    trained = train_autoencoder(stage_one, output_dir=tmp_path / "ae", enable_progress_bar=False)
+    assert trained.steps == 3 and trained.scaling_factor > 0
+    autoencoder = SynthXAutoencoder.from_pretrained(trained.autoencoder_dir)
+    assert autoencoder.config.scaling_factor == pytest.approx(trained.scaling_factor)
+
+    stage_two = tiny_recipe(
+        cohort_dir, "model.latent=true", f"model.vae_path={trained.autoencoder_dir}", "trainer.max_steps=2",
+        f"tracking.uri={mlflow_uri}",
+    )
+    generator = train_synthx(stage_two, output_dir=tmp_path / "gen", enable_progress_bar=False)
+    from synthx.pipeline import SynthXPipeline
+
+    pipeline = SynthXPipeline.from_pretrained(generator.pipeline_dir)
+    pipeline.set_progress_bar_config(disable=True)
+    assert isinstance(pipeline.vae, SynthXAutoencoder) and pipeline.unet.config.in_channels == 2
+    image = np.full((PATCH,) * 3, 100.0, dtype=np.float32)
+    organ = np.zeros_like(image, dtype=bool)
+    organ[2:14, 2:14, 2:14] = True
+    out = pipeline(image, organ, phase="arterial", num_inference_steps=2, generator=torch.Generator().manual_seed(0))
+    assert out.images.shape == (1, PATCH, PATCH, PATCH) and np.isfinite(out.images).all()
