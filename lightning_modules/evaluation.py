@@ -242,7 +242,7 @@ def evaluate_main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as folder:
             if args.run_id:
                 recipe_path, checkpoint = training_run_artifacts(args.run_id, tracking_uri(None), Path(folder))
-                recipe = load_recipe(args.recipe or recipe_path, overrides)
+                recipe = load_recipe(args.recipe, overrides) if args.recipe else load_recipe(recipe_path, overrides, resolved=True)
             else:
                 if not args.recipe:
                     parser.error("--checkpoint needs --recipe")

@@ -106,7 +106,8 @@ class DetectionConfig:
 
 @dataclass
 class TrackingConfig:
-    uri: str = "sqlite:///mlflow.db"
+    # None: MLFLOW_TRACKING_URI if set (as `mlflow run` does), else sqlite:///mlflow.db.
+    uri: Optional[str] = None
     experiment: str = "benchx"
     run_name: Optional[str] = None
     output_dir: str = "outputs"
@@ -147,13 +148,17 @@ def _load_yaml(path: Path) -> DictConfig:
     return OmegaConf.load(path)
 
 
-def load_recipe(path: str | Path, overrides: list[str] | None = None, check: bool = True) -> DictConfig:
+def load_recipe(
+    path: str | Path, overrides: list[str] | None = None, check: bool = True, resolved: bool = False
+) -> DictConfig:
     """Load a recipe: schema <- _base.yaml <- recipe <- profile <- overrides, in struct mode.
 
     Args:
         path: the recipe YAML (its folder must hold ``_base.yaml`` unless the recipe is the base).
         overrides: ``key=value`` strings (dotted keys), applied last.
         check: bind ``model.options`` to the backbone builder's signature and apply its shape rules.
+        resolved: the file is an already resolved recipe (the ``recipe.yaml`` a run logs): no
+            ``_base.yaml`` layer and no profile is applied again, only the overrides.
 
     Raises:
         RecipeError: naming the file and the key that is wrong.
@@ -163,7 +168,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, check: boo
     schema = OmegaConf.structured(Recipe)
     layers: list[tuple[str, DictConfig]] = []
     base = path.parent / BASE_RECIPE
-    if base.exists() and base.resolve() != path.resolve():
+    if not resolved and base.exists() and base.resolve() != path.resolve():
         layers.append((str(base), _load_yaml(base)))
     layers.append((str(path), _load_yaml(path)))
     try:
@@ -187,7 +192,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, check: boo
     for source, layer in stripped:
         config = _merge(config, layer, source)
     profile = config.profile
-    if profile not in ("full", "", None):
+    if not resolved and profile not in ("full", "", None):
         if profile not in profiles:
             raise RecipeError(
                 f"{path}: profile {profile!r} is not defined (available: full, {', '.join(profiles) or 'none'})"

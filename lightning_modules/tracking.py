@@ -1,7 +1,10 @@
 """MLflow helpers shared by training, evaluation, SynthX and the sweeps (DESIGN.md section 6).
 
-Tracking URI: the recipe's ``tracking.uri`` (default ``sqlite:///mlflow.db``, MLflow's own default;
-the ``./mlruns`` file store is refused by MLflow 3), overridden by ``MLFLOW_TRACKING_URI`` when set.
+Tracking URI: the recipe's ``tracking.uri`` when it sets one; otherwise ``MLFLOW_TRACKING_URI`` (what
+``mlflow run`` passes to its entry points); otherwise ``sqlite:///mlflow.db`` (MLflow's own default;
+the ``./mlruns`` file store is refused by MLflow 3). An explicit recipe value wins over the variable
+because ``mlflow.set_tracking_uri`` (called by Lightning's MLFlowLogger) writes that variable, so it
+can hold a previous run's store in the same process.
 Tags on every run: ``backbone``, ``recipe``, ``variant``, ``synthx_ratio``, ``split_sha256``, ``git_commit``.
 """
 
@@ -18,8 +21,8 @@ DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
 
 def tracking_uri(recipe_uri: str | None = None) -> str:
-    """The tracking URI in force: ``MLFLOW_TRACKING_URI`` if set, else the recipe's, else the default."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or recipe_uri or DEFAULT_TRACKING_URI
+    """The tracking URI in force: the recipe's if set, else ``MLFLOW_TRACKING_URI``, else the default."""
+    return recipe_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
 
 
 def git_commit(path: str | Path | None = None) -> str:

@@ -76,6 +76,7 @@ def tiny_overrides(root, split, tmp_path, steps: int = 2) -> list[str]:
         f"trainer.max_steps={steps}",
         f"trainer.val_every_n_steps={steps}",
         "trainer.checkpoint_every_n_steps=1",
+        "trainer.log_every_n_steps=1",
         "trainer.sw_batch_size=16",
         "detection.bootstrap_resamples=50",
         f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
