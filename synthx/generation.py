@@ -71,7 +71,6 @@ from lightning_modules.cohort import (
     Cohort,
     atomic_write_bytes,
     file_sha256,
-    is_lesion_class,
     load_cohort,
     write_case,
     write_metadata,
@@ -382,19 +381,19 @@ def generate_case(
             model_tumor = _resize(crop_tumor.astype(np.float32), model_shape, "nearest") > 0.5
         if not model_tumor.any():
             raise GenerationError(
-                f"{case_id}: the {size_class} tumor drawn in canvas {canvas_id} vanishes at the generator's voxel size {model_spacing.tolist()} mm"
+                f"{case_id}: the {size_class} tumor drawn in canvas {canvas_id} vanishes at the generator's "
+                f"voxel size {model_spacing.tolist()} mm"
             )
     else:
         model_ct, model_organ, model_tumor = crop_ct, crop_organ, crop_tumor
 
-    condition_age = request.age_band
     generator = torch.Generator(device="cpu").manual_seed(int(rng.integers(0, 2**31 - 1)))
     output = pipeline(
         image=model_ct,
         organ_mask=model_organ,
         tumor_mask=model_tumor,
         sex=request.sex,
-        age=condition_age,
+        age=request.age_band,  # the generator is conditioned on the band itself
         phase=request.phase,
         organ=ORGAN_CLASS,
         num_inference_steps=num_inference_steps,

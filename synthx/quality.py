@@ -53,6 +53,14 @@ PHASE_FEATURES = ("tumor_mean", "tumor_sd", "tumor_p5", "tumor_p50", "tumor_p95"
 # Attributes the intensity table is grouped by; "a:b" rows are the cross of two attributes.
 GROUPINGS: tuple[tuple[str, ...], ...] = ((), ("phase",), ("sex",), ("age_band",), ("phase", "sex"), ("phase", "age_band"))
 DISPLAY_WINDOW = (-175.0, 250.0)  # Touchstone HU window, as used for training
+LOGGED_STATISTICS = (
+    "contrast_real",
+    "contrast_synthetic",
+    "tumor_mean_real",
+    "tumor_mean_synthetic",
+    "wasserstein_hu",
+    "wasserstein_contrast",
+)
 
 
 class QualityError(ValueError):
@@ -416,7 +424,7 @@ def log_quality(report: QualityReport, run_id: str, prefix: str = "synthx_qualit
     client.log_figure(run_id, report.figure, f"{prefix}/examples.png")
     metrics = {}
     for row in report.intensity.to_dict("records"):
-        for statistic in ("contrast_real", "contrast_synthetic", "tumor_mean_real", "tumor_mean_synthetic", "wasserstein_hu", "wasserstein_contrast"):
+        for statistic in LOGGED_STATISTICS:
             value = row[statistic]
             # An undefined comparison (no tumor on one side) is left out of the metrics, never logged as 0.
             if np.isfinite(value):
@@ -472,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         report.figure.savefig(out / "examples.png", dpi=120)
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         overview = report.intensity[report.intensity["attribute"].isin(["overall", "phase"])]
-        print(overview[["attribute", "group", "n_real", "n_synthetic", "contrast_real", "contrast_synthetic", "wasserstein_hu"]].to_string(index=False))
+        columns = ["attribute", "group", "n_real", "n_synthetic", "contrast_real", "contrast_synthetic", "wasserstein_hu"]
+        print(overview[columns].to_string(index=False))
         print(report.faithfulness.to_string(index=False))
     print(f"logged to MLflow run {run_id} ({uri})")
     return 0

@@ -127,7 +127,10 @@ def cohorts(tmp_path):
     _write_cohort(tmp_path / "real", real_cases, 0)
     _write_cohort(tmp_path / "synthetic", synthetic_cases, 1)
     split = tmp_path / "split.csv"
-    rows = [{"case_id": c[0], "patient_id": f"P-{c[0]}", "split": "test" if c[0].endswith("3") and c[1] == "venous" else "train"} for c in real_cases]
+    # One venous case is in the test split: the reference is the training split only.
+    rows = [
+        {"case_id": c[0], "patient_id": f"P-{c[0]}", "split": "test" if c[0] == "Rven3" else "train"} for c in real_cases
+    ]
     pd.DataFrame(rows).to_csv(split, index=False)
     return tmp_path / "real", split, tmp_path / "synthetic"
 
@@ -187,7 +190,8 @@ def test_report_is_logged_to_mlflow_and_cli_runs(cohorts, mlflow_uri, tmp_path):
     assert "synthx_quality/examples.png" in artifacts and "synthx_quality/intensity.csv" in artifacts
 
     out = tmp_path / "report"
-    code = main(["--root", str(real), "--split", str(split), "--synthetic", str(synthetic), "--tracking-uri", mlflow_uri, "--out", str(out)])
+    argv = ["--root", str(real), "--split", str(split), "--synthetic", str(synthetic), "--tracking-uri", mlflow_uri]
+    code = main(argv + ["--out", str(out)])
     assert code == 0
     assert (out / "examples.png").stat().st_size > 0
     assert pd.read_csv(out / "faithfulness.csv")["accuracy"].tolist() == [1.0, 1.0]
