@@ -140,10 +140,22 @@ def train(
     """
     from lightning_modules.splits import split_sha256
 
+    from lightning_modules.backbones.nnunet import resolve_planned_recipe
+
     pl.seed_everything(int(recipe.seed), workers=True)
     output_dir = Path(output_dir) if output_dir else default_output_dir(recipe)
     checkpoint_dir = output_dir / "checkpoints"
     last = checkpoint_dir / "last.ckpt"
+    # nnU-Net / ResEnc with `auto` topology: plan patch size and stages from the training cases
+    # (deterministic, so a resumed run plans the same network).
+    split_table = datamodule.split if datamodule is not None and datamodule.split is not None else None
+    if split_table is None:
+        from lightning_modules.splits import read_split_table
+
+        split_table = read_split_table(recipe.data.split)
+    recipe, plan = resolve_planned_recipe(recipe, case_ids=list(split_table.loc[split_table["split"] == "train", "case_id"]))
+    if datamodule is not None:
+        datamodule.recipe = recipe
     datamodule = datamodule or mixing_datamodule(recipe)
     datamodule._load()
     overridden = check_data(recipe, datamodule.cohort, datamodule.split)
@@ -174,6 +186,8 @@ def train(
                 client.set_tag(run_id, key, value)
         logger.log_hyperparams(flatten(OmegaConf.to_container(recipe, resolve=True)))
         client.log_text(run_id, recipe_to_yaml(recipe), "recipe.yaml")
+        if plan is not None:
+            client.log_dict(run_id, plan, "nnunet_plan.json")
         if overridden:
             client.set_tag(run_id, "leakage_override", "true")
             client.log_text(run_id, "\n".join(overridden), "leakage_override.txt")

@@ -68,7 +68,7 @@ class BackboneSpec:
 BACKBONES: dict[str, BackboneSpec] = {
     "unet": BackboneSpec(
         build_unet,
-        divisor=lambda o: 2 ** len(o.get("strides", (2, 2, 2, 2))),
+        divisor=lambda o: 2 ** len(o.get("strides", (2, 2, 2))),
         description="MONAI UNet (Ronneberger et al. 2015; Kerfoot et al. residual units)",
     ),
     "unetr": BackboneSpec(
