@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "fetch-example": ("lightning_modules.example_ct", "main", "fetch the real TotalSegmentator example CT as case TS_EXAMPLE"),
     "validate": ("lightning_modules.validation", "main", "check a cohort and list every problem at once"),
     "make-splits": ("lightning_modules.splits", "main", "write a patient-grouped, stratified split CSV"),
+    "audit": ("lightning_modules.audit", "main", "leakage audit: duplicates, patient overlap, header cues (exit 1 on leakage)"),
     "train": ("lightning_modules.training", "main", "train a backbone from a recipe (+ key=value overrides)"),
     "evaluate": ("lightning_modules.evaluation", "evaluate_main", "subgroup evaluation of a trained model into a new MLflow run"),
     "compare": ("lightning_modules.evaluation", "compare_main", "paired comparison of evaluation runs (BenchX table 6)"),

@@ -80,7 +80,9 @@ def make_splits(
     if missing:
         raise ValueError(f"metadata lacks column(s) {missing} needed to split")
     if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
-        raise ValueError(f"fractions must be in [0, 1) with val + test < 1, got val={val_fraction}, test={test_fraction}")
+        raise ValueError(
+            f"fractions must be in [0, 1) with val + test < 1, got val={val_fraction}, test={test_fraction}"
+        )
     real = metadata
     if "synthetic" in metadata.columns:
         real = metadata[metadata["synthetic"].astype(int) == 0]
@@ -161,7 +163,9 @@ def split_problems(table: pd.DataFrame, cohort: Cohort | None = None, path: Path
         if case_id == "":
             problems.append(Problem(f"<row {row_number}>", where, "empty case id"))
         if split not in SPLITS:
-            problems.append(Problem(case_id or f"<row {row_number}>", where, f"split {split!r} is not one of {list(SPLITS)}"))
+            problems.append(
+                Problem(case_id or f"<row {row_number}>", where, f"split {split!r} is not one of {list(SPLITS)}")
+            )
     for case_id in table.loc[table["case_id"].duplicated() & (table["case_id"] != ""), "case_id"].unique():
         problems.append(Problem(case_id, where, "case id listed more than once"))
 
@@ -178,13 +182,20 @@ def split_problems(table: pd.DataFrame, cohort: Cohort | None = None, path: Path
             recorded = str(cohort_patient[case_id])
             if patient_id != recorded:
                 problems.append(
-                    Problem(case_id, where, f"patient_id {patient_id!r} disagrees with the cohort metadata ({recorded!r})")
+                    Problem(
+                        case_id, where, f"patient_id {patient_id!r} disagrees with the cohort metadata ({recorded!r})"
+                    )
                 )
             if int(synthetic[case_id]) == 1 and split != "train":
-                problems.append(Problem(case_id, where, f"synthetic case in split {split!r}: synthetic cases are training data only"))
+                problems.append(
+                    Problem(
+                        case_id, where, f"synthetic case in split {split!r}: synthetic cases are training data only"
+                    )
+                )
         # The cohort's patient ids are authoritative for the disjointness check.
         patients = pd.Series(
-            [str(cohort_patient[c]) if c in cohort else p for c, p in zip(table["case_id"], patients)], index=table.index
+            [str(cohort_patient[c]) if c in cohort else p for c, p in zip(table["case_id"], patients)],
+            index=table.index,
         )
     for patient_id, splits in patient_overlaps(pd.DataFrame({"patient_id": patients, "split": table["split"]})).items():
         cases = table.loc[patients == patient_id, ["case_id", "split"]]
@@ -275,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--val", type=float, default=0.1, help="share of cases in val")
     parser.add_argument("--test", type=float, default=0.2, help="share of cases in test")
-    parser.add_argument("--tumor-class", default="pancreatic_lesion", help="lesion mask that defines an unrecorded tumor label")
+    parser.add_argument(
+        "--tumor-class", default="pancreatic_lesion", help="lesion mask that defines an unrecorded tumor label"
+    )
     parser.add_argument("--force", action="store_true", help="replace an existing split file")
     args = parser.parse_args(argv)
 

@@ -141,11 +141,17 @@ def validate_case(
             problems.append(Problem(case_id, str(path), f"unreadable or truncated NIfTI: {error}"))
             continue
         if ct_shape is not None and tuple(mask_image.shape) != ct_shape:
-            problems.append(Problem(case_id, str(path), f"mask shape {tuple(mask_image.shape)} differs from CT shape {ct_shape}"))
+            problems.append(
+                Problem(case_id, str(path), f"mask shape {tuple(mask_image.shape)} differs from CT shape {ct_shape}")
+            )
         if ct_affine is not None and not np.allclose(mask_image.affine, ct_affine, rtol=0.0, atol=affine_tolerance):
             difference = float(np.abs(mask_image.affine - ct_affine).max())
             problems.append(
-                Problem(case_id, str(path), f"mask affine differs from the CT affine (largest difference {difference:.4g} mm)")
+                Problem(
+                    case_id,
+                    str(path),
+                    f"mask affine differs from the CT affine (largest difference {difference:.4g} mm)",
+                )
             )
         if mask is None:
             continue
@@ -159,7 +165,11 @@ def validate_case(
                 problems.append(Problem(case_id, str(path), "metadata tumor=1 but the lesion mask is empty"))
             elif recorded_tumor == 0 and has_lesion:
                 problems.append(
-                    Problem(case_id, str(path), f"metadata tumor=0 but the lesion mask has {int(np.count_nonzero(mask == 1))} voxel(s)")
+                    Problem(
+                        case_id,
+                        str(path),
+                        f"metadata tumor=0 but the lesion mask has {int(np.count_nonzero(mask == 1))} voxel(s)",
+                    )
                 )
     return problems
 
@@ -177,7 +187,8 @@ def _load_for_validation(cohort_or_root: Cohort | Path | str) -> tuple[Cohort | 
             # pandas raises ParserError (a ValueError) on a malformed CSV.
             return None, [Problem("<cohort>", str(root / METADATA_FILE), f"cannot read metadata: {error}")]
     problems = [
-        Problem(p.case_id, str(cohort.root / METADATA_FILE), f"column '{p.column}': {p.message}") for p in cohort.problems
+        Problem(p.case_id, str(cohort.root / METADATA_FILE), f"column '{p.column}': {p.message}")
+        for p in cohort.problems
     ]
     return cohort, problems
 

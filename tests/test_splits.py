@@ -31,10 +31,26 @@ def synthetic_metadata(n_patients: int = 200, seed: int = 1) -> pd.DataFrame:
     for p in range(n_patients):
         tumor = int(rng.random() < 0.3)
         for s in range(int(rng.choice([1, 1, 2, 3]))):
-            rows.append({"case_id": f"P{p:04d}_{s}", "patient_id": f"P{p:04d}", "tumor": str(tumor),
-                         "phase": PHASES[rng.integers(len(PHASES))], "synthetic": "0"})
-    rows += [{"case_id": f"SYN{i}", "patient_id": f"SYN{i}", "tumor": "1", "phase": "venous", "synthetic": "1",
-              "source_case_id": "P0000_0"} for i in range(5)]
+            rows.append(
+                {
+                    "case_id": f"P{p:04d}_{s}",
+                    "patient_id": f"P{p:04d}",
+                    "tumor": str(tumor),
+                    "phase": PHASES[rng.integers(len(PHASES))],
+                    "synthetic": "0",
+                }
+            )
+    rows += [
+        {
+            "case_id": f"SYN{i}",
+            "patient_id": f"SYN{i}",
+            "tumor": "1",
+            "phase": "venous",
+            "synthetic": "1",
+            "source_case_id": "P0000_0",
+        }
+        for i in range(5)
+    ]
     table, problems = normalize_metadata(pd.DataFrame(rows).fillna(""))
     assert problems == []
     return table
@@ -95,8 +111,13 @@ def test_write_once_and_sha(tmp_path):
 
 
 def test_patient_in_two_splits_is_a_hard_failure(tmp_path):
-    bad = pd.DataFrame({"case_id": ["a", "b", "c", "d"], "patient_id": ["P1", "P1", "P2", "P3"],
-                        "split": ["train", "test", "train", "val"]})
+    bad = pd.DataFrame(
+        {
+            "case_id": ["a", "b", "c", "d"],
+            "patient_id": ["P1", "P1", "P2", "P3"],
+            "split": ["train", "test", "train", "val"],
+        }
+    )
     with pytest.raises(SplitError) as caught:
         write_split(bad, tmp_path / "bad.csv")
     assert not (tmp_path / "bad.csv").exists()
@@ -110,8 +131,13 @@ def test_patient_in_two_splits_is_a_hard_failure(tmp_path):
 
 def test_structural_problems_are_all_listed(tmp_path):
     path = tmp_path / "s.csv"
-    pd.DataFrame({"case_id": ["a", "a", "b", ""], "patient_id": ["1", "1", "2", "3"],
-                  "split": ["train", "train", "holdout", "val"]}).to_csv(path, index=False)
+    pd.DataFrame(
+        {
+            "case_id": ["a", "a", "b", ""],
+            "patient_id": ["1", "1", "2", "3"],
+            "split": ["train", "train", "holdout", "val"],
+        }
+    ).to_csv(path, index=False)
     with pytest.raises(SplitError) as caught:
         load_split(path)
     messages = [str(p) for p in caught.value.problems]
@@ -135,8 +161,9 @@ def _tiny_cohort(root):
         write_case(root, f"C{i}", np.zeros(shape), affine, {"pancreas": np.ones(shape), "pancreatic_lesion": lesion})
         # tumor left empty: make-splits derives it from the lesion mask
         rows.append({"case_id": f"C{i}", "patient_id": f"P{i // 2}", "phase": "venous", "tumor": "", "synthetic": 0})
-    rows.append({"case_id": "S0", "patient_id": "S0", "phase": "venous", "tumor": 1, "synthetic": 1,
-                 "source_case_id": "C0"})
+    rows.append(
+        {"case_id": "S0", "patient_id": "S0", "phase": "venous", "tumor": 1, "synthetic": 1, "source_case_id": "C0"}
+    )
     write_metadata(root, pd.DataFrame(rows).fillna(""))
     return root
 
@@ -145,8 +172,13 @@ def test_cohort_checks_unknown_case_and_patient_mismatch(tmp_path):
     root = _tiny_cohort(tmp_path / "cohort")
     cohort = load_cohort(root)
     path = tmp_path / "s.csv"
-    pd.DataFrame({"case_id": ["C0", "C1", "C2", "GHOST", "S0"], "patient_id": ["P0", "P0", "P9", "PX", "S0"],
-                  "split": ["train", "train", "val", "test", "test"]}).to_csv(path, index=False)
+    pd.DataFrame(
+        {
+            "case_id": ["C0", "C1", "C2", "GHOST", "S0"],
+            "patient_id": ["P0", "P0", "P9", "PX", "S0"],
+            "split": ["train", "train", "val", "test", "test"],
+        }
+    ).to_csv(path, index=False)
     with pytest.raises(SplitError) as caught:
         load_split(path, cohort)
     messages = [str(p) for p in caught.value.problems]

@@ -43,8 +43,15 @@ def make_cohort(root: Path, n: int = 4) -> Path:
         ct, masks = _volumes(i, tumor)
         write_case(root, case_id, ct, AFFINE, masks)
         rows.append(
-            {"case_id": case_id, "patient_id": f"P{i:03d}", "sex": "F" if i % 2 else "male", "age": 50 + i,
-             "phase": "portal venous", "tumor": int(tumor), "cohort": "site-a"}
+            {
+                "case_id": case_id,
+                "patient_id": f"P{i:03d}",
+                "sex": "F" if i % 2 else "male",
+                "age": 50 + i,
+                "phase": "portal venous",
+                "tumor": int(tumor),
+                "cohort": "site-a",
+            }
         )
     write_metadata(root, pd.DataFrame(rows))
     return root
