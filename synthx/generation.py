@@ -50,7 +50,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
+import shutil
 import sys
 import time
 import traceback
@@ -63,6 +65,7 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
+from scipy import ndimage
 
 from lightning_modules.cohort import (
     CT_FILE,
@@ -75,7 +78,15 @@ from lightning_modules.cohort import (
     write_case,
     write_metadata,
 )
-from lightning_modules.metadata import AGE_BAND_NAMES, PHASES, SEXES, UNKNOWN, STANDARD_COLUMNS, age_band
+from lightning_modules.metadata import (
+    AGE_BAND_NAMES,
+    PHASES,
+    SEXES,
+    STANDARD_COLUMNS,
+    UNKNOWN,
+    age_band,
+    normalize_phase,
+)
 from lightning_modules.splits import load_split
 from synthx.config import SAMPLING_SCHEDULERS
 from synthx.mask_prior import SIZE_CLASS_NAMES, TumorDoesNotFitError, largest_diameter_mm, sample_tumor_mask
@@ -597,7 +608,8 @@ def synthesize(
             except Exception as error:  # one bad case must not stop the others; it is reported and kept aside
                 summary.failed[case_id] = f"{type(error).__name__}: {error}"
                 _quarantine(out_root, case_id, request, error)
-                rows.pop(case_id, None)
+                if rows.pop(case_id, None) is not None:
+                    write_metadata(out_root, _metadata_table(rows))
                 continue
             rows[case_id] = generated.row
             write_metadata(out_root, _metadata_table(rows))
@@ -653,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
             sizes = {k.strip(): float(v) for k, v in (item.split("=") for item in args.size_classes.split(","))}
         except ValueError:
             parser.error(f"--size-classes {args.size_classes!r}: expected name=weight,name=weight")
-    phases = [p for p in PHASES if args.phases is None or p in {_phase(x) for x in args.phases}]
+    phases = [p for p in PHASES if args.phases is None or p in {normalize_phase(x) for x in args.phases}]
     targets = compute_targets(args.root, args.split, args.target, budget=args.budget, phases=phases)
     summary = synthesize(
         args.root,
@@ -687,12 +699,6 @@ def main(argv: list[str] | None = None) -> int:
 
 # ----------------------------------------------------------------------------------------------
 # Helpers.
-
-
-def _phase(value: str) -> str:
-    from lightning_modules.metadata import normalize_phase
-
-    return normalize_phase(value)
 
 
 def _check_size_classes(size_classes: Mapping[str, float]) -> None:
@@ -773,8 +779,6 @@ def _resize(volume: np.ndarray, shape, mode: str) -> np.ndarray:
 
 
 def _dilate(mask: np.ndarray) -> np.ndarray:
-    from scipy import ndimage
-
     return ndimage.binary_dilation(mask, iterations=1)
 
 
@@ -830,14 +834,19 @@ def _check_manifest(out_root: Path, settings: dict) -> None:
 
 def _remove_stale_staging(out_root: Path) -> None:
     """Hidden staging folders a killed ``write_case`` left behind (``.SX<seed>_...``) hold nothing valid."""
-    import shutil
-
     for path in out_root.glob(".SX*"):
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
 
 
 def _quarantine(out_root: Path, case_id: str, request: SynthesisRequest, error: BaseException) -> None:
+    """Keep the error (and an earlier, incomplete folder of the case) under ``.quarantine``, out of the cohort."""
+    folder = out_root / case_id
+    if folder.exists():
+        kept = out_root / QUARANTINE_DIR / f"{case_id}.incomplete"
+        shutil.rmtree(kept, ignore_errors=True)
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(folder, kept)
     record = {
         "case_id": case_id,
         "request": request.key,

@@ -227,6 +227,13 @@ def test_resume_after_a_kill_redoes_nothing_finished(cohort, tiny_pipeline, tmp_
     assert len(pd.read_csv(out / "metadata.csv")) == 4
     assert validate_cohort(out, classes=("pancreas", "pancreatic_lesion")) == []
 
+    # A case whose files were damaged since is not "complete": the next rerun makes it again.
+    damaged = finished[0]
+    (out / damaged / "segmentations" / "pancreatic_lesion.nii.gz").unlink()
+    repaired = synthesize(root, split, tiny_pipeline, out, REQUESTS, seed=1, **FAST)
+    assert repaired.generated == [damaged] and len(repaired.skipped) == 3
+    assert validate_cohort(out, classes=("pancreas", "pancreatic_lesion")) == []
+
 
 def test_max_cases_leaves_the_rest_for_a_rerun(cohort, tiny_pipeline, tmp_path):
     root, split = cohort
@@ -238,17 +245,23 @@ def test_max_cases_leaves_the_rest_for_a_rerun(cohort, tiny_pipeline, tmp_path):
     assert second.skipped == first.generated and len(second.generated) == 3
 
 
+def fail_one_of(real_generate, index):
+    """generate_case that fails for the F/60-80/venous request with this index."""
+
+    def generate(cohort_, canvas, request, *args, **kwargs):
+        if (request.sex, request.age_band, request.phase, request.index) == ("F", "60-80", "venous", index):
+            raise RuntimeError("simulated generator failure")
+        return real_generate(cohort_, canvas, request, *args, **kwargs)
+
+    return generate
+
+
 def test_a_failing_case_is_quarantined_and_the_others_are_made(cohort, tiny_pipeline, tmp_path, monkeypatch):
     root, split = cohort
     out = tmp_path / "out"
     real_generate = generation.generate_case
 
-    def fail_one(cohort_, canvas, request, *args, **kwargs):
-        if request.index == 1:
-            raise RuntimeError("simulated generator failure")
-        return real_generate(cohort_, canvas, request, *args, **kwargs)
-
-    monkeypatch.setattr(generation, "generate_case", fail_one)
+    monkeypatch.setattr(generation, "generate_case", fail_one_of(real_generate, index=1))
     summary = synthesize(root, split, tiny_pipeline, out, REQUESTS, **FAST)
     bad = "SX0_F_60-80_venous_0001"
     assert list(summary.failed) == [bad] and "simulated generator failure" in summary.failed[bad]
@@ -262,6 +275,16 @@ def test_a_failing_case_is_quarantined_and_the_others_are_made(cohort, tiny_pipe
     rerun = synthesize(root, split, tiny_pipeline, out, REQUESTS, **FAST)
     assert rerun.generated == [bad] and rerun.complete
     assert not (out / ".quarantine" / f"{bad}.json").exists()
+
+    # A damaged case that then fails again leaves the cohort: its folder moves to the quarantine, its row goes.
+    good = "SX0_F_60-80_venous_0000"
+    (out / good / "ct.nii.gz").unlink()
+    monkeypatch.setattr(generation, "generate_case", fail_one_of(real_generate, index=0))
+    third = synthesize(root, split, tiny_pipeline, out, REQUESTS, **FAST)
+    assert list(third.failed) == [good] and not (out / good).exists()
+    assert (out / ".quarantine" / f"{good}.incomplete" / "segmentations").is_dir()
+    assert good not in set(pd.read_csv(out / "metadata.csv")["case_id"])
+    assert validate_cohort(out, classes=("pancreas", "pancreatic_lesion")) == []
 
 
 def test_rerun_with_other_settings_is_refused(cohort, tiny_pipeline, tmp_path):
