@@ -103,19 +103,25 @@ class LoadLabelMapd(MapTransform):
         return item
 
 
-def preprocessing(recipe: DictConfig) -> list:
-    """Deterministic transforms shared by training, validation, test and inference."""
+def preprocessing(recipe: DictConfig, with_label: bool = True) -> list:
+    """Deterministic transforms shared by training, validation, test and inference (``with_label=False``).
+
+    Each is invertible (MONAI records them on the MetaTensor), so a prediction can be mapped back
+    onto the scan's own grid and affine.
+    """
     data = recipe.data
     low, high = (float(v) for v in data.hu_window)
-    return [
-        LoadImaged(keys=["image"], ensure_channel_first=True, image_only=True),
-        LoadLabelMapd(classes=list(data.classes)),
-        EnsureTyped(keys=["image", "label"], dtype=(torch.float32, torch.uint8), track_meta=True),
-        Orientationd(keys=["image", "label"], axcodes="RAS", labels=None),
-        Spacingd(keys=["image", "label"], pixdim=tuple(float(s) for s in data.spacing), mode=("bilinear", "nearest")),
+    keys = ["image", "label"] if with_label else ["image"]
+    load = [LoadImaged(keys=["image"], ensure_channel_first=True, image_only=True)]
+    if with_label:
+        load.append(LoadLabelMapd(classes=list(data.classes)))
+    return load + [
+        EnsureTyped(keys=keys, dtype=(torch.float32, torch.uint8)[: len(keys)], track_meta=True),
+        Orientationd(keys=keys, axcodes="RAS", labels=None),
+        Spacingd(keys=keys, pixdim=tuple(float(s) for s in data.spacing), mode=("bilinear", "nearest")[: len(keys)]),
         ScaleIntensityRanged(keys=["image"], a_min=low, a_max=high, b_min=0.0, b_max=1.0, clip=True),
-        CropForegroundd(keys=["image", "label"], source_key="image", allow_smaller=True),
-        SpatialPadd(keys=["image", "label"], spatial_size=tuple(int(p) for p in data.patch_size)),
+        CropForegroundd(keys=keys, source_key="image", allow_smaller=True),
+        SpatialPadd(keys=keys, spatial_size=tuple(int(p) for p in data.patch_size)),
     ]
 
 
@@ -243,7 +249,9 @@ class CohortDataModule(pl.LightningDataModule):
             num_workers=int(self.recipe.data.num_workers),
             collate_fn=list_data_collate,
             persistent_workers=int(self.recipe.data.num_workers) > 0,
-            drop_last=True,
+            # Full batches only, unless the training set is smaller than one batch (then every
+            # epoch would be empty and training would silently do nothing).
+            drop_last=len(dataset) > int(self.recipe.data.batch_size),
         )
 
     def _eval_loader(self, name: str) -> DataLoader:

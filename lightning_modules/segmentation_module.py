@@ -27,8 +27,8 @@ from monai.inferers import sliding_window_inference
 from monai.losses import DiceCELoss
 from torch import nn
 
+from lightning_modules.segmentation_metrics import dice_per_class, surface_dice_per_class
 from lightning_modules.tumor_prediction import (
-    class_probabilities,
     multilabel_target,
     predicted_labels,
     tumor_probability,
@@ -188,8 +188,7 @@ class SegmentationModule(pl.LightningModule):
             record["tumor_size"] = (
                 "" if label != 1 or math.isnan(diameter) else ("small" if diameter <= self.hparams.small_tumor_mm else "large")
             )
-            for index, name in enumerate(self.classes, start=1):
-                record[f"dice_{name}"] = _dice(labels_pred[i] == index, truth[i] == index)
+            record.update(segmentation_scores(labels_pred[i], truth[i], self.classes, spacing))
             records.append(record)
         return records
 
@@ -234,10 +233,14 @@ class SegmentationModule(pl.LightningModule):
         means = []
         for name in self.classes:
             values = table[f"dice_{name}"].dropna()
+            # Always logged (NaN when no case has the class) so checkpointing can monitor it.
+            value = float(values.mean()) if len(values) else math.nan
+            self.log(f"{stage}/dice/{name}", value, rank_zero_only=True, sync_dist=False)
             if len(values):
-                value = float(values.mean())
                 means.append(value)
-                self.log(f"{stage}/dice/{name}", value, rank_zero_only=True, sync_dist=False)
+            surface = table[f"surface_dice_{name}"].dropna()
+            if len(surface):
+                self.log(f"{stage}/surface_dice/{name}", float(surface.mean()), rank_zero_only=True, sync_dist=False)
         if means:
             self.log(f"{stage}/dice_mean", float(np.mean(means)), rank_zero_only=True, sync_dist=False)
 
@@ -309,9 +312,19 @@ def _as_float(value) -> float:
         return math.nan
 
 
-def _dice(pred: torch.Tensor, truth: torch.Tensor) -> float:
-    """Dice of two boolean volumes; NaN when both are empty (undefined, left out of the mean)."""
-    total = int(pred.sum()) + int(truth.sum())
-    if total == 0:
-        return math.nan
-    return 2.0 * int((pred & truth).sum()) / total
+def segmentation_scores(pred: torch.Tensor, truth: torch.Tensor, classes: Sequence[str], spacing) -> dict[str, float]:
+    """Dice and normalized surface Dice at 1.5 mm per class (MONAI, via segmentation_metrics).
+
+    A class absent from both prediction and truth is undefined for this case (NaN, left out of the
+    means) rather than a perfect 1.0, so negative scans do not inflate the lesion Dice.
+    """
+    pred = pred.cpu()
+    truth = truth.cpu()
+    dice = dice_per_class(pred, truth, classes)
+    surface = surface_dice_per_class(pred, truth, classes, spacing=[float(s) for s in spacing])
+    scores = {}
+    for index, name in enumerate(classes, start=1):
+        present = bool((pred == index).any()) or bool((truth == index).any())
+        scores[f"dice_{name}"] = float(dice[name]) if present else math.nan
+        scores[f"surface_dice_{name}"] = float(surface[name]) if present else math.nan
+    return scores

@@ -52,10 +52,21 @@ def experiment_id(name: str, uri: str) -> str:
     if experiment is not None:
         return experiment.experiment_id
     try:
-        return client.create_experiment(name)
+        return client.create_experiment(name, artifact_location=default_artifact_location(uri, name))
     except mlflow.exceptions.MlflowException:
         # Another process created it between our look-up and our create.
         return client.get_experiment_by_name(name).experiment_id
+
+
+def default_artifact_location(uri: str, experiment: str) -> str | None:
+    """For a SQLite store, artifacts beside the database (``<db folder>/mlartifacts/<experiment>``)
+    instead of MLflow's ``./mlruns`` in whatever folder the process started; None otherwise (the
+    server's or store's own default)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    database = Path(uri[len("sqlite:///") :])
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in experiment)
+    return (database.resolve().parent / "mlartifacts" / safe).as_uri()
 
 
 def run_tags(recipe, split_sha256: str, variant: str | None = None) -> dict[str, str]:

@@ -1,0 +1,118 @@
+"""``benchx predict``: segment CT scans with a trained model and write the masks on each scan's own grid.
+
+The scan goes through the same preprocessing as training (orientation RAS, resampling, HU window,
+foreground crop, padding), is segmented by sliding-window inference, and the label map is mapped
+back through the inverse of every preprocessing step (MONAI ``Invertd``), so the written masks have
+the CT's exact shape and affine. For each scan it writes ``<out>/<case_id>/prediction.nii.gz``
+(integer labels in recipe class order) and ``<out>/<case_id>/segmentations/<class>.nii.gz``, and
+prints the predicted tumor volume in mm^3 (the BenchX scan-level score).
+
+Example::
+
+    benchx predict --run-id <training run> --input data/example_ct --out predictions/
+    benchx predict --checkpoint best.ckpt --recipe recipes/unet.yaml --input scan.nii.gz --out predictions/
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import nibabel as nib
+import numpy as np
+import torch
+from monai.data import MetaTensor
+from monai.transforms import Compose, Invertd
+from omegaconf import DictConfig
+
+from lightning_modules.cohort import CT_FILE, atomic_save_nifti, load_cohort
+from lightning_modules.datamodule import preprocessing
+from lightning_modules.recipe import load_recipe
+from lightning_modules.segmentation_module import SegmentationModule
+from lightning_modules.tumor_prediction import predicted_labels
+
+
+def predict_scan(module: SegmentationModule, recipe: DictConfig, ct_path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """Label map of one scan on its own grid, and that grid's affine (from the CT file)."""
+    transforms = Compose(preprocessing(recipe, with_label=False))
+    item = transforms({"image": str(ct_path)})
+    module.eval()
+    with torch.no_grad():
+        logits = module.predict_volume(item["image"][None].float())
+    labels = predicted_labels(logits, module.output)[0].to(torch.uint8)
+    # Invertd replays the image's recorded preprocessing backwards on the label map (nearest).
+    item["pred"] = MetaTensor(labels[None].float(), affine=item["image"].affine, meta=dict(item["image"].meta))
+    inverse = Invertd(keys="pred", transform=transforms, orig_keys="image", nearest_interp=True, to_tensor=True)
+    restored = inverse(item)["pred"][0].numpy().round().astype(np.uint8)
+    original = nib.load(str(ct_path))
+    if restored.shape != original.shape[:3]:
+        raise RuntimeError(f"{ct_path}: inverted prediction has shape {restored.shape}, the CT {original.shape[:3]}")
+    return restored, original.affine
+
+
+def write_prediction(out_dir: Path, labels: np.ndarray, affine: np.ndarray, classes: Sequence[str]) -> Path:
+    """Write the label map and one binary mask per class, atomically, on the given affine."""
+    out_dir = Path(out_dir)
+    image = nib.Nifti1Image(labels.astype(np.uint8), affine)
+    image.set_data_dtype(np.uint8)
+    atomic_save_nifti(image, out_dir / "prediction.nii.gz")
+    for index, name in enumerate(classes, start=1):
+        mask = nib.Nifti1Image((labels == index).astype(np.uint8), affine)
+        mask.set_data_dtype(np.uint8)
+        atomic_save_nifti(mask, out_dir / "segmentations" / f"{name}.nii.gz")
+    return out_dir / "prediction.nii.gz"
+
+
+def _inputs(path: Path) -> list[tuple[str, Path]]:
+    """(case id, CT path) pairs from a CT file, a cohort folder, or a folder of CT files."""
+    if path.is_file():
+        name = path.name[: -len(".nii.gz")] if path.name.endswith(".nii.gz") else path.stem
+        return [(name, path)]
+    if (path / "metadata.csv").exists():
+        cohort = load_cohort(path)
+        return [(case.case_id, case.ct_path) for case in cohort.cases()]
+    files = sorted(path.glob("*.nii.gz")) or sorted(path.glob(f"*/{CT_FILE}"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no CT (a .nii.gz file, a cohort with metadata.csv, or a folder of them)")
+    return [((f.parent.name if f.name == CT_FILE else f.name[: -len(".nii.gz")]), f) for f in files]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from lightning_modules.evaluation import EvaluationError, training_run_artifacts
+    from lightning_modules.tracking import tracking_uri
+    from lightning_modules.training import load_module_from_checkpoint
+
+    parser = argparse.ArgumentParser(prog="benchx predict", description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run-id", help="MLflow training run (its recipe.yaml and best checkpoint)")
+    source.add_argument("--checkpoint", help="a checkpoint file (needs --recipe)")
+    parser.add_argument("--recipe")
+    parser.add_argument("--input", required=True, help="a CT .nii.gz, a cohort folder, or a folder of CTs")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    overrides = [p for o in args.overrides for p in o.split()]
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            if args.run_id:
+                recipe_path, checkpoint = training_run_artifacts(args.run_id, tracking_uri(None), Path(folder))
+                recipe = load_recipe(recipe_path, overrides, resolved=True)
+            else:
+                if not args.recipe:
+                    parser.error("--checkpoint needs --recipe")
+                recipe, checkpoint = load_recipe(args.recipe, overrides), Path(args.checkpoint)
+            module = load_module_from_checkpoint(recipe, checkpoint)
+        voxel = None
+        for case_id, ct_path in _inputs(Path(args.input)):
+            labels, affine = predict_scan(module, recipe, ct_path)
+            write_prediction(Path(args.out) / case_id, labels, affine, list(recipe.data.classes))
+            voxel = float(abs(np.linalg.det(affine[:3, :3])))
+            tumor = int((labels == module.tumor_label).sum())
+            print(f"{case_id}: predicted {recipe.data.tumor_class} volume {tumor * voxel:.1f} mm^3 -> {Path(args.out) / case_id}")
+    except (EvaluationError, FileNotFoundError) as error:
+        print(f"benchx predict: {error}", file=sys.stderr)
+        return 1
+    return 0
