@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "audit": ("lightning_modules.audit", "main", "leakage audit: duplicates, patient overlap, header cues (exit 1 on leakage)"),
     "train": ("lightning_modules.training", "main", "train a backbone from a recipe (+ key=value overrides)"),
     "evaluate": ("lightning_modules.evaluation", "evaluate_main", "subgroup evaluation of a trained model into a new MLflow run"),
+    "predict": ("lightning_modules.inference", "main", "segment CT scans; masks written on each scan's own grid and affine"),
     "compare": ("lightning_modules.evaluation", "compare_main", "paired comparison of evaluation runs (BenchX table 6)"),
     "study": ("synthx.study", "main", "the baseline-vs-SynthX study on a cohort (the main job)"),
     "sweep": ("synthx.sweep", "main", "Optuna sweep over the synthesis ratio"),
