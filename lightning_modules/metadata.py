@@ -181,7 +181,8 @@ def normalize_race(value) -> str:
 
 
 def _normalize_binary(value, column: str) -> int:
-    if _is_unknown(value):
+    # -1 is how a normalized table marks "not recorded", so written-back tables read back the same.
+    if _is_unknown(value) or str(value).strip() in {"-1", "-1.0"}:
         return -1
     text = str(value).strip().lower()
     if text in {"1", "1.0", "true", "yes", "y", "positive"}:

@@ -60,6 +60,7 @@ class StudySettings:
     phantom_seed: int = 0
     ratio: float = 0.3
     target: str = "min_positives:6"
+    budget: int | None = None
     synthesis_steps: int = 20
     scheduler: str = "ddim"
     experiment: str = "benchx-study"
@@ -193,7 +194,7 @@ def run_study(settings: StudySettings) -> pd.DataFrame:
             from synthx.generation import synthesize
 
             summary = synthesize(
-                root, split, generator["pipeline"], synthetic_root, settings.target, seed=int(base.seed),
+                root, split, generator["pipeline"], synthetic_root, settings.target, seed=int(base.seed), budget=settings.budget,
                 num_inference_steps=settings.synthesis_steps, scheduler=settings.scheduler,
                 generator_run_id=generator["run_id"], tracking_uri=uri, experiment=settings.experiment,
                 progress=sys.stderr.isatty(),
@@ -204,7 +205,7 @@ def run_study(settings: StudySettings) -> pd.DataFrame:
 
         synthesis = runner.step(
             "synthesize",
-            {"generator": generator["run_id"], "target": settings.target, "steps": settings.synthesis_steps,
+            {"generator": generator["run_id"], "target": settings.target, "budget": settings.budget, "steps": settings.synthesis_steps,
              "scheduler": settings.scheduler, "seed": int(base.seed)},
             synthesize_action,
         )
@@ -302,6 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cases", type=float, default=StudySettings.cases, help="phantom cases when the cohort is generated")
     parser.add_argument("--ratio", type=float, default=StudySettings.ratio, help="synthesis ratio of the augmented run")
     parser.add_argument("--target", default=StudySettings.target, help="targeting rule, e.g. min_positives:6 or match_test:40")
+    parser.add_argument("--budget", type=int, default=None, help="total synthetic cases for match:* targeting rules")
     parser.add_argument("--synthesis-steps", type=int, default=StudySettings.synthesis_steps)
     parser.add_argument("--experiment", default=StudySettings.experiment)
     parser.add_argument("--out", default=StudySettings.output_dir)
@@ -310,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = StudySettings(
         recipe=args.recipe, profile=args.profile, overrides=[p for o in args.overrides for p in o.split()],
         synthx_recipe=args.synthx_recipe, synthx_overrides=args.synthx_override, cases=int(args.cases),
-        ratio=args.ratio, target=args.target, synthesis_steps=args.synthesis_steps, experiment=args.experiment,
+        ratio=args.ratio, target=args.target, budget=args.budget, synthesis_steps=args.synthesis_steps, experiment=args.experiment,
         output_dir=args.out,
     )
     run_study(settings)

@@ -145,6 +145,7 @@ def make_objective(
             evaluation=False,
             resume=False,
             variant="synthx" if ratio > 0 else "baseline",
+            after_run_start=lambda logger: trial.set_user_attr("mlflow_run_id", logger.run_id),
             extra_tags={
                 "mlflow.parentRunId": parent_run_id,
                 "optuna_study": study_name,
