@@ -263,7 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=8, help="finished trials the study should hold (across workers)")
     parser.add_argument("--ratio-min", type=float, default=0.0)
     parser.add_argument("--ratio-max", type=float, default=0.8)
-    parser.add_argument("--enqueue", type=float, nargs="*", default=[0.0], help="ratios tried first (0 = baseline)")
+    parser.add_argument("--enqueue", type=float, action="append", default=None, metavar="RATIO",
+                        help="a ratio tried first (repeatable; default 0 = the baseline as reference)")
+    parser.add_argument("--no-enqueue", action="store_true", help="let the sampler choose every ratio")
     parser.add_argument("--attributes", nargs="+", default=["age", "sex", "phase"], help="for the worst-group objective")
     parser.add_argument("--targeting", nargs="*", default=[], metavar="RULE=COHORT",
                         help="optional targeting rules to sweep, each with its synthetic cohort folder")
@@ -273,7 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = [part for o in args.overrides for part in o.split()]
     recipe = load_recipe(args.recipe, overrides)
     cohorts = dict(item.split("=", 1) for item in args.targeting)
-    study = create_sweep(recipe, args.study_name, args.storage, args.objective, args.enqueue)
+    enqueue = [] if args.no_enqueue else (args.enqueue if args.enqueue is not None else [0.0])
+    study = create_sweep(recipe, args.study_name, args.storage, args.objective, enqueue)
     if args.create_only:
         print(f"study {args.study_name} ready in {_safe_url(args.storage)}; MLflow parent run {study.user_attrs[PARENT_ATTR]}")
         return 0

@@ -203,7 +203,7 @@ def test_two_concurrent_workers_share_one_journal_study(tiny_phantom, tmp_path):
     synthetic = fake_synthetic_cohort(root, split, tmp_path / "synthetic")
     storage = f"journal:{tmp_path / 'journal.log'}"
     args = ["--recipe", str(RECIPES / "unet.yaml"), "--storage", storage, "--study-name", "shared", "--trials", "4",
-            "--objective", "worst_sensitivity", "--enqueue", *_sweep_recipe_args(root, split, tmp_path, synthetic)]
+            "--objective", "worst_sensitivity", "--no-enqueue", *_sweep_recipe_args(root, split, tmp_path, synthetic)]
     assert sweep_main([*args, "--create-only"]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "lightning_modules.cli", "sweep", *args]
