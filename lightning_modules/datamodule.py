@@ -30,7 +30,9 @@ import pandas as pd
 import torch
 from monai.data import CacheDataset, Dataset, MetaTensor, list_data_collate
 from monai.transforms import (
+    ClassesToIndicesd,
     Compose,
+    DeleteItemsd,
     CropForegroundd,
     EnsureChannelFirstd,
     EnsureTyped,
@@ -133,6 +135,9 @@ def training_transforms(recipe: DictConfig) -> list:
         float(data.pos) * (float(data.lesion_ratio) if is_lesion_class(name) else 1.0) for name in data.classes
     ]
     transforms = [
+        # Deterministic, so CacheDataset caches it: the voxel indices of each class are computed
+        # once per volume instead of on every random crop.
+        ClassesToIndicesd(keys="label", num_classes=len(data.classes) + 1, indices_postfix="_cls_indices"),
         RandCropByLabelClassesd(
             keys=["image", "label"],
             label_key="label",
@@ -140,8 +145,10 @@ def training_transforms(recipe: DictConfig) -> list:
             ratios=ratios,
             num_classes=len(data.classes) + 1,
             num_samples=int(data.samples_per_volume),
+            indices_key="label_cls_indices",
             warn=False,
-        )
+        ),
+        DeleteItemsd(keys="label_cls_indices"),
     ]
     if data.augment:
         transforms += [

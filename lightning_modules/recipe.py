@@ -86,6 +86,9 @@ class TrainerConfig:
     gradient_clip_val: Optional[float] = None
     sw_batch_size: int = 4
     sw_overlap: float = 0.5
+    # Sliding-window size for whole-volume inference; empty = data.patch_size. Fully convolutional
+    # backbones (U-Net, nnU-Net) may use larger windows than they train on: fewer, cheaper windows.
+    sw_roi_size: list[int] = field(default_factory=list)
     deterministic: bool = False
     # last.ckpt is also written every this many steps, so a killed run loses at most that much.
     checkpoint_every_n_steps: int = 1000
@@ -259,6 +262,16 @@ def check_recipe(config: DictConfig, source: str = "recipe") -> None:
             in_channels=1,
             out_channels=len(data.classes) + 1,
         )
+        if len(config.trainer.sw_roi_size):
+            if len(config.trainer.sw_roi_size) != 3:
+                raise ValueError("trainer.sw_roi_size needs 3 values (or none: data.patch_size)")
+            check_backbone_config(
+                config.model.backbone,
+                dict(OmegaConf.to_container(config.model.options, resolve=True)),
+                patch_size=tuple(int(p) for p in config.trainer.sw_roi_size),
+                in_channels=1,
+                out_channels=len(data.classes) + 1,
+            )
     except (TypeError, ValueError, KeyError) as error:
         raise RecipeError(f"{source}: model: {error}") from error
 

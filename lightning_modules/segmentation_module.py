@@ -73,6 +73,7 @@ class SegmentationModule(pl.LightningModule):
         max_steps: schedule length (optimizer steps).
         loss: ``dice_weight, ce_weight, deep_supervision_decay``.
         sw_batch_size / sw_overlap: sliding-window inference settings.
+        sw_roi_size: inference window (default: ``patch_size``).
         small_tumor_mm: the 'small' tumor-size boundary for the records (DESIGN.md section 4).
     """
 
@@ -89,6 +90,7 @@ class SegmentationModule(pl.LightningModule):
         sw_batch_size: int = 4,
         sw_overlap: float = 0.5,
         small_tumor_mm: float = 20.0,
+        sw_roi_size: Sequence[int] | None = None,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["network"])
@@ -147,7 +149,7 @@ class SegmentationModule(pl.LightningModule):
 
     def predict_volume(self, image: torch.Tensor) -> torch.Tensor:
         """Logits for whole volumes by sliding-window inference (full-resolution output only)."""
-        patch = tuple(int(p) for p in self.hparams.patch_size)
+        patch = tuple(int(p) for p in (self.hparams.sw_roi_size or self.hparams.patch_size))
         return sliding_window_inference(
             image,
             roi_size=patch,

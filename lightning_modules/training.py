@@ -90,6 +90,7 @@ def build_module(recipe: DictConfig) -> SegmentationModule:
         sw_batch_size=int(recipe.trainer.sw_batch_size),
         sw_overlap=float(recipe.trainer.sw_overlap),
         small_tumor_mm=float(recipe.detection.small_tumor_mm),
+        sw_roi_size=[int(v) for v in recipe.trainer.sw_roi_size] or None,
     )
 
 
