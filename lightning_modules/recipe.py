@@ -265,13 +265,16 @@ def check_recipe(config: DictConfig, source: str = "recipe") -> None:
         if len(config.trainer.sw_roi_size):
             if len(config.trainer.sw_roi_size) != 3:
                 raise ValueError("trainer.sw_roi_size needs 3 values (or none: data.patch_size)")
-            check_backbone_config(
-                config.model.backbone,
-                dict(OmegaConf.to_container(config.model.options, resolve=True)),
-                patch_size=tuple(int(p) for p in config.trainer.sw_roi_size),
-                in_channels=1,
-                out_channels=len(data.classes) + 1,
-            )
+            try:
+                check_backbone_config(
+                    config.model.backbone,
+                    dict(OmegaConf.to_container(config.model.options, resolve=True)),
+                    patch_size=tuple(int(p) for p in config.trainer.sw_roi_size),
+                    in_channels=1,
+                    out_channels=len(data.classes) + 1,
+                )
+            except ValueError as error:
+                raise ValueError(str(error).replace("data.patch_size", "trainer.sw_roi_size")) from None
     except (TypeError, ValueError, KeyError) as error:
         raise RecipeError(f"{source}: model: {error}") from error
 
