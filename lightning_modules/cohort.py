@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -29,6 +30,18 @@ import pandas as pd
 
 from lightning_modules.metadata import MetadataProblem, normalize_metadata
 
+# DESIGN.md section 1: the AbdomenAtlas organ classes this framework knows.
+ORGAN_CLASSES = (
+    "aorta",
+    "gall_bladder",
+    "kidney_left",
+    "kidney_right",
+    "liver",
+    "pancreas",
+    "postcava",
+    "spleen",
+    "stomach",
+)
 LESION_CLASSES = (
     "pancreatic_lesion",
     "liver_lesion",
@@ -213,37 +226,36 @@ def _publish_mode(path: Path | str, directory: bool = False) -> None:
     os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+@contextmanager
+def _atomic_target(path: Path, suffix: str = ".tmp"):
+    """Yield a temporary path beside ``path``; on success it replaces ``path`` (with normal
+    permissions), on any error it is removed, so readers never see a partial file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+        yield tmp
         _publish_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    with _atomic_target(path) as tmp:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
 
 
 def atomic_save_nifti(image: nib.Nifti1Image, path: Path) -> None:
     """Save a NIfTI image via a temporary file and rename, so readers never see a partial file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".nii.gz")
-    os.close(fd)
-    try:
+    with _atomic_target(path, suffix=".nii.gz") as tmp:
         nib.save(image, tmp)
-        _publish_mode(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def atomic_write_csv(table: pd.DataFrame, path: Path) -> None:

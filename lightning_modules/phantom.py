@@ -57,6 +57,7 @@ from scipy.spatial.transform import Rotation
 
 from lightning_modules.cohort import (
     CT_FILE,
+    ORGAN_CLASSES,
     METADATA_FILE,
     SEGMENTATION_DIR,
     atomic_write_bytes,
@@ -71,17 +72,6 @@ PARAMS_FILE = "phantom.json"
 CASE_ID_PREFIX = "PH"
 PATIENT_ID_PREFIX = "PT"
 
-ORGAN_CLASSES = (
-    "aorta",
-    "gall_bladder",
-    "kidney_left",
-    "kidney_right",
-    "liver",
-    "pancreas",
-    "postcava",
-    "spleen",
-    "stomach",
-)
 LESION_CLASSES = ("pancreatic_lesion", "liver_lesion", "kidney_lesion")
 # The anatomy is designed for this field of view (mm, x y z); a smaller one scales it down.
 REFERENCE_FOV_MM = (240.0, 240.0, 192.0)

@@ -27,6 +27,7 @@ from monai.inferers import sliding_window_inference
 from monai.losses import DiceCELoss
 from torch import nn
 
+from lightning_modules.datamodule import RECORD_COLUMNS
 from lightning_modules.segmentation_metrics import dice_per_class, surface_dice_per_class
 from lightning_modules.tumor_prediction import (
     multilabel_target,
@@ -284,19 +285,8 @@ class SegmentationModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-_META_KEYS = (
-    "case_id",
-    "patient_id",
-    "cohort",
-    "age_band",
-    "sex",
-    "race",
-    "phase",
-    "tumor",
-    "tumor_diameter_mm",
-    "tumor_location",
-    "synthetic",
-)
+# The case metadata carried into each record (the datamodule's columns plus the recorded tumor label).
+_META_KEYS = (*RECORD_COLUMNS, "tumor")
 
 
 def _item(value, index: int):

@@ -37,6 +37,7 @@ from nibabel.filebasedimages import ImageFileError
 from lightning_modules.cohort import (
     CT_FILE,
     LESION_CLASSES,
+    ORGAN_CLASSES,
     METADATA_FILE,
     SEGMENTATION_DIR,
     atomic_write_csv,
@@ -60,17 +61,6 @@ QUARANTINE_COLUMNS = ("case_id", "source", "reason")
 
 # DESIGN.md section 1: the AbdomenAtlas classes this framework knows. A class map that targets
 # anything else is rejected, so a typo ("pancreatic_tumor") cannot create a class nobody reads.
-ORGAN_CLASSES = (
-    "aorta",
-    "gall_bladder",
-    "kidney_left",
-    "kidney_right",
-    "liver",
-    "pancreas",
-    "postcava",
-    "spleen",
-    "stomach",
-)
 ATLAS_CLASSES = ORGAN_CLASSES + LESION_CLASSES
 
 # TotalSegmentator's label values for the classes used here, read from the class_map in
