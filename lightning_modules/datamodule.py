@@ -48,7 +48,7 @@ from monai.transforms import (
     SpatialPadd,
 )
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader
+from monai.data import DataLoader
 
 from lightning_modules.cohort import Cohort, is_lesion_class, load_cohort
 
@@ -159,6 +159,18 @@ def training_transforms(recipe: DictConfig) -> list:
     return transforms
 
 
+def seeded_compose(transforms: list, seed: int) -> Compose:
+    """A Compose whose random transforms draw from the recipe's seed.
+
+    MONAI's random transforms keep their own RandomState, which ``seed_everything`` does not
+    touch; without this, two runs of one recipe crop different patches. Worker processes are
+    re-seeded by MONAI's DataLoader from torch's (seeded) base seed.
+    """
+    compose = Compose(transforms)
+    compose.set_random_state(seed=seed)
+    return compose
+
+
 def case_items(cohort: Cohort, case_ids: Sequence[str], classes: Sequence[str]) -> list[dict]:
     """One dict per case for MONAI datasets: file paths plus the metadata fields of RECORD_COLUMNS."""
     items = []
@@ -227,9 +239,10 @@ class CohortDataModule(pl.LightningDataModule):
         items = case_items(self.cohort, self.case_ids(stage), list(self.recipe.data.classes))
         if not items:
             raise ValueError(f"split {self.recipe.data.split} has no {stage} cases")
+        compose = seeded_compose(transforms, int(self.recipe.seed))
         if cache and self.recipe.data.cache:
-            return CacheDataset(items, Compose(transforms), cache_rate=1.0, num_workers=None, progress=False, copy_cache=False)
-        return Dataset(items, Compose(transforms))
+            return CacheDataset(items, compose, cache_rate=1.0, num_workers=None, progress=False, copy_cache=False)
+        return Dataset(items, compose)
 
     def setup(self, stage: str | None = None) -> None:
         self._load()

@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from torch.utils.data import Sampler
 
 from lightning_modules.cohort import Cohort, CohortError, load_cohort
-from lightning_modules.datamodule import CohortDataModule, case_items
+from lightning_modules.datamodule import CohortDataModule, case_items, seeded_compose
 
 SYNTHETIC_COHORT_TAG = "synthetic_cohort"
 
@@ -135,7 +135,8 @@ def mixing_datamodule(recipe: DictConfig) -> CohortDataModule:
         real_items = case_items(datamodule.cohort, datamodule.case_ids("train"), classes)
         synth_items = case_items(synthetic, synthetic.case_ids, classes)
         return MixedTrainingSet(
-            real_items + synth_items, Compose(transforms), len(real_items), ratio, int(recipe.seed), bool(recipe.data.cache)
+            real_items + synth_items, seeded_compose(transforms, int(recipe.seed)), len(real_items), ratio,
+            int(recipe.seed), bool(recipe.data.cache),
         )
 
     datamodule = CohortDataModule(recipe, train_dataset_factory=build)

@@ -194,3 +194,17 @@ def test_ddp_two_processes_count_every_case_once(tiny_phantom, tmp_path):
     metrics_single = subgroup_metrics(single, 50.0)
     metrics_ddp = subgroup_metrics(ddp, 50.0)
     pd.testing.assert_frame_equal(metrics_single, metrics_ddp, check_exact=False, rtol=1e-9)
+
+
+def test_same_recipe_and_seed_give_the_same_metrics(tiny_phantom, tmp_path):
+    root, split = tiny_phantom
+    recipe = load_recipe(RECIPES / "unet.yaml", [*tiny_overrides(root, split, tmp_path, steps=3), "trainer.deterministic=true"])
+    first = train(recipe, output_dir=tmp_path / "first")
+    second = train(recipe, output_dir=tmp_path / "second")
+    keys = [k for k in first.metrics if k.startswith(("val/", "train/loss"))]
+    assert keys and first.run_id != second.run_id
+    for key in keys:
+        assert first.metrics[key] == pytest.approx(second.metrics[key], rel=1e-6, abs=1e-9), key
+    other = train(load_recipe(RECIPES / "unet.yaml", [*tiny_overrides(root, split, tmp_path, steps=3), "seed=7"]),
+                  output_dir=tmp_path / "other")
+    assert other.metrics["train/loss"] != first.metrics["train/loss"], "the seed matters"
