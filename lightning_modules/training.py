@@ -104,13 +104,38 @@ def check_data(recipe: DictConfig, cohort, split) -> list[str]:
         problems = validate_cohort(cohort, classes=list(recipe.data.classes))
         if problems:
             raise CohortError(problems, cohort.root)
-    leakage = check_split_leakage(cohort, split)
+    leakage = _cached(
+        Path(recipe.tracking.output_dir) / ".leakage_checks", _leakage_key(cohort, split), lambda: check_split_leakage(cohort, split)
+    )
     if leakage and not recipe.data.allow_leakage:
         raise CohortError(
             [*leakage, "training refused: fix the split, or set data.allow_leakage=true to override (recorded in MLflow)"],
             cohort.root,
         )
     return list(leakage)
+
+
+def _leakage_key(cohort, split) -> str:
+    """Content key of a leakage check: the split rows, the metadata, and each CT's size and mtime."""
+    digest = hashlib.sha256()
+    digest.update(split.sort_values("case_id").to_csv(index=False).encode())
+    digest.update(cohort.metadata.to_csv(index=False).encode())
+    for case in cohort.cases():
+        stat = case.ct_path.stat() if case.ct_path.exists() else None
+        digest.update(f"{case.case_id}:{stat.st_size if stat else -1}:{stat.st_mtime_ns if stat else -1}".encode())
+    return digest.hexdigest()[:24]
+
+
+def _cached(folder: Path, key: str, compute) -> list[str]:
+    """The patient/duplicate leakage findings, computed once per content key (reading every CT is slow)."""
+    from lightning_modules.cohort import atomic_write_bytes
+
+    path = folder / f"{key}.json"
+    if path.exists():
+        return list(json.loads(path.read_text()))
+    findings = [str(f) for f in compute()]
+    atomic_write_bytes(path, json.dumps(findings).encode())
+    return findings
 
 
 def train(

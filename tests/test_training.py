@@ -64,18 +64,33 @@ def test_training_logs_to_mlflow_and_resumes_into_the_same_run(tiny_phantom, tmp
 
 
 def test_training_refuses_a_leaking_split(tiny_phantom, tmp_path):
+    """A training scan copied into the test split under another patient id: refused, cached, overridable."""
+    import shutil
+
+    from lightning_modules.cohort import load_cohort, write_metadata
+
     root, split = tiny_phantom
+    cohort_root = tmp_path / "cohort"
+    shutil.copytree(root, cohort_root)
     table = pd.read_csv(split)
-    # Put one test case's patient into train under another case: same patient in two splits.
-    leaked = table.copy()
-    test_row = leaked[leaked["split"] == "test"].iloc[0]
-    train_index = leaked[leaked["split"] == "train"].index[0]
-    leaked.loc[train_index, "patient_id"] = test_row["patient_id"]
-    bad_split = tmp_path / "leaky.csv"
-    leaked.to_csv(bad_split, index=False)
-    recipe = load_recipe(RECIPES / "unet.yaml", tiny_overrides(root, bad_split, tmp_path))
-    with pytest.raises(Exception, match=str(test_row["patient_id"])):
+    source = table[table["split"] == "train"].iloc[0]
+    shutil.copytree(cohort_root / source["case_id"], cohort_root / "DUP0001")
+    metadata = load_cohort(cohort_root).metadata
+    row = metadata[metadata["case_id"] == source["case_id"]].assign(case_id="DUP0001", patient_id="PT_DUP")
+    write_metadata(cohort_root, pd.concat([metadata, row], ignore_index=True))
+    leaky = tmp_path / "leaky.csv"
+    pd.concat([table, pd.DataFrame([{"case_id": "DUP0001", "patient_id": "PT_DUP", "split": "test"}])]).to_csv(leaky, index=False)
+    recipe = load_recipe(RECIPES / "unet.yaml", tiny_overrides(cohort_root, leaky, tmp_path))
+    with pytest.raises(CohortError, match="DUP0001"):
         train(recipe)
+    cached = list((tmp_path / "outputs" / ".leakage_checks").glob("*.json"))
+    assert len(cached) == 1, "the leakage check is cached by content"
+    with pytest.raises(CohortError, match="DUP0001"):
+        train(recipe)  # refused again, from the cache
+    override = load_recipe(RECIPES / "unet.yaml", [*tiny_overrides(cohort_root, leaky, tmp_path), "data.allow_leakage=true"])
+    result = train(override)
+    tags = MlflowClient(override.tracking.uri).get_run(result.run_id).data.tags
+    assert tags["leakage_override"] == "true", "the override is recorded in MLflow"
 
 
 def test_killed_training_resumes_with_the_same_step_count(tiny_phantom, tmp_path):
