@@ -70,6 +70,8 @@ class OptimConfig:
 class LossConfig:
     dice_weight: float = 1.0
     ce_weight: float = 1.0
+    # Dice over the whole batch rather than per patch (nnU-Net's batch Dice).
+    batch_dice: bool = True
     # nnU-Net: weights 1/2^i for deep-supervision scale i, the lowest scale dropped, normalized.
     deep_supervision_decay: float = 0.5
 

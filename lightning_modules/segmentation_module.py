@@ -102,10 +102,15 @@ class SegmentationModule(pl.LightningModule):
         self.optim = dict(optim or {})
         loss = dict(loss or {})
         self.ds_decay = float(loss.get("deep_supervision_decay", 0.5))
+        # As nnU-Net: Dice over foreground classes only and over the whole batch ("batch Dice"), so a
+        # small lesion's Dice term is not diluted by background and is defined whenever any patch
+        # of the batch holds the lesion; cross-entropy over all channels.
         self.criterion = DiceCELoss(
             to_onehot_y=output == "softmax",
             softmax=output == "softmax",
             sigmoid=output == "sigmoid",
+            include_background=output != "softmax",
+            batch=bool(loss.get("batch_dice", True)),
             lambda_dice=float(loss.get("dice_weight", 1.0)),
             lambda_ce=float(loss.get("ce_weight", 1.0)),
         )

@@ -59,7 +59,7 @@ class StudySettings:
     cases: int = 200
     phantom_seed: int = 0
     ratio: float = 0.3
-    target: str = "min_positives:6"
+    target: str = "min_positives:1"
     budget: int | None = None
     synthesis_steps: int = 20
     scheduler: str = "ddim"
