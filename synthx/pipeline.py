@@ -189,7 +189,11 @@ class SynthXPipeline(DiffusionPipeline):
         if tumors is None:
             if organs is None:
                 raise ValueError("give either tumor_mask or organ_mask (to draw a tumor mask from)")
-            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator).item()) if generator is not None else None
+            seed = (
+                int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device).item())
+                if generator is not None
+                else None
+            )
             rng = np.random.default_rng(seed)
             classes = list(size_class) if isinstance(size_class, (list, tuple)) else [size_class] * batch
             if len(classes) != batch:
