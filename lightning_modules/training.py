@@ -149,6 +149,7 @@ def train(
     after_run_start: Callable[[MLFlowLogger], None] | None = None,
     trainer_overrides: dict | None = None,
     evaluation: bool = True,
+    run_id: str | None = None,
 ) -> TrainResult:
     """Train the recipe's backbone; resume from ``last.ckpt`` in ``output_dir`` when present.
 
@@ -163,6 +164,8 @@ def train(
         after_run_start: called with the logger once the MLflow run exists (e.g. to log dataset inputs).
         trainer_overrides: keyword arguments passed to ``pl.Trainer`` over the recipe's.
         evaluation: add the SubgroupEvaluation callback (subgroup detection metrics at each validation).
+        run_id: log into this existing MLflow run (``benchx train`` passes the run that
+            ``mlflow run`` opened, ``MLFLOW_RUN_ID``); default: a new run.
     """
     from lightning_modules.splits import split_sha256
 
@@ -191,7 +194,7 @@ def train(
     experiment_id(experiment, uri)
     run_id_path = output_dir / RUN_ID_FILE
     resuming = resume and last.exists() and run_id_path.exists()
-    run_id = run_id_path.read_text().strip() if resuming else os.environ.get("MLFLOW_RUN_ID") or None
+    run_id = run_id_path.read_text().strip() if resuming else run_id
     tags = run_tags(recipe, split_sha256(recipe.data.split), variant)
     tags.update(extra_tags or {})
     logger = MLFlowLogger(
@@ -307,7 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = [part for o in overrides for part in o.split()]
     try:
         recipe = load_recipe(args.recipe, overrides)
-        result = train(recipe, output_dir=args.out, resume=not args.fresh)
+        # Under `mlflow run`, log into the run it opened (Lightning would otherwise start another).
+        result = train(recipe, output_dir=args.out, resume=not args.fresh, run_id=os.environ.get("MLFLOW_RUN_ID"))
     except CohortError as error:
         print(f"benchx train: {error}", file=sys.stderr)
         return 1

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -70,15 +71,20 @@ class StudySettings:
 class StudyRunner:
     """Runs named steps as child runs of one parent, skipping those already finished identically."""
 
-    def __init__(self, uri: str, experiment: str, code_version: str, parent_name: str = "study"):
+    def __init__(
+        self, uri: str, experiment: str, code_version: str, parent_name: str = "study", parent_run_id: str | None = None
+    ):
         self.uri = uri
         self.client = MlflowClient(tracking_uri=uri)
         self.experiment = experiment
         self.experiment_id = experiment_id(experiment, uri)
         self.code_version = code_version
-        self.parent_id = self.client.create_run(
+        self.parent_id = parent_run_id or self.client.create_run(
             self.experiment_id, run_name=parent_name, tags={"stage": "study", "git_commit": code_version}
         ).info.run_id
+        if parent_run_id:
+            self.client.set_tag(parent_run_id, "stage", "study")
+            self.client.set_tag(parent_run_id, "git_commit", code_version)
         self.outputs: dict[str, dict] = {}
 
     def key(self, name: str, params: dict) -> str:
@@ -148,7 +154,13 @@ def run_study(settings: StudySettings) -> pd.DataFrame:
 
     base = _segmentation_recipe(settings)
     uri = tracking_uri(base.tracking.uri)
-    runner = StudyRunner(uri, settings.experiment, git_commit())
+    # Under `mlflow run`, the run it opened is the study's parent, and its experiment the study's.
+    parent_run_id = os.environ.get("MLFLOW_RUN_ID")
+    if parent_run_id:
+        opened = MlflowClient(tracking_uri=uri).get_run(parent_run_id)
+        settings.experiment = MlflowClient(tracking_uri=uri).get_experiment(opened.info.experiment_id).name
+        base = _segmentation_recipe(settings)
+    runner = StudyRunner(uri, settings.experiment, git_commit(), parent_run_id=parent_run_id)
     client = runner.client
     root, split = Path(base.data.root), Path(base.data.split)
     output_dir = Path(settings.output_dir)
