@@ -381,3 +381,43 @@ def test_trained_generator_follows_the_phase_contrast_of_real_phantom_tumors(tmp
     # The phantom's design (DESIGN.md section 8): non-contrast is the least, arterial the most hypo-attenuating.
     assert real["non-contrast"] > real["arterial"]
     assert synthetic["non-contrast"] > synthetic["arterial"], by_phase[["contrast_real", "contrast_synthetic"]]
+
+
+def test_generation_killed_with_sigkill_resumes_without_redoing_finished_cases(cohort, tiny_pipeline, tmp_path):
+    """A real SIGKILL of a generating process: every case is complete or absent, and a rerun only does the rest."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root, split = cohort
+    out = tmp_path / "out"
+    requests = {("F", "60-80", "venous"): 6, ("M", "40-60", "venous"): 6}
+    script = (
+        "import sys; from synthx.generation import synthesize\n"
+        f"synthesize({str(root)!r}, {str(split)!r}, {str(tiny_pipeline)!r}, {str(out)!r}, {requests!r}, seed=1,"
+        " num_inference_steps=10, size_classes={'tiny': 1.0}, log_to_mlflow=False, progress=False)\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if (out / "metadata.csv").exists() and len(pd.read_csv(out / "metadata.csv")) >= 2:
+            break
+        time.sleep(0.2)
+    assert process.poll() is None, "generation finished before it could be killed: " + (process.stderr.read() or "")[-2000:]
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    finished = list(pd.read_csv(out / "metadata.csv")["case_id"])
+    assert 2 <= len(finished) < 12
+    case_dirs = [p.name for p in out.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    for case_id in case_dirs:  # a case folder is complete (atomic rename) even if its row was not yet written
+        assert (out / case_id / "ct.nii.gz").exists() and (out / case_id / "segmentations" / "pancreatic_lesion.nii.gz").exists()
+    before = {case_id: _stat(out, case_id) for case_id in finished}
+    summary = synthesize(root, split, tiny_pipeline, out, requests, seed=1, num_inference_steps=10,
+                         size_classes={"tiny": 1.0}, log_to_mlflow=False, progress=False)
+    assert summary.complete and set(finished) <= set(summary.skipped)
+    assert len(summary.generated) + len(summary.skipped) == 12
+    assert {case_id: _stat(out, case_id) for case_id in finished} == before, "finished cases were not rewritten"
+    assert validate_cohort(out, classes=["pancreas", "pancreatic_lesion"]) == []
