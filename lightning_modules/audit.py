@@ -1025,10 +1025,14 @@ def _log_to_mlflow(
     if not (tracking_uri or experiment):
         return
     # Never fall back to the ./mlruns file store: DESIGN.md section 6 names sqlite:///mlflow.db.
-    mlflow.set_tracking_uri(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
-    if experiment:
-        mlflow.set_experiment(experiment)
-    with mlflow.start_run(run_name="leakage-audit"):
+    from lightning_modules.tracking import experiment_id as get_experiment_id
+    from lightning_modules.tracking import tracking_uri as resolve_uri
+
+    uri = resolve_uri(tracking_uri)
+    mlflow.set_tracking_uri(uri)
+    # An explicit experiment id: mlflow.set_experiment would also write MLFLOW_EXPERIMENT_ID into
+    # the environment, leaking into later runs of this process and its children.
+    with mlflow.start_run(run_name="leakage-audit", experiment_id=get_experiment_id(experiment or "benchx-audit", uri)):
         log()
 
 

@@ -31,6 +31,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device: opt in with --run-gpu"))
 
 
+@pytest.fixture(autouse=True)
+def isolated_mlflow_state():
+    """Restore MLflow's process-wide state after each test: ``mlflow.set_tracking_uri`` and
+    ``mlflow.set_experiment`` write MLFLOW_* environment variables and module globals that would
+    otherwise point the next test (and its subprocesses) at a database that no longer exists."""
+    import mlflow
+    from mlflow.tracking import fluent
+
+    saved = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
+    yield
+    while mlflow.active_run() is not None:
+        mlflow.end_run()
+    fluent._active_experiment_id = None
+    for key in [k for k in os.environ if k.startswith("MLFLOW_")]:
+        del os.environ[key]
+    os.environ.update(saved)
+    mlflow.set_tracking_uri(saved.get("MLFLOW_TRACKING_URI") or None)
+    if "MLFLOW_TRACKING_URI" not in saved:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+
 @pytest.fixture
 def mlflow_uri(tmp_path, monkeypatch) -> str:
     """A throwaway SQLite MLflow store (artifacts under tmp_path), set as the tracking URI."""

@@ -140,7 +140,8 @@ def test_recipe_merges_base_recipe_profile_and_overrides():
     assert list(full.model.options.channels) == [64, 128, 256, 512]
     assert cpu.data.patch_size == [32, 32, 32] and list(cpu.model.options.channels) == [16, 32, 64, 128]
     assert cpu.trainer.max_steps == 7, "command-line overrides win over the profile"
-    assert cpu.name == "unet" and cpu.optim.name == "sgd"
+    assert full.optim.name == "sgd" and full.optim.lr == 1e-2  # BenchX table 7
+    assert cpu.name == "unet" and cpu.optim.name == "adamw", "the cpu profile's own optimizer (recipes/unet.yaml)"
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,8 @@ def test_mlflow_run_train_entry_point(tiny_phantom, tmp_path):
     root, split = tiny_phantom
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     overrides = [o for o in tiny_overrides(root, split, tmp_path) if not o.startswith("tracking.uri")]
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1",
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env = {**env, "MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     command = [str(Path(sys.executable).parent / "mlflow"), "run", str(REPO_ROOT), "-e", "train", "--env-manager", "local",
                "--experiment-name", "mlproject-test", "-P", "recipe=recipes/unet.yaml", "-P", "overrides=" + " ".join(overrides)]
