@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Sequence
 
 import lightning.pytorch as pl
-import mlflow
 import pandas as pd
 from lightning.pytorch.loggers import MLFlowLogger
 from mlflow.tracking import MlflowClient
@@ -153,23 +152,27 @@ def compare(
     comparison.attrs["baseline"] = names[0]
     logged_run = None
     if experiment:
-        experiment_id(experiment, uri)
-        mlflow.set_tracking_uri(uri)
-        with mlflow.start_run(experiment_id=client.get_experiment_by_name(experiment).experiment_id, run_name="compare") as run:
-            mlflow.set_tags({"stage": "compare", "compared_runs": ",".join(run_ids), f"{stage}_set_sha256": hashes[0]})
-            mlflow.log_table(comparison, artifact_file=f"comparison/{stage}_comparison.json")
-            with tempfile.TemporaryDirectory() as folder:
-                path = Path(folder) / f"{stage}_comparison.csv"
-                comparison.to_csv(path, index=False)
-                mlflow.log_artifact(str(path), "comparison")
-                (Path(folder) / f"{stage}_comparison.txt").write_text(format_comparison(comparison))
-                mlflow.log_artifact(str(Path(folder) / f"{stage}_comparison.txt"), "comparison")
-            figure = comparison_figure(comparison)
-            mlflow.log_figure(figure, f"comparison/{stage}_comparison.png")
-            import matplotlib.pyplot as plt
+        # The client, not mlflow.start_run: under `mlflow run`, start_run would resume the run in
+        # MLFLOW_RUN_ID (the caller's) instead of creating the comparison's own run.
+        run_id = client.create_run(
+            experiment_id(experiment, uri),
+            run_name="compare",
+            tags={"stage": "compare", "compared_runs": ",".join(run_ids), f"{stage}_set_sha256": hashes[0]},
+        ).info.run_id
+        client.log_table(run_id, data=comparison, artifact_file=f"comparison/{stage}_comparison.json")
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / f"{stage}_comparison.csv"
+            comparison.to_csv(path, index=False)
+            client.log_artifact(run_id, str(path), "comparison")
+            (Path(folder) / f"{stage}_comparison.txt").write_text(format_comparison(comparison))
+            client.log_artifact(run_id, str(Path(folder) / f"{stage}_comparison.txt"), "comparison")
+        figure = comparison_figure(comparison)
+        client.log_figure(run_id, figure, f"comparison/{stage}_comparison.png")
+        import matplotlib.pyplot as plt
 
-            plt.close(figure)
-            logged_run = run.info.run_id
+        plt.close(figure)
+        client.set_terminated(run_id, "FINISHED")
+        logged_run = run_id
     return comparison, logged_run
 
 

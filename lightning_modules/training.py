@@ -32,7 +32,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.backbones import build_backbone, get_backbone
-from lightning_modules.cohort import CohortError, load_cohort
+from lightning_modules.cohort import CohortError
 from lightning_modules.datamodule import CohortDataModule
 from lightning_modules.evaluation_callback import SubgroupEvaluation
 from lightning_modules.synthetic_mixing import log_dataset_inputs, mixing_datamodule

@@ -145,7 +145,11 @@ def test_evaluate_and_compare_two_runs(tiny_phantom, tmp_path, capsys, monkeypat
     artifacts = {a.path for a in client.list_artifacts(evaluation_runs[0], "evaluation")}
     assert {"evaluation/test_records.csv", "evaluation/test_subgroups.csv", "evaluation/test_subgroups.png"} <= artifacts
     monkeypatch.setenv("MLFLOW_TRACKING_URI", recipe.tracking.uri)
+    # As under `mlflow run`: another run in MLFLOW_RUN_ID must not receive the comparison.
+    monkeypatch.setenv("MLFLOW_RUN_ID", results[0][1].run_id)
     table, compare_run = compare(evaluation_runs, "test", experiment="benchx", n_resamples=50)
+    monkeypatch.delenv("MLFLOW_RUN_ID")
+    assert compare_run not in {results[0][1].run_id, *evaluation_runs}, "the comparison has its own run"
     assert {"attribute", "group", "metric", "a", "b", "delta", "ci_low", "ci_high", "significant"} <= set(table.columns)
     text = format_comparison(table)
     assert "phase:" in text and "overall" in text
