@@ -12,7 +12,7 @@ paired bootstrap CI (the same resamples for both runs) and whether it is signifi
 
 Example::
 
-    benchx evaluate --run-id <training run> --stages val test
+    benchx evaluate --run-id <training run> --stages val,test
     benchx evaluate --run-id <training run> data.root=data/external data.split=splits/external.csv
     benchx compare <baseline evaluation run> <augmented evaluation run>
 """
@@ -231,13 +231,21 @@ def comparison_figure(comparison: pd.DataFrame, metric: str = "f1"):
     return figure
 
 
+def _stages(text: str) -> list[str]:
+    stages = [part for part in text.replace(" ", ",").split(",") if part]
+    if not stages or any(stage not in ("val", "test") for stage in stages):
+        raise argparse.ArgumentTypeError(f"stages must be val and/or test, comma-separated; got {text!r}")
+    return stages
+
+
 def evaluate_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchx evaluate", description=__doc__.split("\n\n")[1])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--run-id", help="MLflow training run (its recipe.yaml and best checkpoint are used)")
     source.add_argument("--checkpoint", help="a checkpoint file (needs --recipe)")
     parser.add_argument("--recipe", help="recipe for --checkpoint, or to replace the run's recipe")
-    parser.add_argument("--stages", nargs="+", default=["val", "test"], choices=["val", "test"])
+    parser.add_argument("--stages", default="val,test", type=_stages,
+                        help="comma-separated, from val and test (one value, so key=value overrides may follow)")
     parser.add_argument("overrides", nargs="*", help="key=value recipe overrides (e.g. data.root=... data.split=...)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     overrides = [part for o in args.overrides for part in o.split()]

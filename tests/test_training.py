@@ -167,6 +167,9 @@ def test_evaluate_and_compare_two_runs(tiny_phantom, tmp_path, capsys, monkeypat
     # The command line: evaluate an MLflow training run by id.
     assert evaluate_main(["--run-id", results[0][1].run_id, "--stages", "test"]) == 0
     assert "evaluation run" in capsys.readouterr().out
+    # Overrides after --stages are overrides, not stages.
+    assert evaluate_main(["--run-id", results[0][1].run_id, "--stages", "val,test", "detection.threshold_mm3=10"]) == 0
+    assert "  test: n=" in capsys.readouterr().out
 
 
 class RecordsToDisk(pl.Callback):
