@@ -154,7 +154,13 @@ def _load_yaml(path: Path) -> DictConfig:
 
 
 def load_recipe(
-    path: str | Path, overrides: list[str] | None = None, check: bool = True, resolved: bool = False
+    path: str | Path,
+    overrides: list[str] | None = None,
+    check: bool = True,
+    resolved: bool = False,
+    schema: type = None,
+    checker=None,
+    base: bool = True,
 ) -> DictConfig:
     """Load a recipe: schema <- _base.yaml <- recipe <- profile <- overrides, in struct mode.
 
@@ -164,17 +170,20 @@ def load_recipe(
         check: bind ``model.options`` to the backbone builder's signature and apply its shape rules.
         resolved: the file is an already resolved recipe (the ``recipe.yaml`` a run logs): no
             ``_base.yaml`` layer and no profile is applied again, only the overrides.
+        schema: the structured dataclass (default :class:`Recipe`; SynthX passes its own).
+        checker: ``checker(config, source)`` run when ``check`` (default :func:`check_recipe`).
+        base: merge ``_base.yaml`` from the recipe's folder (the backbone recipes' shared layer).
 
     Raises:
         RecipeError: naming the file and the key that is wrong.
     """
     path = Path(path)
     overrides = list(overrides or [])
-    schema = OmegaConf.structured(Recipe)
+    structured = OmegaConf.structured(schema or Recipe)
     layers: list[tuple[str, DictConfig]] = []
-    base = path.parent / BASE_RECIPE
-    if not resolved and base.exists() and base.resolve() != path.resolve():
-        layers.append((str(base), _load_yaml(base)))
+    base_path = path.parent / BASE_RECIPE
+    if base and not resolved and base_path.exists() and base_path.resolve() != path.resolve():
+        layers.append((str(base_path), _load_yaml(base_path)))
     layers.append((str(path), _load_yaml(path)))
     try:
         cli = OmegaConf.from_dotlist(overrides)
@@ -192,7 +201,7 @@ def load_recipe(
             layer = OmegaConf.masked_copy(layer, [k for k in layer if k != "profiles"])
         stripped.append((source, layer))
 
-    config = schema
+    config = structured
     _seal(config)
     for source, layer in stripped:
         config = _merge(config, layer, source)
@@ -209,7 +218,7 @@ def load_recipe(
     if "name" not in stripped[-2][1]:
         config.name = path.stem
     if check:
-        check_recipe(config, source=str(path))
+        (checker or check_recipe)(config, source=str(path))
     return config
 
 

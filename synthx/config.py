@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 
-from lightning_modules.recipe import RecipeError, TrackingConfig, _load_yaml, _merge, _seal, recipe_to_yaml
+from lightning_modules.recipe import RecipeError, TrackingConfig, load_recipe, recipe_to_yaml
 from synthx.mask_prior import SIZE_CLASSES
 from synthx.model import ORGAN_OF_LESION
 
@@ -175,35 +174,7 @@ def load_synthx_recipe(path: str | Path, overrides: list[str] | None = None) -> 
     Raises:
         RecipeError: naming the file and the key or value that is wrong.
     """
-    path = Path(path)
-    layer = _load_yaml(path)
-    try:
-        cli = OmegaConf.from_dotlist(list(overrides or []))
-    except OmegaConfBaseException as error:
-        raise RecipeError(f"bad override in {overrides}: {error}") from error
-    # Profiles are sets of overrides, applied after the recipe and before the command line.
-    profiles = OmegaConf.create({})
-    for source in (layer, cli):
-        if "profiles" in source:
-            profiles = OmegaConf.merge(profiles, source.profiles)
-    layer = OmegaConf.masked_copy(layer, [k for k in layer if k != "profiles"])
-    cli_values = OmegaConf.masked_copy(cli, [k for k in cli if k != "profiles"])
-
-    config = OmegaConf.structured(SynthXRecipe)
-    _seal(config)
-    config = _merge(config, layer, str(path))
-    config = _merge(config, cli_values, "command line")
-    if config.profile not in ("full", "", None):
-        if config.profile not in profiles:
-            raise RecipeError(
-                f"{path}: profile {config.profile!r} is not defined (available: full, {', '.join(profiles) or 'none'})"
-            )
-        config = _merge(config, profiles[config.profile], f"{path} profiles.{config.profile}")
-        config = _merge(config, cli_values, "command line")
-    OmegaConf.set_struct(config.profiles, False)
-    config.profiles = profiles
-    check_synthx_recipe(config, source=str(path))
-    return config
+    return load_recipe(path, overrides, schema=SynthXRecipe, checker=check_synthx_recipe, base=False)
 
 
 def check_synthx_recipe(config: DictConfig, source: str = "recipe") -> None:
