@@ -28,11 +28,11 @@ from monai.data import MetaTensor
 from monai.transforms import Compose, Invertd
 from omegaconf import DictConfig
 
-from lightning_modules.cohort import CT_FILE, atomic_save_nifti, load_cohort
-from lightning_modules.datamodule import preprocessing
-from lightning_modules.recipe import load_recipe
-from lightning_modules.segmentation_module import SegmentationModule
-from lightning_modules.tumor_prediction import predicted_labels
+from lightning_modules.data.cohort import CT_FILE, atomic_save_nifti, load_cohort
+from lightning_modules.data.datamodule import preprocessing
+from lightning_modules.config.recipe import load_recipe
+from lightning_modules.models.segmentation_module import SegmentationModule
+from lightning_modules.models.tumor_outputs import predicted_labels
 
 
 def predict_scan(module: SegmentationModule, recipe: DictConfig, ct_path: str | Path) -> tuple[np.ndarray, np.ndarray]:
@@ -81,7 +81,7 @@ def _inputs(path: Path) -> list[tuple[str, Path]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from lightning_modules.evaluation import EvaluationError, training_run_artifacts
+    from lightning_modules.evaluation.runs import EvaluationError, training_run_artifacts
     from lightning_modules.tracking import tracking_uri
     from lightning_modules.training import load_module_from_checkpoint
 

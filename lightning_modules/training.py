@@ -31,13 +31,13 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelChec
 from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_modules.backbones import build_backbone, get_backbone
-from lightning_modules.cohort import CohortError
-from lightning_modules.datamodule import CohortDataModule
-from lightning_modules.evaluation_callback import SubgroupEvaluation
-from lightning_modules.synthetic_mixing import log_dataset_inputs, mixing_datamodule
-from lightning_modules.recipe import load_recipe, recipe_to_yaml
-from lightning_modules.segmentation_module import SegmentationModule
+from lightning_modules.models.backbones import build_backbone, get_backbone
+from lightning_modules.data.cohort import CohortError
+from lightning_modules.data.datamodule import CohortDataModule
+from lightning_modules.evaluation.callback import SubgroupEvaluation
+from lightning_modules.data.mixing import log_dataset_inputs, mixing_datamodule
+from lightning_modules.config.recipe import load_recipe, recipe_to_yaml
+from lightning_modules.models.segmentation_module import SegmentationModule
 from lightning_modules.tracking import experiment_id, flatten, run_tags, tracking_uri
 
 RUN_ID_FILE = "mlflow_run_id.txt"
@@ -97,8 +97,8 @@ def build_module(recipe: DictConfig) -> SegmentationModule:
 def check_data(recipe: DictConfig, cohort, split) -> list[str]:
     """Validate the cohort and audit the split before training. Returns the leakage findings that
     were overridden (empty when clean); raises CohortError on a broken cohort or unapproved leakage."""
-    from lightning_modules.audit import check_split_leakage
-    from lightning_modules.validation import validate_cohort
+    from lightning_modules.data.audit import check_split_leakage
+    from lightning_modules.data.validation import validate_cohort
 
     if recipe.data.validate:
         problems = validate_cohort(cohort, classes=list(recipe.data.classes))
@@ -128,7 +128,7 @@ def _leakage_key(cohort, split) -> str:
 
 def _cached(folder: Path, key: str, compute) -> list[str]:
     """The patient/duplicate leakage findings, computed once per content key (reading every CT is slow)."""
-    from lightning_modules.cohort import atomic_write_bytes
+    from lightning_modules.data.cohort import atomic_write_bytes
 
     path = folder / f"{key}.json"
     if path.exists():
@@ -167,9 +167,9 @@ def train(
         run_id: log into this existing MLflow run (``benchx train`` passes the run that
             ``mlflow run`` opened, ``MLFLOW_RUN_ID``); default: a new run.
     """
-    from lightning_modules.splits import split_sha256
+    from lightning_modules.data.splits import split_sha256
 
-    from lightning_modules.backbones.nnunet import resolve_planned_recipe
+    from lightning_modules.models.backbones.nnunet import resolve_planned_recipe
 
     pl.seed_everything(int(recipe.seed), workers=True)
     output_dir = Path(output_dir) if output_dir else default_output_dir(recipe)
@@ -179,7 +179,7 @@ def train(
     # (deterministic, so a resumed run plans the same network).
     split_table = datamodule.split if datamodule is not None and datamodule.split is not None else None
     if split_table is None:
-        from lightning_modules.splits import read_split_table
+        from lightning_modules.data.splits import read_split_table
 
         split_table = read_split_table(recipe.data.split)
     recipe, plan = resolve_planned_recipe(recipe, case_ids=list(split_table.loc[split_table["split"] == "train", "case_id"]))

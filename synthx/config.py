@@ -1,15 +1,15 @@
 """The SynthX recipe schema: OmegaConf YAML merged onto a structured schema in struct mode.
 
-Same approach as :mod:`lightning_modules.recipe` (whose merge helpers are reused): schema defaults
--> ``recipes/synthx.yaml`` -> the selected profile (``profiles.<name>``) -> command-line
+Same approach as :mod:`lightning_modules.config.recipe` (whose merge helpers are reused): schema defaults
+-> ``recipes/generator/synthx.yaml`` -> the selected profile (``profiles.<name>``) -> command-line
 ``key=value`` overrides, so a mistyped key is an error naming the file and the key. The top level of
-``recipes/synthx.yaml`` is the full-size (GPU) setting; ``profile=cpu`` shrinks it for a 2-core CPU
+``recipes/generator/synthx.yaml`` is the full-size (GPU) setting; ``profile=cpu`` shrinks it for a 2-core CPU
 and the tests. Unlike the backbone recipes there is no ``_base.yaml`` layer: the generator shares no
 keys with the segmentation recipes except ``tracking`` (the same :class:`TrackingConfig`).
 
 Example::
 
-    recipe = load_synthx_recipe("recipes/synthx.yaml", ["profile=cpu", "trainer.max_steps=50"])
+    recipe = load_synthx_recipe("recipes/generator/synthx.yaml", ["profile=cpu", "trainer.max_steps=50"])
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from lightning_modules.recipe import RecipeError, TrackingConfig, load_recipe, recipe_to_yaml
+from lightning_modules.config.recipe import RecipeError, TrackingConfig, load_recipe, recipe_to_yaml
 from synthx.mask_prior import SIZE_CLASSES
 from synthx.model import ORGAN_OF_LESION
 
@@ -168,7 +168,7 @@ def load_synthx_recipe(path: str | Path, overrides: list[str] | None = None) -> 
     """Load a SynthX recipe: schema <- recipe <- profile <- overrides, in struct mode, then check it.
 
     Args:
-        path: the recipe YAML (e.g. ``recipes/synthx.yaml``).
+        path: the recipe YAML (e.g. ``recipes/generator/synthx.yaml``).
         overrides: ``key=value`` strings (dotted keys), applied last.
 
     Raises:

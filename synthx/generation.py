@@ -14,7 +14,7 @@ For each requested (sex, age band, phase) case (see :mod:`synthx.targeting`):
 3. Crop a patch around the tumor, resample it to the generator's voxel size when the canvas'
    differs, run :class:`synthx.pipeline.SynthXPipeline`, resample back and paste the repainted
    region (the tumor plus the pipeline's inpainting margin) into the canvas.
-4. Write the case in layout A with :func:`lightning_modules.cohort.write_case` (atomic): the new CT,
+4. Write the case in layout A with :func:`lightning_modules.data.cohort.write_case` (atomic): the new CT,
    every canvas mask, ``pancreatic_lesion`` and the pancreas mask grown to include the lesion
    (AbdomenAtlas convention); then rewrite ``metadata.csv`` atomically.
 
@@ -27,8 +27,8 @@ conditioned on the band), ``tumor_diameter_mm``, ``tumor_location`` (pancreas he
 known) and ``synthesis_run_id`` (the MLflow run of this generation).
 
 Synthetic cases are training data only. The output cohort gets no split file: splits hold real
-cases only (:mod:`lightning_modules.splits`), and the mixing code
-(:mod:`lightning_modules.synthetic_mixing`) treats every ``synthetic=1`` row as training data and
+cases only (:mod:`lightning_modules.data.splits`), and the mixing code
+(:mod:`lightning_modules.data.mixing`) treats every ``synthetic=1`` row as training data and
 checks that its canvas is a real training case of the split in use.
 
 Determinism and resumption: a request is identified by its cell and its index within the cell;
@@ -67,7 +67,7 @@ import torch
 import torch.nn.functional as F
 from scipy import ndimage
 
-from lightning_modules.cohort import (
+from lightning_modules.data.cohort import (
     CT_FILE,
     METADATA_FILE,
     SEGMENTATION_DIR,
@@ -78,7 +78,7 @@ from lightning_modules.cohort import (
     write_case,
     write_metadata,
 )
-from lightning_modules.metadata import (
+from lightning_modules.data.metadata import (
     AGE_BAND_NAMES,
     PHASES,
     SEXES,
@@ -87,7 +87,7 @@ from lightning_modules.metadata import (
     age_band,
     normalize_phase,
 )
-from lightning_modules.splits import load_split
+from lightning_modules.data.splits import load_split
 from synthx.config import SAMPLING_SCHEDULERS
 from synthx.mask_prior import SIZE_CLASS_NAMES, TumorDoesNotFitError, largest_diameter_mm, sample_tumor_mask
 from synthx.targeting import (
@@ -105,7 +105,7 @@ ORGAN_CLASS = "pancreas"
 # The generator is conditioned on the age band; the metadata needs an age in years. A canvas whose
 # age lies in the requested band keeps it; otherwise the band's middle (open bands: a typical age).
 REPRESENTATIVE_AGE = {"le20": 15.0, "20-40": 30.0, "40-60": 50.0, "60-80": 70.0, "gt80": 85.0}
-DEFAULT_SIZE_CLASSES = {"tiny": 1.0, "small": 2.0, "medium": 1.0}  # recipes/synthx.yaml mask_prior
+DEFAULT_SIZE_CLASSES = {"tiny": 1.0, "small": 2.0, "medium": 1.0}  # recipes/generator/synthx.yaml mask_prior
 SCHEDULERS = SAMPLING_SCHEDULERS
 # Settings that change what a case id produces: a rerun into the same folder must repeat them.
 _MANIFEST_KEYS = (

@@ -38,7 +38,7 @@ from diffusers.utils import BaseOutput
 from monai.networks.nets import AutoencoderKL, DiffusionModelUNet
 from torch import nn
 
-from lightning_modules.metadata import (
+from lightning_modules.data.metadata import (
     AGE_BAND_NAMES,
     PHASES,
     SEXES,

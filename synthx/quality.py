@@ -42,9 +42,9 @@ import pandas as pd
 from scipy import ndimage
 from scipy.stats import wasserstein_distance
 
-from lightning_modules.cohort import Case, Cohort, load_cohort
-from lightning_modules.metadata import PHASES, UNKNOWN
-from lightning_modules.splits import load_split
+from lightning_modules.data.cohort import Case, Cohort, load_cohort
+from lightning_modules.data.metadata import PHASES, UNKNOWN
+from lightning_modules.data.splits import load_split
 
 PERCENTILES = (5, 25, 50, 75, 95)
 # Per-tumor quantiles that stand for its HU distribution in the Wasserstein distance.
@@ -533,7 +533,7 @@ def _wasserstein(real: list[np.ndarray], synthetic: list[np.ndarray]) -> float:
 
 
 def _group_order(attributes: Sequence[str]):
-    from lightning_modules.metadata import AGE_BAND_NAMES, SEXES
+    from lightning_modules.data.metadata import AGE_BAND_NAMES, SEXES
 
     orders = {"phase": PHASES, "sex": SEXES, "age_band": AGE_BAND_NAMES}
 

@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
-from lightning_modules.recipe import load_recipe
+from lightning_modules.config.recipe import load_recipe
 from lightning_modules.tracking import experiment_id, git_commit, tracking_uri
 
 STEP_KEY_TAG = "study_step_key"
@@ -55,7 +55,7 @@ class StudySettings:
     recipe: str = "recipes/unet.yaml"
     profile: str = "cpu"
     overrides: list[str] = field(default_factory=list)
-    synthx_recipe: str = "recipes/synthx.yaml"
+    synthx_recipe: str = "recipes/generator/synthx.yaml"
     synthx_overrides: list[str] = field(default_factory=list)
     cases: int = 200
     phantom_seed: int = 0
@@ -150,7 +150,7 @@ def _segmentation_recipe(settings: StudySettings, extra: Sequence[str] = ()):
 
 def run_study(settings: StudySettings) -> pd.DataFrame:
     """Run (or resume) the study; returns the comparison table."""
-    from lightning_modules.evaluation import compare, evaluate
+    from lightning_modules.evaluation.runs import compare, evaluate
 
     base = _segmentation_recipe(settings)
     uri = tracking_uri(base.tracking.uri)
@@ -279,14 +279,14 @@ def _recipe_params(recipe) -> dict:
 
 def _data_step(client, experiment: str, tags: dict, root: Path, split: Path, settings: StudySettings) -> dict:
     """Generate the phantom cohort when absent, make the split when absent, validate both."""
-    from lightning_modules.cohort import load_cohort
-    from lightning_modules.splits import load_split, make_splits, split_sha256, write_split
-    from lightning_modules.validation import validate_cohort
+    from lightning_modules.data.cohort import load_cohort
+    from lightning_modules.data.splits import load_split, make_splits, split_sha256, write_split
+    from lightning_modules.data.validation import validate_cohort
 
     run = client.create_run(experiment, run_name="data", tags=tags)
     run_id = run.info.run_id
     if not (root / "metadata.csv").exists():
-        from lightning_modules.phantom import generate_phantom_cohort
+        from lightning_modules.data.phantom import generate_phantom_cohort
 
         generate_phantom_cohort(root, n_cases=settings.cases, seed=settings.phantom_seed)
         client.set_tag(run_id, "phantom_generated", "true")

@@ -43,7 +43,7 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from lightning_modules.recipe import load_recipe
+from lightning_modules.config.recipe import load_recipe
 from lightning_modules.tracking import experiment_id, git_commit, tracking_uri
 from lightning_modules.training import train
 
@@ -134,7 +134,7 @@ def make_objective(
             from optuna_integration import PyTorchLightningPruningCallback
 
             callbacks.append(PyTorchLightningPruningCallback(trial, monitor="val/f1/overall"))
-        from lightning_modules.evaluation_callback import SubgroupEvaluation
+        from lightning_modules.evaluation.callback import SubgroupEvaluation
 
         evaluation = SubgroupEvaluation.from_recipe(trial_recipe)
         folder = (output_root or Path(trial_recipe.tracking.output_dir)) / f"sweep-{study_name}" / f"trial-{trial.number}"

@@ -35,10 +35,10 @@ from typing import Mapping, Sequence
 
 import pandas as pd
 
-from lightning_modules.cohort import Cohort, load_cohort
-from lightning_modules.metadata import AGE_BAND_NAMES, PHASES, SEXES, UNKNOWN, normalize_phase, normalize_sex
-from lightning_modules.splits import SPLITS as SPLIT_NAMES
-from lightning_modules.splits import load_split
+from lightning_modules.data.cohort import Cohort, load_cohort
+from lightning_modules.data.metadata import AGE_BAND_NAMES, PHASES, SEXES, UNKNOWN, normalize_phase, normalize_sex
+from lightning_modules.data.splits import SPLITS as SPLIT_NAMES
+from lightning_modules.data.splits import load_split
 
 CELL_COLUMNS = ("sex", "age_band", "phase")
 TARGET_COLUMNS = CELL_COLUMNS + ("real_positives", "requested")
@@ -76,7 +76,7 @@ def labelled_cases(cohort: Cohort, split: pd.DataFrame, lesion_class: str = "pan
 
     Args:
         cohort: the real cohort.
-        split: its split table, checked against the cohort (:func:`lightning_modules.splits.load_split`).
+        split: its split table, checked against the cohort (:func:`lightning_modules.data.splits.load_split`).
         lesion_class: the lesion mask that defines a positive case when ``tumor`` is not recorded.
 
     Cases missing from the split file get split ``""`` (in no split).

@@ -17,13 +17,13 @@ and the saved pipeline (EMA weights, the recipe's sampling scheduler) under arti
 
 Run::
 
-    benchx synthx-train --recipe recipes/synthx.yaml profile=cpu
-    benchx synthx-train --recipe recipes/synthx.yaml --root data/phantom --split splits/phantom.csv trainer.max_steps=300
+    benchx synthx-train --recipe recipes/generator/synthx.yaml profile=cpu
+    benchx synthx-train --recipe recipes/generator/synthx.yaml --root data/phantom --split splits/phantom.csv trainer.max_steps=300
 
 Latent mode (full-size runs): train the autoencoder first, then the generator on its latents::
 
-    benchx synthx-train --recipe recipes/synthx.yaml --stage autoencoder --out outputs/synthx-ae
-    benchx synthx-train --recipe recipes/synthx.yaml model.latent=true model.vae_path=outputs/synthx-ae/autoencoder
+    benchx synthx-train --recipe recipes/generator/synthx.yaml --stage autoencoder --out outputs/synthx-ae
+    benchx synthx-train --recipe recipes/generator/synthx.yaml model.latent=true model.vae_path=outputs/synthx-ae/autoencoder
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from omegaconf import DictConfig, OmegaConf
 from scipy import ndimage
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_modules.cohort import Cohort, file_sha256, load_cohort
+from lightning_modules.data.cohort import Cohort, file_sha256, load_cohort
 from lightning_modules.tracking import experiment_id, flatten, git_commit, tracking_uri
 from synthx.config import load_synthx_recipe, recipe_to_yaml
 from synthx.model import (
@@ -76,7 +76,7 @@ PAD_HU = -1024.0
 
 def read_split(path: str | Path, cohort: Cohort) -> pd.DataFrame:
     """The checked split table (``case_id, patient_id, split``) of ``cohort``."""
-    from lightning_modules.splits import load_split
+    from lightning_modules.data.splits import load_split
 
     return load_split(path, cohort)
 
@@ -786,7 +786,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         description="Train the SynthX tumor generator from a recipe. Trailing key=value pairs override the "
         "recipe (e.g. profile=cpu trainer.max_steps=300).",
     )
-    parser.add_argument("--recipe", default="recipes/synthx.yaml", help="SynthX recipe YAML")
+    parser.add_argument("--recipe", default="recipes/generator/synthx.yaml", help="SynthX recipe YAML")
     parser.add_argument("--root", default=None, help="cohort folder (overrides data.root)")
     parser.add_argument("--split", default=None, help="split CSV (overrides data.split)")
     parser.add_argument("--out", default=None, help="run folder (default: <tracking.output_dir>/synthx-<run id>)")

@@ -75,9 +75,9 @@ TINY_CASES = 24
 @pytest.fixture(scope="session")
 def tiny_phantom(tmp_path_factory):
     """(cohort root, split path) of a 24-case phantom at 48x48x32, split by patient with seed 0."""
-    from lightning_modules.cohort import load_cohort
-    from lightning_modules.phantom import generate_phantom_cohort
-    from lightning_modules.splits import make_splits, write_split
+    from lightning_modules.data.cohort import load_cohort
+    from lightning_modules.data.phantom import generate_phantom_cohort
+    from lightning_modules.data.splits import make_splits, write_split
 
     root = tmp_path_factory.mktemp("tiny_phantom")
     generate_phantom_cohort(root / "cohort", n_cases=TINY_CASES, seed=0, shape=TINY_SHAPE)

@@ -8,10 +8,10 @@ import pandas as pd
 import pytest
 
 from conftest import RECIPES, tiny_overrides
-from lightning_modules.cohort import load_cohort, write_metadata
+from lightning_modules.data.cohort import load_cohort, write_metadata
 from lightning_modules.inference import main as predict_main
 from lightning_modules.inference import predict_scan
-from lightning_modules.recipe import load_recipe
+from lightning_modules.config.recipe import load_recipe
 from lightning_modules.training import load_module_from_checkpoint, train
 
 
@@ -43,8 +43,8 @@ def test_prediction_is_on_the_scan_grid_after_reorientation_and_resampling(tiny_
 
 def test_real_ct_validate_train_step_and_prediction_on_its_own_grid(tiny_phantom, tmp_path):
     """The TotalSegmentator example CT (fetched from the package registry): validate, train, predict."""
-    from lightning_modules.example_ct import EXAMPLE_CASE_ID, example_case_dir, fetch_example
-    from lightning_modules.validation import validate_cohort
+    from lightning_modules.data.example_ct import EXAMPLE_CASE_ID, example_case_dir, fetch_example
+    from lightning_modules.data.validation import validate_cohort
 
     phantom_root, phantom_split = tiny_phantom
     fetch_example(tmp_path / "example")

@@ -15,9 +15,9 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from conftest import RECIPES, REPO_ROOT, tiny_overrides
-from lightning_modules.cohort import CohortError
-from lightning_modules.datamodule import CohortDataModule
-from lightning_modules.recipe import load_recipe
+from lightning_modules.data.cohort import CohortError
+from lightning_modules.data.datamodule import CohortDataModule
+from lightning_modules.config.recipe import load_recipe
 from lightning_modules.training import build_module, default_output_dir, train
 
 
@@ -68,7 +68,7 @@ def test_training_refuses_a_leaking_split(tiny_phantom, tmp_path):
     """A training scan copied into the test split under another patient id: refused, cached, overridable."""
     import shutil
 
-    from lightning_modules.cohort import load_cohort, write_metadata
+    from lightning_modules.data.cohort import load_cohort, write_metadata
 
     root, split = tiny_phantom
     cohort_root = tmp_path / "cohort"
@@ -124,7 +124,7 @@ def test_killed_training_resumes_with_the_same_step_count(tiny_phantom, tmp_path
 
 
 def test_evaluate_and_compare_two_runs(tiny_phantom, tmp_path, capsys, monkeypatch):
-    from lightning_modules.evaluation import EvaluationError, compare, evaluate, evaluate_main, format_comparison
+    from lightning_modules.evaluation.runs import EvaluationError, compare, evaluate, evaluate_main, format_comparison
 
     root, split = tiny_phantom
     results = []
@@ -186,7 +186,7 @@ class RecordsToDisk(pl.Callback):
 
 def test_ddp_two_processes_count_every_case_once(tiny_phantom, tmp_path):
     """2-process gloo validation equals single-process validation: same records, each case once."""
-    from lightning_modules.detection_metrics import subgroup_metrics
+    from lightning_modules.evaluation.detection import subgroup_metrics
 
     root, split = tiny_phantom
     table = pd.read_csv(split)

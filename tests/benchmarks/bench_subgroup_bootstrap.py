@@ -3,7 +3,7 @@
 Builds a synthetic evaluation the size of BenchX (85,355 scans; patients with one or more scans;
 all 7 attributes), then times
 
-1. :func:`lightning_modules.bootstrap.bootstrap_subgroup_metrics` with 2,000 resamples (every
+1. :func:`lightning_modules.evaluation.bootstrap.bootstrap_subgroup_metrics` with 2,000 resamples (every
    subgroup's sensitivity, specificity, F1, AUC and auc_binary with 95% CIs), and
 2. a straightforward loop that, per resample, expands the drawn patients to their scans and calls
    scikit-learn (confusion_matrix, recall_score, f1_score, roc_auc_score) for every subgroup. The
@@ -32,13 +32,13 @@ from sklearn.metrics import confusion_matrix, f1_score, recall_score, roc_auc_sc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_modules.bootstrap import (  # noqa: E402
+from lightning_modules.evaluation.bootstrap import (  # noqa: E402
     bootstrap_subgroup_metrics,
     evaluation_seed,
     resample_indices,
 )
-from lightning_modules.detection_metrics import WeightedSubgroupEvaluator, subgroup_membership  # noqa: E402
-from lightning_modules.metadata import AGE_BAND_NAMES  # noqa: E402
+from lightning_modules.evaluation.detection import WeightedSubgroupEvaluator, subgroup_membership  # noqa: E402
+from lightning_modules.data.metadata import AGE_BAND_NAMES  # noqa: E402
 
 
 def synthetic_evaluation(n_scans: int, n_patients: int, seed: int = 0) -> pd.DataFrame:

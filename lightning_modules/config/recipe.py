@@ -1,0 +1,294 @@
+"""Recipes: OmegaConf YAML merged onto a structured schema in struct mode (a mistyped key is an error).
+
+Merge order: schema defaults -> ``recipes/_base.yaml`` -> the backbone's recipe -> the recipe's
+profile (``profiles.<name>``, e.g. ``cpu``) -> command-line ``key=value`` overrides. The top level
+of a recipe is the full-size (Touchstone, DESIGN.md section 7) setting; ``profiles.cpu`` shrinks it
+for this machine and the tests.
+
+Example::
+
+    recipe = load_recipe("recipes/unet.yaml", ["profile=cpu", "trainer.max_steps=50"])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+BASE_RECIPE = "_base.yaml"
+
+
+@dataclass
+class DataConfig:
+    root: str = "data/phantom"
+    split: str = "splits/phantom.csv"
+    # Classes trained on, in label order after background (DESIGN.md section 1).
+    classes: list[str] = field(default_factory=lambda: ["pancreas", "pancreatic_lesion"])
+    tumor_class: str = "pancreatic_lesion"
+    spacing: list[float] = field(default_factory=lambda: [1.5, 1.5, 1.5])
+    hu_window: list[float] = field(default_factory=lambda: [-175.0, 250.0])
+    patch_size: list[int] = field(default_factory=lambda: [96, 96, 96])
+    batch_size: int = 2
+    samples_per_volume: int = 2
+    # Patch centres (RandCropByLabelClassesd ratios): background `neg`, each organ class `pos`,
+    # each lesion class `pos * lesion_ratio`, so lesions are sampled often though they are small.
+    pos: float = 1.0
+    neg: float = 1.0
+    lesion_ratio: float = 2.0
+    augment: bool = True
+    cache: bool = True
+    num_workers: int = 0
+    # The checks of `validate` run before training; a broken cohort is refused.
+    validate: bool = True
+    allow_leakage: bool = False
+
+
+@dataclass
+class ModelConfig:
+    backbone: str = "unet"
+    # Keyword arguments of the backbone's builder, checked against its signature at recipe load.
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"  # sgd | adamw
+    lr: float = 1e-2
+    weight_decay: float = 3e-5
+    momentum: float = 0.99
+    nesterov: bool = True
+    schedule: str = "poly"  # poly | cosine | constant
+    warmup_steps: int = 0
+    poly_power: float = 0.9
+
+
+@dataclass
+class LossConfig:
+    dice_weight: float = 1.0
+    ce_weight: float = 1.0
+    # Dice over the whole batch rather than per patch (nnU-Net's batch Dice).
+    batch_dice: bool = True
+    # nnU-Net: weights 1/2^i for deep-supervision scale i, the lowest scale dropped, normalized.
+    deep_supervision_decay: float = 0.5
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 250_000
+    val_every_n_steps: int = 2_000
+    accelerator: str = "auto"
+    devices: Any = 1
+    strategy: str = "auto"
+    precision: str = "32-true"
+    log_every_n_steps: int = 50
+    gradient_clip_val: Optional[float] = None
+    sw_batch_size: int = 4
+    sw_overlap: float = 0.5
+    # Sliding-window size for whole-volume inference; empty = data.patch_size. Fully convolutional
+    # backbones (U-Net, nnU-Net) may use larger windows than they train on: fewer, cheaper windows.
+    sw_roi_size: list[int] = field(default_factory=list)
+    deterministic: bool = False
+    # last.ckpt is also written every this many steps, so a killed run loses at most that much.
+    checkpoint_every_n_steps: int = 1000
+    progress_bar: bool = True
+
+
+@dataclass
+class DetectionConfig:
+    # DESIGN.md section 3: a scan is positive when its predicted tumor volume exceeds m (mm^3).
+    threshold_mm3: float = 50.0
+    # fixed | f1 | youden: 'f1'/'youden' choose m on the validation split, then apply it to test.
+    threshold_rule: str = "fixed"
+    score: str = "volume"  # volume | max_prob
+    small_tumor_mm: float = 20.0
+    bootstrap_resamples: int = 2000
+    confidence: float = 0.95
+
+
+@dataclass
+class TrackingConfig:
+    # None: MLFLOW_TRACKING_URI if set (as `mlflow run` does), else sqlite:///mlflow.db.
+    uri: Optional[str] = None
+    experiment: str = "benchx"
+    run_name: Optional[str] = None
+    output_dir: str = "outputs"
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class SynthXMixConfig:
+    ratio: float = 0.0
+    cohort: Optional[str] = None
+    generator_run: Optional[str] = None
+
+
+@dataclass
+class Recipe:
+    name: str = "unet"
+    seed: int = 0
+    profile: str = "full"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    detection: DetectionConfig = field(default_factory=DetectionConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    synthx: SynthXMixConfig = field(default_factory=SynthXMixConfig)
+    # Named sets of overrides (e.g. 'cpu'); applied when `profile` names one.
+    profiles: dict[str, Any] = field(default_factory=dict)
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be loaded: a mistyped key, a wrong type, a violated shape rule."""
+
+
+def _load_yaml(path: Path) -> DictConfig:
+    if not path.exists():
+        raise RecipeError(f"recipe file {path} does not exist")
+    return OmegaConf.load(path)
+
+
+def load_recipe(
+    path: str | Path,
+    overrides: list[str] | None = None,
+    check: bool = True,
+    resolved: bool = False,
+    schema: type = None,
+    checker=None,
+    base: bool = True,
+) -> DictConfig:
+    """Load a recipe: schema <- _base.yaml <- recipe <- profile <- overrides, in struct mode.
+
+    Args:
+        path: the recipe YAML (its folder must hold ``_base.yaml`` unless the recipe is the base).
+        overrides: ``key=value`` strings (dotted keys), applied last.
+        check: bind ``model.options`` to the backbone builder's signature and apply its shape rules.
+        resolved: the file is an already resolved recipe (the ``recipe.yaml`` a run logs): no
+            ``_base.yaml`` layer and no profile is applied again, only the overrides.
+        schema: the structured dataclass (default :class:`Recipe`; SynthX passes its own).
+        checker: ``checker(config, source)`` run when ``check`` (default :func:`check_recipe`).
+        base: merge ``_base.yaml`` from the recipe's folder (the backbone recipes' shared layer).
+
+    Raises:
+        RecipeError: naming the file and the key that is wrong.
+    """
+    path = Path(path)
+    overrides = list(overrides or [])
+    structured = OmegaConf.structured(schema or Recipe)
+    layers: list[tuple[str, DictConfig]] = []
+    base_path = path.parent / BASE_RECIPE
+    if base and not resolved and base_path.exists() and base_path.resolve() != path.resolve():
+        layers.append((str(base_path), _load_yaml(base_path)))
+    layers.append((str(path), _load_yaml(path)))
+    try:
+        cli = OmegaConf.from_dotlist(overrides)
+    except OmegaConfBaseException as error:
+        raise RecipeError(f"bad override in {overrides}: {error}") from error
+    layers.append(("command line", cli))
+
+    # Profiles are sets of overrides, not values: collect them from every layer (later layers win)
+    # and merge the selected one after the layers, so the schema still checks every key they set.
+    profiles = OmegaConf.create({})
+    stripped = []
+    for source, layer in layers:
+        if "profiles" in layer:
+            profiles = OmegaConf.merge(profiles, layer.profiles)
+            layer = OmegaConf.masked_copy(layer, [k for k in layer if k != "profiles"])
+        stripped.append((source, layer))
+
+    config = structured
+    _seal(config)
+    for source, layer in stripped:
+        config = _merge(config, layer, source)
+    profile = config.profile
+    if not resolved and profile not in ("full", "", None):
+        if profile not in profiles:
+            raise RecipeError(
+                f"{path}: profile {profile!r} is not defined (available: full, {', '.join(profiles) or 'none'})"
+            )
+        config = _merge(config, profiles[profile], f"{path} profiles.{profile}")
+        config = _merge(config, cli, "command line")
+    OmegaConf.set_struct(config.profiles, False)
+    config.profiles = profiles
+    if "name" not in stripped[-2][1]:
+        config.name = path.stem
+    if check:
+        (checker or check_recipe)(config, source=str(path))
+    return config
+
+
+def _merge(config: DictConfig, layer: DictConfig, source: str) -> DictConfig:
+    try:
+        merged = OmegaConf.merge(config, layer)
+    except ConfigKeyError as error:
+        raise RecipeError(f"{source}: unknown key {error.full_key!r} ({error.msg.splitlines()[0]})") from error
+    except OmegaConfBaseException as error:
+        key = getattr(error, "full_key", None)
+        raise RecipeError(f"{source}: invalid value for {key!r}: {str(error).splitlines()[0]}") from error
+    _seal(merged)
+    return merged
+
+
+# Free-form mappings inside the schema: keys are checked elsewhere (builder signatures) or are free.
+_OPEN_NODES = ("model.options", "tracking.tags", "profiles")
+
+
+def _seal(config: DictConfig) -> None:
+    OmegaConf.set_struct(config, True)
+    for key in _OPEN_NODES:
+        node = OmegaConf.select(config, key)
+        if node is not None:
+            OmegaConf.set_struct(node, False)
+
+
+def check_recipe(config: DictConfig, source: str = "recipe") -> None:
+    """Check a recipe without building weights: builder signature, shape rules, value ranges."""
+    from lightning_modules.models.backbones import check_backbone_config
+
+    data = config.data
+    if len(data.patch_size) != 3 or len(data.spacing) != 3:
+        raise RecipeError(f"{source}: data.patch_size and data.spacing need 3 values")
+    if data.tumor_class not in data.classes:
+        raise RecipeError(f"{source}: data.tumor_class {data.tumor_class!r} is not one of data.classes {list(data.classes)}")
+    if config.optim.name not in ("sgd", "adamw"):
+        raise RecipeError(f"{source}: optim.name must be sgd or adamw, got {config.optim.name!r}")
+    if config.optim.schedule not in ("poly", "cosine", "constant"):
+        raise RecipeError(f"{source}: optim.schedule must be poly, cosine or constant, got {config.optim.schedule!r}")
+    if config.detection.threshold_rule not in ("fixed", "f1", "youden"):
+        raise RecipeError(f"{source}: detection.threshold_rule must be fixed, f1 or youden")
+    if config.detection.score not in ("volume", "max_prob"):
+        raise RecipeError(f"{source}: detection.score must be volume or max_prob")
+    if not 0.0 <= config.synthx.ratio <= 1.0:
+        raise RecipeError(f"{source}: synthx.ratio must be in [0, 1], got {config.synthx.ratio}")
+    try:
+        check_backbone_config(
+            config.model.backbone,
+            dict(OmegaConf.to_container(config.model.options, resolve=True)),
+            patch_size=tuple(int(p) for p in data.patch_size),
+            in_channels=1,
+            out_channels=len(data.classes) + 1,
+        )
+        if len(config.trainer.sw_roi_size):
+            if len(config.trainer.sw_roi_size) != 3:
+                raise ValueError("trainer.sw_roi_size needs 3 values (or none: data.patch_size)")
+            try:
+                check_backbone_config(
+                    config.model.backbone,
+                    dict(OmegaConf.to_container(config.model.options, resolve=True)),
+                    patch_size=tuple(int(p) for p in config.trainer.sw_roi_size),
+                    in_channels=1,
+                    out_channels=len(data.classes) + 1,
+                )
+            except ValueError as error:
+                raise ValueError(str(error).replace("data.patch_size", "trainer.sw_roi_size")) from None
+    except (TypeError, ValueError, KeyError) as error:
+        raise RecipeError(f"{source}: model: {error}") from error
+
+
+def recipe_to_yaml(config: DictConfig) -> str:
+    return OmegaConf.to_yaml(config, resolve=True)

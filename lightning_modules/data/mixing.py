@@ -1,0 +1,166 @@
+"""Mixing a synthetic cohort into training at a synthesis ratio r (issue 5, DESIGN.md sections 0 and 2).
+
+A synthetic cohort is just a cohort on disk whose rows have ``synthetic=1`` (written by
+``benchx synthesize``); mixing it in needs nothing from the generator. Each training case drawn is
+synthetic with probability r and real otherwise, so a fraction r of each batch's cases is synthetic
+in expectation (an epoch has as many draws as there are real training cases). With r = 0 the
+training data is exactly the baseline's: the mixing dataset is not built at all.
+
+Refusals, each naming the cases: a synthetic case in the validation or test split, a synthetic case
+whose canvas (``source_case_id``) is not a real training case of the current split, a "synthetic"
+cohort with real rows. The synthetic cohort is logged as an MLflow dataset input of the training
+run (lineage back to the generator run through ``generator_run_id``).
+
+Example::
+
+    benchx train --recipe recipes/unet.yaml profile=cpu synthx.ratio=0.3 synthx.cohort=data/synthetic
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+import torch
+from monai.data import CacheDataset, Dataset
+from monai.transforms import Compose
+from mlflow.entities import DatasetInput, InputTag
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig
+from torch.utils.data import Sampler
+
+from lightning_modules.data.cohort import Cohort, CohortError, load_cohort
+from lightning_modules.data.datamodule import CohortDataModule, case_items, seeded_compose
+
+SYNTHETIC_COHORT_TAG = "synthetic_cohort"
+
+
+class RatioSampler(Sampler[int]):
+    """Indices into [real..., synthetic...]: each draw is synthetic with probability ``ratio``.
+
+    Args:
+        n_real: real cases (indices 0..n_real-1); also the number of draws per epoch.
+        n_synthetic: synthetic cases (indices n_real..n_real+n_synthetic-1).
+        ratio: probability that a draw is synthetic.
+        seed: base seed; epoch e (``set_epoch``, called by Lightning) uses seed + e, so runs are
+            reproducible and epochs differ.
+    """
+
+    def __init__(self, n_real: int, n_synthetic: int, ratio: float, seed: int = 0):
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"synthesis ratio must be in [0, 1], got {ratio}")
+        if n_synthetic == 0 and ratio > 0:
+            raise ValueError("synthesis ratio > 0 but the synthetic cohort has no cases")
+        self.n_real, self.n_synthetic, self.ratio, self.seed = n_real, n_synthetic, float(ratio), int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n_real
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        synthetic = torch.rand(self.n_real, generator=generator) < self.ratio
+        real_draws = torch.randperm(self.n_real, generator=generator)
+        synth_draws = torch.randint(0, max(self.n_synthetic, 1), (self.n_real,), generator=generator) + self.n_real
+        return iter(torch.where(synthetic, synth_draws, real_draws).tolist())
+
+
+def resolve_synthetic_cohort(recipe: DictConfig) -> Path | None:
+    """The synthetic cohort folder from ``synthx.cohort`` or from a generator run's ``synthetic_cohort`` tag."""
+    if recipe.synthx.cohort:
+        return Path(recipe.synthx.cohort)
+    if recipe.synthx.generator_run:
+        from lightning_modules.tracking import tracking_uri
+
+        run = MlflowClient(tracking_uri=tracking_uri(recipe.tracking.uri)).get_run(str(recipe.synthx.generator_run))
+        path = run.data.tags.get(SYNTHETIC_COHORT_TAG) or run.data.params.get("out")
+        if not path:
+            raise CohortError([f"MLflow run {recipe.synthx.generator_run} has no '{SYNTHETIC_COHORT_TAG}' tag"])
+        return Path(path)
+    return None
+
+
+def check_synthetic_cohort(synthetic: Cohort, split: pd.DataFrame, real: Cohort) -> None:
+    """Refuse synthetic cases that would leak: canvases outside the training split, real rows, val/test use."""
+    problems = []
+    train_cases = set(split.loc[split["split"] == "train", "case_id"])
+    held_out = set(split.loc[split["split"] != "train", "case_id"])
+    for row in synthetic.metadata.itertuples():
+        if int(row.synthetic) != 1:
+            problems.append(f"{row.case_id}: {synthetic.root}/metadata.csv: row is not synthetic=1 (a synthetic cohort holds only SynthX output)")
+        elif row.source_case_id in held_out:
+            problems.append(f"{row.case_id}: canvas {row.source_case_id} is a validation/test case of the split: refused")
+        elif row.source_case_id not in train_cases:
+            problems.append(f"{row.case_id}: canvas {row.source_case_id} is not a real training case of the current split: refused")
+    flagged = real.metadata.loc[real.metadata["synthetic"] == 1, "case_id"]
+    for case_id in set(flagged) & held_out:
+        problems.append(f"{case_id}: synthetic case in the validation/test split: synthetic data is training-only")
+    if problems:
+        raise CohortError(problems, synthetic.root)
+
+
+class MixedTrainingSet(Dataset):
+    """Real training items followed by synthetic items, with a RatioSampler as ``sampler``."""
+
+    def __init__(self, items: list[dict], transforms: Compose, n_real: int, ratio: float, seed: int, cache: bool):
+        self.inner = CacheDataset(items, transforms, cache_rate=1.0, progress=False, copy_cache=False) if cache else Dataset(items, transforms)
+        self.n_real = n_real
+        self.n_synthetic = len(items) - n_real
+        self.sampler = RatioSampler(n_real, self.n_synthetic, ratio, seed)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        return self.inner[index]
+
+
+def mixing_datamodule(recipe: DictConfig) -> CohortDataModule:
+    """The recipe's datamodule; with ``synthx.ratio > 0`` its training set mixes in the synthetic cohort."""
+    synthetic_root = resolve_synthetic_cohort(recipe)
+    ratio = float(recipe.synthx.ratio)
+    if ratio == 0.0 or synthetic_root is None:
+        if ratio > 0:
+            raise CohortError(["synthx.ratio > 0 needs synthx.cohort or synthx.generator_run"])
+        return CohortDataModule(recipe)
+    synthetic = load_cohort(synthetic_root)
+
+    def build(datamodule: CohortDataModule, transforms: list):
+        check_synthetic_cohort(synthetic, datamodule.split, datamodule.cohort)
+        classes = list(recipe.data.classes)
+        real_items = case_items(datamodule.cohort, datamodule.case_ids("train"), classes)
+        synth_items = case_items(synthetic, synthetic.case_ids, classes)
+        return MixedTrainingSet(
+            real_items + synth_items, seeded_compose(transforms, int(recipe.seed)), len(real_items), ratio,
+            int(recipe.seed), bool(recipe.data.cache),
+        )
+
+    datamodule = CohortDataModule(recipe, train_dataset_factory=build)
+    datamodule.synthetic_cohort = synthetic
+    return datamodule
+
+
+def log_dataset_inputs(client: MlflowClient, run_id: str, datamodule: CohortDataModule, split_path: str) -> None:
+    """Log the real training split and (when mixing) the synthetic cohort as MLflow dataset inputs."""
+    datamodule._load()
+    inputs = []
+    train_ids = datamodule.case_ids("train")
+    real = mlflow.data.from_pandas(
+        datamodule.cohort.subset(train_ids).astype(str), source=str(Path(datamodule.cohort.root).resolve()), name=f"train:{Path(split_path).name}"
+    )
+    inputs.append(DatasetInput(real._to_mlflow_entity(), [InputTag("mlflow.data.context", "training")]))
+    synthetic = getattr(datamodule, "synthetic_cohort", None)
+    if synthetic is not None:
+        dataset = mlflow.data.from_pandas(
+            synthetic.metadata.astype(str), source=str(Path(synthetic.root).resolve()), name=f"synthetic:{Path(synthetic.root).name}"
+        )
+        inputs.append(DatasetInput(dataset._to_mlflow_entity(), [InputTag("mlflow.data.context", "training-synthetic")]))
+        generators = sorted(set(synthetic.metadata["generator_run_id"]) - {""})
+        if generators:
+            client.set_tag(run_id, "generator_run_ids", ",".join(generators))
+        client.set_tag(run_id, SYNTHETIC_COHORT_TAG, str(synthetic.root))
+    client.log_inputs(run_id, datasets=inputs)

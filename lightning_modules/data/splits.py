@@ -1,0 +1,319 @@
+"""Patient-disjoint train/val/test splits (DESIGN.md section 2), written once and then only read.
+
+A split file ``splits/<cohort>.csv`` has columns ``case_id,patient_id,split``. :func:`make_splits`
+assigns whole patients (every scan of a patient lands in one split) and balances tumor x phase
+strata across splits where the counts allow. Only real cases are split: synthetic cases are
+training data by construction and never enter a split file. :func:`write_split` refuses to replace
+an existing file unless forced (as nnU-Net's ``splits_final.json``), and :func:`load_split` fails
+hard on a patient in two splits, an unknown case, or a patient id that disagrees with the cohort.
+
+Run::
+
+    benchx make-splits --root data/phantom --out splits/phantom.csv --seed 0 --val 0.1 --test 0.2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+
+from lightning_modules.data.cohort import CohortError, atomic_write_csv, file_sha256, load_cohort
+from lightning_modules.data.validation import Problem
+
+if TYPE_CHECKING:
+    from lightning_modules.data.cohort import Cohort
+
+SPLITS = ("train", "val", "test")
+SPLIT_COLUMNS = ("case_id", "patient_id", "split")
+
+
+class SplitError(ValueError):
+    """A split that cannot be used; ``problems`` lists every reason (case, file, message)."""
+
+    def __init__(self, problems: list[Problem], path: Path | str = ""):
+        self.problems = list(problems)
+        self.path = str(path)
+        head = f"split {path}: " if path else "split: "
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{head}{len(self.problems)} problem(s):\n{lines}")
+
+
+def _strata(metadata: pd.DataFrame) -> pd.Series:
+    # -1 (tumor not recorded) stays its own stratum rather than being guessed.
+    tumor = metadata["tumor"].astype(int).map({1: "tumor", 0: "no-tumor"}).fillna("tumor-unknown")
+    return tumor + "|" + metadata["phase"].astype(str)
+
+
+def make_splits(
+    metadata: pd.DataFrame,
+    seed: int = 0,
+    val_fraction: float = 0.1,
+    test_fraction: float = 0.2,
+) -> pd.DataFrame:
+    """Assign whole patients to train/val/test, stratified by tumor x phase.
+
+    The allocator is greedy and seeded (a variant of scikit-learn's ``StratifiedGroupKFold``,
+    which only makes equal folds): patients are shuffled with ``seed``, ordered by number of scans
+    (largest first, as in bin packing), and each goes to the split that least increases the
+    chi-square distance between what the splits hold and their target shares of every tumor x
+    phase stratum, of cases and of patients. Strata too small to share stay whole in the split
+    that needs them most (train, for a single patient). Every split with a positive fraction gets
+    at least one patient.
+
+    Args:
+        metadata: normalized cohort metadata with ``case_id``, ``patient_id``, ``tumor`` (0/1, or -1
+            when unrecorded: its own stratum), ``phase`` and ``synthetic``. Synthetic rows are
+            dropped: they are training-only data.
+        seed: shuffling seed; the same table and seed give the same split.
+        val_fraction: target share of cases in ``val``.
+        test_fraction: target share of cases in ``test``.
+
+    Returns:
+        ``case_id, patient_id, split`` for every real case, in the input order.
+    """
+    missing = [c for c in ("case_id", "patient_id", "tumor", "phase") if c not in metadata.columns]
+    if missing:
+        raise ValueError(f"metadata lacks column(s) {missing} needed to split")
+    if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+        raise ValueError(
+            f"fractions must be in [0, 1) with val + test < 1, got val={val_fraction}, test={test_fraction}"
+        )
+    real = metadata
+    if "synthetic" in metadata.columns:
+        real = metadata[metadata["synthetic"].astype(int) == 0]
+    real = real.reset_index(drop=True)
+    duplicated = real.loc[real["case_id"].duplicated(), "case_id"].tolist()
+    if duplicated:
+        raise ValueError(f"duplicate case id(s) in metadata: {duplicated}")
+
+    fractions = np.array([1.0 - val_fraction - test_fraction, val_fraction, test_fraction])
+    strata = _strata(real)
+    stratum_names = sorted(strata.unique())
+    stratum_index = strata.map({name: i for i, name in enumerate(stratum_names)}).to_numpy()
+    patients = real["patient_id"].astype(str).to_numpy()
+    patient_names = np.unique(patients)
+    needed = int(np.count_nonzero(fractions > 0))
+    if len(patient_names) < needed:
+        raise ValueError(f"{len(patient_names)} patient(s) cannot fill {needed} non-empty split(s)")
+
+    # counts[p]: patient p's cases per stratum, then its total cases, then 1 (the patient itself).
+    patient_of_case = np.searchsorted(patient_names, patients)
+    counts = np.zeros((len(patient_names), len(stratum_names) + 2))
+    np.add.at(counts, (patient_of_case, stratum_index), 1.0)
+    counts[:, -2] = counts[:, :-2].sum(axis=1)
+    counts[:, -1] = 1.0
+    targets = fractions[:, None] * counts.sum(axis=0)[None, :]
+    # Chi-square weights: a deviation counts relative to its target, so rare strata and the small
+    # val split weigh as much as common ones, and splits fill in proportion.
+    weights = 1.0 / np.maximum(targets, 1e-9)
+
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(patient_names))
+    order = order[np.argsort(-counts[order, -2], kind="stable")]
+    allocated = np.zeros_like(targets)
+    assignment = np.full(len(patient_names), -1)
+    for p in order:
+        # Increase of sum(w * (allocated - target)^2) when patient p joins each split.
+        increase = (weights * counts[p] * (2.0 * (allocated - targets) + counts[p])).sum(axis=1)
+        increase[fractions == 0] = np.inf
+        best_split = int(np.argmin(increase))
+        assignment[p] = best_split
+        allocated[best_split] += counts[p]
+    size_targets = targets[:, -2]
+
+    # A tiny cohort can leave val or test empty; move the smallest patient of the most over-full split.
+    for s in np.flatnonzero(fractions > 0):
+        if np.any(assignment == s):
+            continue
+        sizes = np.array([counts[assignment == t, -2].sum() for t in range(3)])
+        surplus = sizes - size_targets
+        surplus[[t for t in range(3) if np.count_nonzero(assignment == t) <= 1]] = -np.inf
+        donor = int(np.argmax(surplus))
+        members = np.flatnonzero(assignment == donor)
+        assignment[members[np.argmin(counts[members, -2])]] = s
+
+    table = pd.DataFrame(
+        {
+            "case_id": real["case_id"].astype(str),
+            "patient_id": patients,
+            "split": [SPLITS[s] for s in assignment[patient_of_case]],
+        }
+    )
+    return table
+
+
+def split_problems(table: pd.DataFrame, cohort: Cohort | None = None, path: Path | str = "") -> list[Problem]:
+    """Every reason a split table cannot be used (empty list when it is sound).
+
+    Checks columns, split values, duplicate and empty case ids, patients in two splits, and, with
+    a cohort, case ids absent from it, patient ids that disagree with its metadata, and synthetic
+    cases placed in val or test.
+    """
+    where = str(path) or "split"
+    missing = [c for c in SPLIT_COLUMNS if c not in table.columns]
+    if missing:
+        return [Problem("<header>", where, f"required column(s) {missing} missing (need {list(SPLIT_COLUMNS)})")]
+    problems: list[Problem] = []
+    for row_number, (case_id, split) in enumerate(zip(table["case_id"], table["split"]), start=2):
+        if case_id == "":
+            problems.append(Problem(f"<row {row_number}>", where, "empty case id"))
+        if split not in SPLITS:
+            problems.append(
+                Problem(case_id or f"<row {row_number}>", where, f"split {split!r} is not one of {list(SPLITS)}")
+            )
+    for case_id in table.loc[table["case_id"].duplicated() & (table["case_id"] != ""), "case_id"].unique():
+        problems.append(Problem(case_id, where, "case id listed more than once"))
+
+    patients = table["patient_id"].where(table["patient_id"] != "", table["case_id"])
+    if cohort is not None:
+        known = table["case_id"].map(lambda c: c in cohort)
+        for case_id in table.loc[~known & (table["case_id"] != ""), "case_id"]:
+            problems.append(Problem(case_id, where, f"case is not in cohort {cohort.root}"))
+        cohort_patient = cohort.metadata.set_index("case_id")["patient_id"]
+        synthetic = cohort.metadata.set_index("case_id")["synthetic"]
+        for case_id, patient_id, split in zip(table["case_id"], table["patient_id"], table["split"]):
+            if case_id not in cohort:
+                continue
+            recorded = str(cohort_patient[case_id])
+            if patient_id != recorded:
+                problems.append(
+                    Problem(
+                        case_id, where, f"patient_id {patient_id!r} disagrees with the cohort metadata ({recorded!r})"
+                    )
+                )
+            if int(synthetic[case_id]) == 1 and split != "train":
+                problems.append(
+                    Problem(
+                        case_id, where, f"synthetic case in split {split!r}: synthetic cases are training data only"
+                    )
+                )
+        # The cohort's patient ids are authoritative for the disjointness check.
+        patients = pd.Series(
+            [str(cohort_patient[c]) if c in cohort else p for c, p in zip(table["case_id"], patients)],
+            index=table.index,
+        )
+    for patient_id, splits in patient_overlaps(pd.DataFrame({"patient_id": patients, "split": table["split"]})).items():
+        cases = table.loc[patients == patient_id, ["case_id", "split"]]
+        listing = ", ".join(f"{c} ({s})" for c, s in zip(cases["case_id"], cases["split"]))
+        problems.append(Problem(patient_id, where, f"patient in {len(splits)} splits {splits}: {listing}"))
+    return problems
+
+
+def patient_overlaps(table: pd.DataFrame) -> dict[str, list[str]]:
+    """Patients whose cases fall in more than one split: ``{patient_id: sorted splits}``."""
+    splits_per_patient = table.groupby("patient_id")["split"].agg(lambda s: sorted(set(s)))
+    return {patient: splits for patient, splits in splits_per_patient.items() if len(splits) > 1}
+
+
+def read_split_table(path: Path | str) -> pd.DataFrame:
+    """Read a split CSV as strings (whitespace trimmed), without checking its content."""
+    path = Path(path)
+    if not path.exists():
+        raise SplitError([Problem("<split>", str(path), "split file does not exist")], path)
+    try:
+        table = pd.read_csv(path, dtype=str, keep_default_na=False)
+    except (ValueError, OSError) as error:
+        raise SplitError([Problem("<split>", str(path), f"cannot read CSV: {error}")], path) from error
+    return table.apply(lambda column: column.str.strip())
+
+
+def load_split(path: Path | str, cohort: Cohort | None = None) -> pd.DataFrame:
+    """Read and check a split CSV; raise :class:`SplitError` listing every problem.
+
+    Args:
+        path: the split CSV (``case_id,patient_id,split``).
+        cohort: when given, every case must be in it with the same patient id.
+    """
+    table = read_split_table(path)
+    problems = split_problems(table, cohort, path)
+    if problems:
+        raise SplitError(problems, path)
+    return table[list(SPLIT_COLUMNS)].reset_index(drop=True)
+
+
+def write_split(table: pd.DataFrame, path: Path | str, force: bool = False) -> Path:
+    """Write a split once (atomically). An existing file is kept unless ``force``.
+
+    Raises:
+        FileExistsError: the file exists and ``force`` is false.
+        SplitError: the table is not a sound split (e.g. a patient in two splits).
+    """
+    path = Path(path)
+    if path.exists() and not force:
+        raise FileExistsError(
+            f"split {path} already exists; splits are written once and then only read "
+            "(pass force=True / --force to replace it, which changes every result that used it)"
+        )
+    table = table[list(SPLIT_COLUMNS)].astype(str)
+    problems = split_problems(table, None, path)
+    if problems:
+        raise SplitError(problems, path)
+    atomic_write_csv(table, path)
+    return path
+
+
+def split_sha256(path: Path | str) -> str:
+    """The sha256 of a split file, which identifies it in MLflow (DESIGN.md section 2)."""
+    return file_sha256(path)
+
+
+def split_summary(table: pd.DataFrame, metadata: pd.DataFrame) -> pd.DataFrame:
+    """Cases, patients, tumor positives and cases per phase for each split."""
+    joined = table.merge(metadata[["case_id", "tumor", "phase"]], on="case_id", how="left")
+    rows = []
+    for split in SPLITS:
+        part = joined[joined["split"] == split]
+        row = {
+            "split": split,
+            "cases": len(part),
+            "patients": part["patient_id"].nunique(),
+            "positives": int((part["tumor"] == 1).sum()),
+        }
+        row.update({f"phase:{phase}": int(n) for phase, n in part["phase"].value_counts().sort_index().items()})
+        rows.append(row)
+    return pd.DataFrame(rows).fillna(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="benchx make-splits", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", required=True, help="cohort folder with metadata.csv")
+    parser.add_argument("--out", required=True, help="split CSV to write (e.g. splits/phantom.csv)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--val", type=float, default=0.1, help="share of cases in val")
+    parser.add_argument("--test", type=float, default=0.2, help="share of cases in test")
+    parser.add_argument(
+        "--tumor-class", default="pancreatic_lesion", help="lesion mask that defines an unrecorded tumor label"
+    )
+    parser.add_argument("--force", action="store_true", help="replace an existing split file")
+    args = parser.parse_args(argv)
+
+    try:
+        cohort = load_cohort(args.root)
+    except CohortError as error:
+        print(error, file=sys.stderr)
+        return 1
+    metadata = cohort.metadata.copy()
+    # Stratify on the label training will see: derived from the mask where the column is empty.
+    metadata["tumor"] = cohort.resolve_tumor_labels(args.tumor_class).to_numpy()
+    try:
+        table = make_splits(metadata, seed=args.seed, val_fraction=args.val, test_fraction=args.test)
+        write_split(table, args.out, force=args.force)
+    except (ValueError, FileExistsError) as error:
+        print(f"benchx make-splits: {error}", file=sys.stderr)
+        return 1
+    summary = split_summary(table, metadata)
+    skipped = int((metadata["synthetic"] == 1).sum())
+    print(f"wrote {args.out} (sha256 {split_sha256(args.out)[:12]}, seed {args.seed})")
+    print(summary.to_string(index=False))
+    if skipped:
+        print(f"{skipped} synthetic case(s) left out: synthetic cases are training data only")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

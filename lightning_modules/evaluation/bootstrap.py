@@ -1,0 +1,368 @@
+"""Patient-level bootstrap CIs for subgroup detection metrics and paired run comparisons (DESIGN.md section 5).
+
+Resampling is by patient: a resample draws patients with replacement and every scan of a drawn
+patient comes along, as often as the patient was drawn. The draws are derived from a seed computed
+from the sorted case ids (:func:`evaluation_set_hash`), so every run evaluated on the same set uses
+the same resamples whatever the row order, and two runs get a paired CI from the same draws.
+
+A resample is a vector of patient multiplicities; a block of them is fed to
+:class:`~lightning_modules.evaluation.detection.WeightedSubgroupEvaluator`, which computes every
+subgroup's counts and AUC for the whole block in one sparse product. Resample r always comes from
+its own random stream (``SeedSequence(seed, spawn_key=(r,))``), so the result does not depend on
+how the resamples are chunked to bound memory.
+
+Example::
+
+    table = bootstrap_subgroup_metrics(test_records, threshold, n_resamples=2000)
+    diff = paired_difference(baseline_records, synthx_records, m_baseline, m_synthx)
+    print(diff[diff["significant"]])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import pandas as pd
+
+from lightning_modules.evaluation.detection import (
+    ATTRIBUTE_COLUMNS,
+    ATTRIBUTES,
+    RATE_METRICS,
+    WeightedSubgroupEvaluator,
+    attribute_values,
+    labels,
+)
+
+CI_METRICS = RATE_METRICS
+DEFAULT_MEMORY_BUDGET_MB = 256
+RESAMPLES_PER_BLOCK = 32
+
+
+def _clean_ids(case_ids: Iterable) -> list[str]:
+    if isinstance(case_ids, pd.Series):
+        return case_ids.astype(str).str.strip().tolist()
+    return [str(c).strip() for c in case_ids]
+
+
+def evaluation_set_hash(case_ids: Iterable) -> str:
+    """sha256 (hex) of the sorted case ids, one per line: the identity of an evaluation set.
+
+    Raises:
+        ValueError: a case id appears twice.
+    """
+    ids = sorted(_clean_ids(case_ids))
+    duplicated = [a for a, b in zip(ids, ids[1:]) if a == b]
+    if duplicated:
+        raise ValueError(f"case id {duplicated[0]!r} appears more than once in the evaluation set")
+    return hashlib.sha256("\n".join(ids).encode("utf-8")).hexdigest()
+
+
+def evaluation_seed(case_ids: Iterable) -> int:
+    """The bootstrap seed of an evaluation set: its :func:`evaluation_set_hash` read as a 256-bit integer."""
+    return int(evaluation_set_hash(case_ids), 16)
+
+
+def patient_index(case_ids: Sequence, patient_ids: Sequence) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique patient ids and, for each case, the position of its patient among them.
+
+    Raises:
+        ValueError: lengths differ, a case id repeats, or a patient id is empty.
+    """
+    cases = _clean_ids(pd.Series(case_ids))
+    patient_series = pd.Series(patient_ids)
+    patients = np.array(_clean_ids(patient_series), dtype=object)
+    if len(cases) != len(patients):
+        raise ValueError(f"{len(cases)} case ids but {len(patients)} patient ids")
+    evaluation_set_hash(cases)
+    empty = np.flatnonzero(patient_series.isna().to_numpy() | (patients == ""))
+    if len(empty):
+        raise ValueError(f"case {cases[empty[0]]}: empty patient id")
+    unique, inverse = np.unique(patients, return_inverse=True)
+    return unique, inverse
+
+
+def _resample_generator(seed: int, resample: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence(entropy=seed, spawn_key=(resample,)))
+
+
+def _draw_patients(seed: int, resample: int, n_patients: int) -> np.ndarray:
+    # int32 draws are about a third faster; the dtype is part of the stream, so it is fixed by size.
+    dtype = np.int32 if n_patients < 2**31 else np.int64
+    return _resample_generator(seed, resample).integers(0, n_patients, size=n_patients, dtype=dtype)
+
+
+def _resolve_seed(case_ids: Sequence, seed: int | None) -> int:
+    return evaluation_seed(case_ids) if seed is None else int(seed)
+
+
+def resample_indices(
+    case_ids: Sequence, patient_ids: Sequence, n_resamples: int = 2000, seed: int | None = None
+) -> np.ndarray:
+    """The patient draws of each resample: (n_resamples x n_patients) positions into the sorted
+    unique patient ids (see :func:`patient_index`).
+
+    Each row draws n_patients patients with replacement. The seed defaults to the evaluation set's
+    (:func:`evaluation_seed`), so the draws depend only on which cases and patients are evaluated,
+    not on row order. The bootstrap itself never holds this whole matrix (it works in blocks).
+
+    Args:
+        case_ids: the evaluation set's case ids.
+        patient_ids: each case's patient id.
+        n_resamples: number of resamples R.
+        seed: an explicit seed instead of the one derived from the case ids.
+    """
+    patients, _ = patient_index(case_ids, patient_ids)
+    seed = _resolve_seed(case_ids, seed)
+    draws = np.empty((int(n_resamples), len(patients)), dtype=np.int64)
+    for r in range(int(n_resamples)):
+        draws[r] = _draw_patients(seed, r, len(patients))
+    return draws
+
+
+def case_weight_matrix(
+    case_ids: Sequence, patient_ids: Sequence, n_resamples: int = 2000, seed: int | None = None
+) -> np.ndarray:
+    """Multiplicity of each case in each resample: (n_resamples x n_cases), cases in input order.
+
+    A case's weight is the number of times its patient was drawn, so a patient's scans share one
+    weight. Same draws as :func:`resample_indices`.
+    """
+    patients, case_patient = patient_index(case_ids, patient_ids)
+    draws = resample_indices(case_ids, patient_ids, n_resamples, seed)
+    patient_weights = np.stack([np.bincount(row, minlength=len(patients)) for row in draws]) if len(draws) else (
+        np.zeros((0, len(patients)), dtype=np.int64)
+    )
+    return patient_weights[:, case_patient]
+
+
+def patient_weight_blocks(
+    n_patients: int, n_resamples: int, seed: int, block_size: int, dtype=np.int64
+) -> Iterator[tuple[int, np.ndarray]]:
+    """Yield ``(first_resample, weights)`` blocks with weights (n_patients x block), C-contiguous.
+
+    Column j of a block is resample ``first_resample + j``: the multiplicity of each patient,
+    identical to ``bincount`` of the corresponding :func:`resample_indices` row.
+    """
+    for start in range(0, n_resamples, block_size):
+        stop = min(start + block_size, n_resamples)
+        draws = np.stack([_draw_patients(seed, r, n_patients) for r in range(start, stop)])
+        # One bincount for the whole block: resample j's draws are shifted into their own range.
+        shifted = draws.astype(np.int64) + (np.arange(stop - start, dtype=np.int64) * n_patients)[:, None]
+        counts = np.bincount(shifted.ravel(), minlength=(stop - start) * n_patients)
+        yield start, np.ascontiguousarray(counts.reshape(stop - start, n_patients).T, dtype=dtype)
+
+
+def _exact_float_dtype(evaluator: WeightedSubgroupEvaluator) -> type:
+    """float32 when every weighted count of a resample is an integer below 2**24 (then float32 is exact).
+
+    A resample draws n_patients patients, so no count can exceed n_patients x the most scans of
+    one patient.
+    """
+    bound = evaluator.n_patients * int(evaluator.cases_per_patient.max(initial=0))
+    return np.float32 if bound < 2**24 else np.float64
+
+
+def _block_size(evaluators: Sequence[WeightedSubgroupEvaluator], n_resamples: int, memory_budget_mb: float) -> int:
+    # Per resample: the weight column, the projected columns and about three temporaries of them.
+    # Blocks of a few dozen resamples keep the sparse product's working set in cache; larger ones
+    # measured slower, so the budget only ever lowers this.
+    per_resample = 8 * sum(4 * e.n_columns + e.n_patients for e in evaluators)
+    by_memory = int((memory_budget_mb * 2**20) // max(per_resample, 1))
+    return int(max(1, min(n_resamples, RESAMPLES_PER_BLOCK, by_memory)))
+
+
+def _check_settings(n_resamples: int, confidence: float) -> None:
+    if int(n_resamples) < 1:
+        raise ValueError(f"n_resamples must be at least 1, got {n_resamples}")
+    if not 0.0 < float(confidence) < 1.0:
+        raise ValueError(f"confidence must be between 0 and 1, got {confidence}")
+
+
+def percentile_interval(samples: np.ndarray, confidence: float) -> tuple[np.ndarray, np.ndarray]:
+    """Percentile interval per column over the resamples where the value is defined (not NaN).
+
+    A resample can leave a metric undefined in a small subgroup (no positive drawn): those
+    resamples are left out, so the interval is conditional on the metric being defined. Columns
+    with no defined resample get NaN.
+    """
+    tail = (1.0 - confidence) / 2.0 * 100.0
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="All-NaN slice encountered", category=RuntimeWarning)
+        low, high = np.nanpercentile(samples, [tail, 100.0 - tail], axis=0)
+    return low, high
+
+
+def bootstrap_subgroup_metrics(
+    records: pd.DataFrame,
+    threshold: float,
+    n_resamples: int = 2000,
+    confidence: float = 0.95,
+    score: str = "volume",
+    attributes: Sequence[str] = ATTRIBUTES,
+    seed: int | None = None,
+    memory_budget_mb: float = DEFAULT_MEMORY_BUDGET_MB,
+) -> pd.DataFrame:
+    """The subgroup table of :func:`~lightning_modules.evaluation.detection.subgroup_metrics` plus
+    ``<metric>_ci_low`` / ``<metric>_ci_high`` for sensitivity, specificity, f1, auc, auc_binary.
+
+    Percentile bootstrap over patients (DESIGN.md section 5). A CI is NaN where the point
+    estimate is undefined. ``table.attrs`` records the threshold, score, resamples, confidence
+    and the evaluation set's sha256.
+
+    Args:
+        records: per-case records.
+        threshold: detection threshold m.
+        n_resamples: bootstrap resamples (DESIGN.md: 2,000).
+        confidence: CI level (0.95 -> 2.5th and 97.5th percentiles).
+        score: ``volume`` or ``max_prob``.
+        attributes: attributes to split by.
+        seed: an explicit seed instead of the evaluation set's.
+        memory_budget_mb: bound on the working memory of one block of resamples.
+    """
+    _check_settings(n_resamples, confidence)
+    evaluator = WeightedSubgroupEvaluator(records, threshold, score=score, attributes=attributes)
+    table = evaluator.table(evaluator.evaluate(np.ones(evaluator.n_patients)))
+    seed = _resolve_seed(evaluator.case_ids, seed)
+    samples = {metric: np.empty((n_resamples, len(table))) for metric in CI_METRICS}
+    block_size = _block_size([evaluator], n_resamples, memory_budget_mb)
+    dtype = _exact_float_dtype(evaluator)
+    for start, block in patient_weight_blocks(evaluator.n_patients, n_resamples, seed, block_size, dtype):
+        statistics = evaluator.evaluate_columns(block)
+        for metric in CI_METRICS:
+            samples[metric][start : start + block.shape[1]] = statistics[metric]
+    for metric in CI_METRICS:
+        low, high = percentile_interval(samples[metric], confidence)
+        undefined = table[metric].isna().to_numpy()
+        table[f"{metric}_ci_low"] = np.where(undefined, np.nan, low)
+        table[f"{metric}_ci_high"] = np.where(undefined, np.nan, high)
+    table.attrs.update(
+        {
+            "threshold": float(threshold),
+            "score": score,
+            "n_resamples": int(n_resamples),
+            "confidence": float(confidence),
+            "evaluation_set_sha256": evaluation_set_hash(evaluator.case_ids),
+        }
+    )
+    return table
+
+
+def _check_same_evaluation_set(records_a: pd.DataFrame, records_b: pd.DataFrame, attributes: Sequence[str]) -> None:
+    ids_a = pd.Index(records_a["case_id"].astype(str).str.strip())
+    ids_b = pd.Index(records_b["case_id"].astype(str).str.strip())
+    hash_a, hash_b = evaluation_set_hash(ids_a), evaluation_set_hash(ids_b)
+    if hash_a != hash_b:
+        only_a, only_b = ids_a.difference(ids_b), ids_b.difference(ids_a)
+        raise ValueError(
+            "paired comparison needs the same evaluation set in both runs: "
+            f"{len(only_a)} case(s) only in A (e.g. {list(only_a[:3])}), "
+            f"{len(only_b)} only in B (e.g. {list(only_b[:3])}); "
+            f"set sha256 A={hash_a[:12]} B={hash_b[:12]}"
+        )
+    order_b = ids_b.get_indexer(ids_a)
+    aligned_b = records_b.iloc[order_b]
+    checks = {
+        "patient_id": (records_a["patient_id"].astype(str).str.strip().to_numpy(),
+                       aligned_b["patient_id"].astype(str).str.strip().to_numpy()),
+        "label": (labels(records_a), labels(aligned_b)),
+    }
+    for attribute in attributes:
+        checks[ATTRIBUTE_COLUMNS[attribute]] = (
+            attribute_values(records_a, attribute),
+            attribute_values(aligned_b, attribute),
+        )
+    for column, (values_a, values_b) in checks.items():
+        differs = np.flatnonzero(values_a != values_b)
+        if len(differs):
+            i = differs[0]
+            raise ValueError(
+                f"case {ids_a[i]}: column '{column}' differs between the two runs "
+                f"({values_a[i]!r} vs {values_b[i]!r}); a paired comparison needs identical case metadata"
+            )
+
+
+def paired_difference(
+    records_a: pd.DataFrame,
+    records_b: pd.DataFrame,
+    threshold_a: float,
+    threshold_b: float,
+    n_resamples: int = 2000,
+    confidence: float = 0.95,
+    score: str = "volume",
+    metrics: Sequence[str] = CI_METRICS,
+    attributes: Sequence[str] = ATTRIBUTES,
+    seed: int | None = None,
+    memory_budget_mb: float = DEFAULT_MEMORY_BUDGET_MB,
+) -> pd.DataFrame:
+    """Paired bootstrap comparison of two runs on the same evaluation set (B minus A).
+
+    Both runs are evaluated on the same patient resamples; the CI of delta = metric(B) - metric(A)
+    is the percentile interval of the per-resample differences (over resamples where both are
+    defined). A difference is significant only when its CI excludes 0.
+
+    Returns one row per (attribute, group, metric): n, a, b, delta, ci_low, ci_high, significant.
+
+    Args:
+        records_a: the reference run's records (e.g. the baseline).
+        records_b: the other run's records (e.g. SynthX-augmented).
+        threshold_a: detection threshold of run A.
+        threshold_b: detection threshold of run B.
+        n_resamples: bootstrap resamples.
+        confidence: CI level.
+        score: ``volume`` or ``max_prob``.
+        metrics: metrics to compare.
+        attributes: attributes to split by.
+        seed: an explicit seed instead of the evaluation set's.
+        memory_budget_mb: bound on the working memory of one block of resamples.
+
+    Raises:
+        ValueError: the two record sets have different case ids, or a case's patient, label or
+            attributes differ between them.
+    """
+    _check_settings(n_resamples, confidence)
+    unknown = [m for m in metrics if m not in CI_METRICS]
+    if unknown:
+        raise ValueError(f"unknown metrics {unknown}: expected a subset of {CI_METRICS}")
+    _check_same_evaluation_set(records_a, records_b, attributes)
+    evaluator_a = WeightedSubgroupEvaluator(records_a, threshold_a, score=score, attributes=attributes)
+    evaluator_b = WeightedSubgroupEvaluator(records_b, threshold_b, score=score, attributes=attributes)
+    ones = np.ones(evaluator_a.n_patients)
+    point_a, point_b = evaluator_a.evaluate(ones), evaluator_b.evaluate(ones)
+    seed = _resolve_seed(evaluator_a.case_ids, seed)
+    n_rows = len(evaluator_a.rows)
+    differences = {metric: np.empty((n_resamples, n_rows)) for metric in metrics}
+    block_size = _block_size([evaluator_a, evaluator_b], n_resamples, memory_budget_mb)
+    dtype = _exact_float_dtype(evaluator_a)
+    for start, block in patient_weight_blocks(evaluator_a.n_patients, n_resamples, seed, block_size, dtype):
+        statistics_a = evaluator_a.evaluate_columns(block)
+        statistics_b = evaluator_b.evaluate_columns(block)
+        for metric in metrics:
+            differences[metric][start : start + block.shape[1]] = statistics_b[metric] - statistics_a[metric]
+    frames = []
+    for metric in metrics:
+        low, high = percentile_interval(differences[metric], confidence)
+        a, b = point_a[metric][0], point_b[metric][0]
+        delta = b - a
+        undefined = np.isnan(delta)
+        low, high = np.where(undefined, np.nan, low), np.where(undefined, np.nan, high)
+        frame = evaluator_a.rows.copy()
+        frame["metric"] = metric
+        frame["n"] = np.rint(point_a["n"][0]).astype(np.int64)
+        frame["a"], frame["b"], frame["delta"] = a, b, delta
+        frame["ci_low"], frame["ci_high"] = low, high
+        frame["significant"] = (low > 0) | (high < 0)
+        frames.append(frame)
+    result = pd.concat(frames, ignore_index=True)
+    result.attrs.update(
+        {
+            "n_resamples": int(n_resamples),
+            "confidence": float(confidence),
+            "evaluation_set_sha256": evaluation_set_hash(evaluator_a.case_ids),
+            "threshold_a": float(threshold_a),
+            "threshold_b": float(threshold_b),
+        }
+    )
+    return result

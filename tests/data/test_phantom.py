@@ -1,0 +1,314 @@
+"""Tests of the phantom cohort generator (lightning_modules/data/phantom.py) on tiny volumes.
+
+Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_phantom.py -x -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import ndimage
+
+from lightning_modules.data import phantom
+from lightning_modules.data.cohort import load_cohort
+from lightning_modules.data.metadata import PHASES, normalize_metadata
+
+SHAPE = (48, 48, 32)
+SPACING = (2.5, 2.5, 3.0)
+N_CASES = 12
+LESION_ORGANS = {"pancreatic_lesion": ("pancreas",), "liver_lesion": ("liver",),
+                 "kidney_lesion": ("kidney_left", "kidney_right")}
+
+
+def _generate(root: Path, n_cases: int = N_CASES, seed: int = 0, **kwargs) -> pd.DataFrame:
+    return phantom.generate_phantom_cohort(root, n_cases=n_cases, seed=seed, shape=SHAPE, spacing=SPACING, **kwargs)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def cohort_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("phantom") / "cohort"
+    _generate(root)
+    return root
+
+
+def _raw_metadata(root: Path) -> pd.DataFrame:
+    return pd.read_csv(root / "metadata.csv", dtype=str, keep_default_na=False)
+
+
+def test_same_seed_gives_identical_files_and_other_seed_differs(cohort_dir, tmp_path):
+    again = tmp_path / "again"
+    table = _generate(again)
+    assert table.attrs == {"written": N_CASES, "kept": 0}
+    assert _files(cohort_dir) == _files(again)
+
+    other = tmp_path / "other"
+    _generate(other, seed=1)
+    ct_0 = np.asarray(nib.load(cohort_dir / "PH0001" / "ct.nii.gz").dataobj)
+    ct_1 = np.asarray(nib.load(other / "PH0001" / "ct.nii.gz").dataobj)
+    assert not np.array_equal(ct_0, ct_1)
+    assert not _raw_metadata(cohort_dir).equals(_raw_metadata(other))
+
+
+def test_resume_rewrites_only_the_missing_case(cohort_dir, tmp_path):
+    resumed = tmp_path / "resumed"
+    shutil.copytree(cohort_dir, resumed)
+    shutil.rmtree(resumed / "PH0005")
+    (resumed / "metadata.csv").unlink()
+    before = {p: p.stat().st_mtime_ns for p in resumed.rglob("*.nii.gz")}
+
+    table = _generate(resumed)
+
+    assert table.attrs == {"written": 1, "kept": N_CASES - 1}
+    assert all(p.stat().st_mtime_ns == mtime for p, mtime in before.items())
+    assert _files(resumed) == _files(cohort_dir)
+
+
+def test_partial_run_extended_matches_fresh_run(cohort_dir, tmp_path):
+    partial = tmp_path / "partial"
+    small = _generate(partial, n_cases=5)
+    assert list(small["case_id"]) == [f"PH{i:04d}" for i in range(1, 6)]
+    extended = _generate(partial)
+    assert extended.attrs == {"written": N_CASES - 5, "kept": 5}
+    assert _files(partial) == _files(cohort_dir)
+
+
+def test_incomplete_case_folder_is_rewritten(cohort_dir, tmp_path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(cohort_dir, damaged)
+    (damaged / "PH0002" / "segmentations" / "liver.nii.gz").unlink()
+    table = _generate(damaged)
+    assert table.attrs["written"] == 1
+    assert _files(damaged) == _files(cohort_dir)
+
+
+def test_metadata_normalizes_without_problems(cohort_dir):
+    raw = _raw_metadata(cohort_dir)
+    assert list(raw.columns) == list(phantom.METADATA_COLUMNS)
+    normalized, problems = normalize_metadata(raw)
+    assert problems == []
+    assert normalized["case_id"].is_unique
+    assert set(normalized["sex"]) <= {"F", "M", "Unknown"}
+    assert set(normalized["phase"]) <= set(PHASES) | {"Unknown"}
+    assert (normalized["synthetic"] == 0).all()
+    assert set(normalized["tumor"]) <= {0, 1}
+    cohort = load_cohort(cohort_dir)  # strict: raises on any metadata problem
+    assert cohort.layout == "A" and len(cohort) == N_CASES
+
+
+def test_generated_metadata_equals_cheap_sampler(cohort_dir):
+    sampled = phantom.sample_phantom_metadata(N_CASES, seed=0, shape=SHAPE, spacing=SPACING)
+    written = pd.read_csv(cohort_dir / "metadata.csv", keep_default_na=False, dtype=str)
+    expected = sampled.astype(object).where(sampled.notna(), "").astype(str)
+    assert written.equals(expected)
+
+
+def test_masks_are_binary_on_the_ct_grid(cohort_dir):
+    cohort = load_cohort(cohort_dir)
+    for case in cohort.cases():
+        ct = nib.load(case.ct_path)
+        assert ct.get_data_dtype() == np.int16
+        assert ct.shape == SHAPE
+        np.testing.assert_allclose(np.diag(ct.affine)[:3], SPACING)
+        np.testing.assert_allclose(ct.affine[:3, :3], np.diag(SPACING))
+        assert set(phantom.ORGAN_CLASSES) <= set(case.available_classes())
+        for name in case.available_classes():
+            mask = nib.load(case.mask_path(name))
+            assert mask.get_data_dtype() == np.uint8, (case.case_id, name)
+            assert mask.shape == ct.shape, (case.case_id, name)
+            np.testing.assert_array_equal(mask.affine, ct.affine)
+            values = np.unique(np.asarray(mask.dataobj))
+            assert set(values.tolist()) <= {0, 1}, (case.case_id, name)
+            assert values.max() == 1, f"{case.case_id}: {name} is empty"
+
+
+def test_tumor_column_agrees_with_lesion_masks(cohort_dir):
+    cohort = load_cohort(cohort_dir)
+    raw = _raw_metadata(cohort_dir).set_index("case_id")
+    for case in cohort.cases():
+        path = case.mask_path("pancreatic_lesion")
+        has_lesion = path.exists() and bool(np.asarray(nib.load(path).dataobj).any())
+        assert int(case.metadata["tumor"]) == int(has_lesion), case.case_id
+        row = raw.loc[case.case_id]
+        assert (row["tumor_location"] in {"head", "body", "tail"}) == has_lesion
+        assert (row["tumor_diameter_mm"] != "") == has_lesion
+    assert cohort.metadata["tumor"].nunique() == 2, "12 tiny cases should hold positives and negatives"
+
+
+def _plan_with_every_lesion(diameter_mm: float = 40.0) -> phantom.ScanPlan:
+    plan = phantom.plan_phantom_cohort(1, seed=3)[0]
+    lesions = (
+        phantom.LesionPlan("pancreatic_lesion", diameter_mm, "body"),
+        phantom.LesionPlan("liver_lesion", 30.0),
+        phantom.LesionPlan("kidney_lesion", 25.0, "left"),
+    )
+    return dataclasses.replace(plan, lesions=lesions, phase="venous")
+
+
+def test_lesions_lie_inside_their_organs_and_organs_include_them(cohort_dir):
+    rendered = phantom.render_scan(_plan_with_every_lesion(), SHAPE, SPACING, seed=3).masks
+    assert set(rendered) >= set(LESION_ORGANS)
+    mask_sets = {"rendered with every lesion": rendered}
+    for case in load_cohort(cohort_dir).cases():
+        mask_sets[case.case_id] = {
+            name: np.asarray(nib.load(case.mask_path(name)).dataobj) for name in case.available_classes()
+        }
+    for source, masks in mask_sets.items():
+        for lesion, organs in LESION_ORGANS.items():
+            if lesion not in masks:
+                continue
+            organ_voxels = np.logical_or.reduce([masks[organ].astype(bool) for organ in organs])
+            lesion_voxels = masks[lesion].astype(bool)
+            assert lesion_voxels.any(), f"{source}: {lesion} file written but empty"
+            assert not (lesion_voxels & ~organ_voxels).any(), f"{source}: {lesion} outside {organs}"
+
+
+def test_kidney_lesion_is_in_the_planned_kidney():
+    scan = phantom.render_scan(_plan_with_every_lesion(), SHAPE, SPACING, seed=3)
+    lesion = scan.masks["kidney_lesion"].astype(bool)
+    assert (lesion <= scan.masks["kidney_left"].astype(bool)).all()
+    assert not (lesion & scan.masks["kidney_right"].astype(bool)).any()
+
+
+def test_lesion_contrast_table_by_phase():
+    contrast = {phase: phantom.lesion_contrast_hu(phase) for phase in PHASES}
+    assert abs(contrast["non-contrast"]) <= 10  # near iso: the hard, designed subgroup
+    for phase in ("arterial", "venous"):
+        assert -80 <= contrast[phase] <= -30
+    assert contrast["arterial"] < contrast["venous"] < contrast["delayed"] < contrast["non-contrast"] < 0
+    table = phantom.phase_attenuation("venous")
+    assert table["pancreatic_lesion"] == table["pancreas"] + contrast["venous"]
+    with pytest.raises(ValueError, match="phase 'portal'"):
+        phantom.lesion_contrast_hu("portal")
+
+
+def test_rendered_lesion_contrast_is_larger_in_arterial_and_venous_than_non_contrast():
+    plan = _plan_with_every_lesion(diameter_mm=44.0)
+    measured = {}
+    for phase in PHASES:
+        scan = phantom.render_scan(dataclasses.replace(plan, phase=phase), SHAPE, SPACING, seed=3)
+        lesion = scan.masks["pancreatic_lesion"].astype(bool)
+        core = ndimage.binary_erosion(lesion)
+        pancreas = scan.masks["pancreas"].astype(bool) & ~ndimage.binary_dilation(lesion, iterations=2)
+        assert core.sum() >= 8 and pancreas.sum() >= 8
+        measured[phase] = scan.ct[core].mean() - scan.ct[pancreas].mean()
+    assert abs(measured["non-contrast"]) < 15
+    assert measured["arterial"] < -30 and measured["venous"] < -20
+    assert min(abs(measured["arterial"]), abs(measured["venous"])) > abs(measured["non-contrast"]) + 15
+
+
+def test_second_scan_shares_anatomy_with_new_phase_and_noise():
+    plans = phantom.plan_phantom_cohort(60, seed=0)
+    by_patient: dict[str, list[phantom.ScanPlan]] = {}
+    for plan in plans:
+        by_patient.setdefault(plan.patient_id, []).append(plan)
+    first, second = next(scans for scans in by_patient.values() if len(scans) == 2)
+    assert first.phase != second.phase
+    assert first.lesions == second.lesions and first.age == second.age and first.site == second.site
+    scan_1 = phantom.render_scan(first, SHAPE, SPACING, seed=0)
+    scan_2 = phantom.render_scan(second, SHAPE, SPACING, seed=0)
+    assert scan_1.masks.keys() == scan_2.masks.keys()
+    for name in scan_1.masks:
+        np.testing.assert_array_equal(scan_1.masks[name], scan_2.masks[name])
+    assert not np.array_equal(scan_1.ct, scan_2.ct)
+
+
+def test_organ_size_follows_age_and_sex():
+    plan = dataclasses.replace(phantom.plan_phantom_cohort(1, seed=5)[0], lesions=())
+
+    def volume(organ: str, **changes) -> int:
+        scan = phantom.render_scan(dataclasses.replace(plan, **changes), (64, 64, 48), SPACING, seed=5)
+        return int(scan.masks[organ].sum())
+
+    assert volume("pancreas", age=85, sex="F") < 0.75 * volume("pancreas", age=35, sex="F")
+    assert volume("liver", age=50, sex="M") > volume("liver", age=50, sex="F")
+    factors_young, factors_old = phantom.organ_size_factors(30, "M"), phantom.organ_size_factors(85, "M")
+    assert factors_old["pancreas"] < factors_young["pancreas"]
+
+
+def test_metadata_prevalence_is_skewed_and_patients_repeat():
+    table = phantom.sample_phantom_metadata(400, seed=0)
+    normalized, problems = normalize_metadata(table.astype(object).where(table.notna(), ""))
+    assert problems == []
+    phases = normalized["phase"].value_counts(normalize=True)
+    assert phases.idxmax() == "venous" and 0.45 < phases["venous"] < 0.7
+    assert phases["non-contrast"] < 0.2 and phases["arterial"] < 0.2
+    assert "Unknown" in phases.index
+    bands = normalized["age_band"].value_counts(normalize=True)
+    assert bands.idxmax() == "60-80"
+    assert bands.get("le20", 0) + bands.get("20-40", 0) < 0.15
+    race = normalized["race"].value_counts()
+    assert race["White"] > 5 * race["Pacific Islander"] > 0 and "Unknown" in race.index
+    assert set(normalized["sex"]) == {"F", "M", "Unknown"}
+    assert normalized["cohort"].nunique() == len(phantom.SITES)
+    assert 0.35 < normalized["tumor"].mean() < 0.65
+    diameters = table["tumor_diameter_mm"].dropna()
+    assert 10 <= diameters.min() and diameters.max() <= 45
+    assert 0.15 < (diameters <= 20).mean() < 0.5 and (diameters >= 15).mean() > 0.75
+
+    scans_per_patient = normalized.groupby("patient_id").size()
+    assert scans_per_patient.max() == 2
+    assert 0.06 < (scans_per_patient == 2).mean() < 0.2
+    repeated = normalized[normalized["patient_id"].duplicated(keep=False)]
+    for _, scans in repeated.groupby("patient_id"):
+        for column in ("cohort", "sex", "race", "tumor"):
+            assert scans[column].nunique() == 1, column
+
+
+def test_cohort_prefix_is_stable():
+    small = phantom.sample_phantom_metadata(30, seed=7)
+    large = phantom.sample_phantom_metadata(90, seed=7)
+    pd.testing.assert_frame_equal(small, large.iloc[:30])
+
+
+def test_refuses_foreign_folder_and_changed_parameters(cohort_dir, tmp_path):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("not a cohort")
+    with pytest.raises(ValueError, match="not a phantom cohort"):
+        _generate(foreign)
+
+    changed = tmp_path / "changed"
+    shutil.copytree(cohort_dir, changed)
+    with pytest.raises(ValueError, match="overwrite"):
+        _generate(changed, seed=1)
+    table = _generate(changed, n_cases=4, seed=1, overwrite=True)
+    assert table.attrs["written"] == 4
+    assert sorted(p.name for p in changed.iterdir() if p.is_dir()) == [f"PH{i:04d}" for i in range(1, 5)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"n_cases": 0}, "n_cases"),
+        ({"seed": -1}, "seed"),
+        ({"shape": (8, 48, 32)}, "shape"),
+        ({"spacing": (2.5, 0.0, 3.0)}, "spacing"),
+    ],
+)
+def test_bad_arguments_are_named(tmp_path, kwargs, message):
+    arguments = {"n_cases": 2, "seed": 0, "shape": SHAPE, "spacing": SPACING, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        phantom.generate_phantom_cohort(tmp_path / "bad", **arguments)
+
+
+def test_cli_writes_a_cohort_and_prints_a_summary(tmp_path, capsys):
+    out = tmp_path / "cli"
+    code = phantom.main(["--out", str(out), "--cases", "3", "--seed", "2", "--shape", *map(str, SHAPE)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "3 cases written" in printed and "phase:" in printed and "age band:" in printed
+    assert len(load_cohort(out)) == 3
+
+    code = phantom.main(["--out", str(out), "--cases", "3", "--seed", "9", "--shape", *map(str, SHAPE)])
+    assert code == 2
+    assert "overwrite" in capsys.readouterr().err

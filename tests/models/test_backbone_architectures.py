@@ -1,0 +1,372 @@
+"""Architecture-specific checks of the backbones written from their papers: Universal Model a/b,
+STU-Net-B and VSmTrans (the registry-wide checks live in tests/test_backbones.py).
+
+Tiny builds on 32^3 inputs check output shapes, deep-supervision scales, determinism, the
+Universal Model's text-embedding file and controller, VSmTrans's windows (against MONAI's Swin
+window attention) and its option rules, and the full-size parameter counts.
+
+Run: ``OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_backbone_architectures.py -x -q``
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from monai.networks.nets.swin_unetr import SwinTransformerBlock, compute_mask
+from omegaconf import OmegaConf
+
+from lightning_modules.models.backbones import build_backbone
+from lightning_modules.models.backbones.stunet import build_stunet
+from lightning_modules.models.backbones.universal_model import (
+    build_universal_model,
+    dynamic_head_param_count,
+    load_text_embeddings,
+)
+from lightning_modules.models.backbones.vsmtrans import WindowShapeAttention, build_vsmtrans, window_shapes
+from lightning_modules.config.recipe import RecipeError, load_recipe
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+PATCH = (32, 32, 32)
+N_CLASSES = 2  # pancreas, pancreatic lesion
+OUT_CHANNELS = N_CLASSES + 1
+MINE = ("universal_model_a", "universal_model_b", "stunet_b", "vsmtrans")
+
+
+def image(batch: int = 2, seed: int = 0) -> torch.Tensor:
+    return torch.randn((batch, 1, *PATCH), generator=torch.Generator().manual_seed(seed))
+
+
+def tiny(name: str, **overrides) -> torch.nn.Module:
+    """The backbone of a recipe's CPU profile, with options overridden."""
+    recipe = load_recipe(RECIPES / f"{name}.yaml", ["profile=cpu"])
+    options = {**OmegaConf.to_container(recipe.model.options, resolve=True), **overrides}
+    return build_backbone(name, 1, OUT_CHANNELS, PATCH, **options)
+
+
+def tiny_universal(backbone: str = "unet3d", **options) -> torch.nn.Module:
+    if backbone == "unet3d":
+        defaults = dict(channels=(8, 16, 32, 64), text_dim=16)
+    else:
+        defaults = dict(feature_size=12, depths=(1, 1, 1, 1), norm=("group", {"num_groups": 4}), text_dim=16)
+    return build_universal_model(3, 1, OUT_CHANNELS, patch_size=PATCH, backbone=backbone, **{**defaults, **options})
+
+
+# ----------------------------------------------------------------------------------------------
+# Universal Model
+
+
+@pytest.mark.parametrize("backbone", ["unet3d", "swin"])
+def test_universal_model_returns_one_sigmoid_channel_per_class(backbone):
+    torch.manual_seed(0)
+    network = tiny_universal(backbone).train()
+    logits = network(image())
+    assert logits.shape == (2, N_CLASSES, *PATCH)  # no background channel
+    logits.mean().backward()
+    grads = {name: p.grad for name, p in network.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    assert grads["class_embeddings"].abs().sum() > 0  # learned embeddings get trained
+
+
+def test_controller_produces_the_papers_head_parameters_per_class():
+    # Two 8x8 layers and one 1x8 layer, each with bias: (64 + 8) + (64 + 8) + (8 + 1).
+    assert dynamic_head_param_count(8) == 153
+    network = tiny_universal(text_dim=16).eval()
+    assert network.controller.in_features == 64 + 16  # GAP of the bottleneck (64 channels) + embedding
+    assert network.controller.out_features == 153
+    _, bottleneck = network.backbone(image())
+    theta = network.class_parameters(bottleneck)
+    assert theta.shape == (2, N_CLASSES, 153)
+    assert not torch.allclose(theta[:, 0], theta[:, 1])  # each class gets its own head
+    wider = tiny_universal(head_channels=4)
+    assert wider.controller.out_features == dynamic_head_param_count(4) == 2 * (16 + 4) + 5
+
+
+def test_dynamic_heads_agree_with_per_class_conv3d():
+    """The batched einsum equals running each image's class heads as three 1x1x1 conv3d layers."""
+    torch.manual_seed(0)
+    network = tiny_universal().eval()
+    x = image()
+    with torch.no_grad():
+        logits = network(x)
+        features, bottleneck = network.backbone(x)
+        head_input = network.head_input(features)
+        theta = network.class_parameters(bottleneck)
+    c = network.head_channels
+    for b in range(2):
+        for k in range(N_CLASSES):
+            w1, b1, w2, b2, w3, b3 = torch.split(theta[b, k], [c * c, c, c * c, c, c, 1])
+            h = F.relu(F.conv3d(head_input[b : b + 1], w1.reshape(c, c, 1, 1, 1), b1))
+            h = F.relu(F.conv3d(h, w2.reshape(c, c, 1, 1, 1), b2))
+            expected = F.conv3d(h, w3.reshape(1, c, 1, 1, 1), b3)[0, 0]
+            torch.testing.assert_close(logits[b, k], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_class_embedding_steers_only_its_own_channel():
+    torch.manual_seed(0)
+    network = tiny_universal().eval()
+    x = image()
+    with torch.no_grad():
+        before = network(x)
+        network.class_embeddings[1] += 1.0
+        after = network(x)
+    torch.testing.assert_close(before[:, 0], after[:, 0])
+    assert not torch.allclose(before[:, 1], after[:, 1])
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".pt"])
+def test_text_embeddings_file_is_loaded_frozen(tmp_path, suffix):
+    embeddings = np.random.default_rng(0).normal(size=(N_CLASSES, 24)).astype(np.float32)
+    path = tmp_path / f"clip{suffix}"
+    if suffix == ".npy":
+        np.save(path, embeddings)
+    else:
+        torch.save(torch.from_numpy(embeddings), path)
+    network = tiny_universal(text_embeddings_path=str(path))
+    torch.testing.assert_close(network.class_embeddings, torch.from_numpy(embeddings))
+    assert "class_embeddings" not in dict(network.named_parameters())  # frozen, as CLIP's are in the paper
+    assert "class_embeddings" in network.state_dict()  # saved with checkpoints
+    assert network.controller.in_features == 64 + 24  # the file's width, not text_dim
+    assert network(image(1)).shape == (1, N_CLASSES, *PATCH)
+
+    option = f"model.options.text_embeddings_path={path}"
+    recipe = load_recipe(RECIPES / "universal_model_a.yaml", ["profile=cpu", option])
+    assert recipe.model.options.text_embeddings_path == str(path)
+
+
+@pytest.mark.parametrize(
+    "array, message",
+    [
+        (np.zeros((3, 16), dtype=np.float32), r"shape \(3, 16\), expected \(2, d\)"),
+        (np.zeros(16, dtype=np.float32), r"shape \(16,\), expected \(2, d\)"),
+        (np.full((2, 16), np.nan, dtype=np.float32), "finite floating-point"),
+    ],
+)
+def test_text_embeddings_file_with_wrong_content_is_refused(tmp_path, array, message):
+    path = tmp_path / "clip.npy"
+    np.save(path, array)
+    with pytest.raises(ValueError, match=message) as error:
+        load_text_embeddings(path, N_CLASSES)
+    assert str(path) in str(error.value)
+    with pytest.raises(ValueError, match=message):
+        tiny_universal(text_embeddings_path=str(path))
+
+
+def test_missing_text_embeddings_file_fails_at_recipe_load(tmp_path):
+    missing = tmp_path / "absent.npy"
+    with pytest.raises(RecipeError, match="text_embeddings_path .*absent.npy does not exist"):
+        option = f"model.options.text_embeddings_path={missing}"
+        load_recipe(RECIPES / "universal_model_a.yaml", ["profile=cpu", option])
+    with pytest.raises(FileNotFoundError, match="absent.npy"):
+        load_text_embeddings(missing, N_CLASSES)
+
+
+def test_universal_model_b_swin_backbone_has_no_output_layer():
+    network = tiny_universal("swin")
+    assert isinstance(network.backbone.net.out, torch.nn.Identity)
+    assert network.backbone.bottleneck_channels == 16 * 12
+    assert network.controller.in_features == 16 * 12 + 16
+
+
+# ----------------------------------------------------------------------------------------------
+# STU-Net
+
+
+def test_stunet_deep_supervision_scales_and_eval_output():
+    torch.manual_seed(0)
+    network = tiny("stunet_b").train()
+    outputs = network(image())
+    assert [tuple(o.shape) for o in outputs] == [(2, OUT_CHANNELS, 32 >> i, 32 >> i, 32 >> i) for i in range(4)]
+    network.eval()
+    with torch.no_grad():
+        assert network(image()).shape == (2, OUT_CHANNELS, *PATCH)
+    without = build_stunet(3, 1, OUT_CHANNELS, patch_size=PATCH, dims=(8, 16, 32, 64, 64), deep_supervision=False)
+    without.train()
+    assert without(image()).shape == (2, OUT_CHANNELS, *PATCH)
+
+
+def test_stunet_upsamples_by_nearest_interpolation_and_1x1_conv():
+    torch.manual_seed(0)
+    network = tiny("stunet_b")
+    assert not any(isinstance(m, torch.nn.ConvTranspose3d) for m in network.modules())
+    kernels = {m.kernel_size for m in network.modules() if isinstance(m, torch.nn.Conv3d)}
+    assert kernels == {(3, 3, 3), (1, 1, 1)}  # 3x3x3 everywhere; 1x1x1 only for shortcuts, upsampling and heads
+    upsample = network.upsamplers[0]
+    conv = upsample.preconv.conv
+    x = torch.randn(1, 64, 2, 2, 2)
+    with torch.no_grad():
+        expected = F.conv3d(F.interpolate(x, scale_factor=2, mode="nearest"), conv.weight, conv.bias)
+        torch.testing.assert_close(upsample(x), expected)
+
+
+def test_stunet_b_has_one_residual_block_per_stage():
+    with torch.device("meta"):
+        network = build_stunet(3, 1, OUT_CHANNELS, patch_size=(96, 96, 96))
+    assert [len(stage) for stage in network.encoder] == [1] * 6
+    assert [len(stage) for stage in network.decoder] == [1] * 5
+    assert [stage[0].conv2.conv.out_channels for stage in network.encoder] == [32, 64, 128, 256, 512, 512]
+
+
+# ----------------------------------------------------------------------------------------------
+# VSmTrans
+
+
+def test_vsmtrans_deep_supervision_scales_and_eval_output():
+    torch.manual_seed(0)
+    network = tiny("vsmtrans", deep_supervision=True).train()
+    outputs = network(image())
+    assert [tuple(o.shape) for o in outputs] == [(2, OUT_CHANNELS, 32 >> i, 32 >> i, 32 >> i) for i in range(5)]
+    sum(o.mean() for o in outputs).backward()
+    assert all(p.grad is not None for p in network.parameters())
+    network.eval()
+    with torch.no_grad():
+        assert network(image()).shape == (2, OUT_CHANNELS, *PATCH)
+    plain = tiny("vsmtrans").train()
+    assert plain(image()).shape == (2, OUT_CHANNELS, *PATCH)
+
+
+def test_vsmtrans_window_shapes_are_a_cube_and_three_stripes():
+    assert window_shapes((64, 64, 64), 6, 1) == [(6, 6, 6), (1, 64, 1), (1, 1, 64), (64, 1, 1)]
+    network = build_vsmtrans(3, 1, OUT_CHANNELS, patch_size=(32, 32, 32), feature_size=12, num_heads=(1, 1, 2, 3))
+    first_stage = network.stages[0][0].mixer.attentions
+    assert [a.window for a in first_stage] == [(6, 6, 6), (1, 16, 1), (1, 1, 16), (16, 1, 1)]
+    last_stage = network.stages[3][0].mixer.attentions
+    assert [a.window for a in last_stage] == [(6, 6, 6), (4, 2, 4), (4, 4, 2), (2, 4, 4)]
+    assert [network.stages[0][i].shifted for i in range(2)] == [False, True]
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+def test_cube_window_attention_agrees_with_monai_swin(shifted):
+    """One window shape, all channels: the same computation as MONAI's Swin window attention."""
+    torch.manual_seed(0)
+    dim, heads, window = 16, 2, (4, 4, 4)
+    shift = tuple(w // 2 for w in window) if shifted else (0, 0, 0)
+    swin = SwinTransformerBlock(dim, heads, window, shift).eval()
+    swin.norm1 = torch.nn.Identity()
+    torch.nn.init.normal_(swin.attn.relative_position_bias_table, std=0.5)
+    mine = WindowShapeAttention(heads, window).eval()
+    with torch.no_grad():
+        mine.relative_position_bias.copy_(swin.attn.relative_position_bias_table)
+        x = torch.randn(2, 8, 8, 8, dim)
+        mask = compute_mask((8, 8, 8), window, shift, x.device) if shifted else None
+        expected = swin.forward_part1(x, mask)
+        actual = swin.attn.proj(mine(swin.attn.qkv(x), shifted))
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_stripe_window_attention_stays_within_its_stripe():
+    """A perturbed token changes outputs only in its own (1 x 8 x 2) stripe, padded axis included."""
+    torch.manual_seed(0)
+    attention = WindowShapeAttention(num_heads=2, window=(1, 8, 2)).eval()
+    qkv = torch.randn(1, 3, 8, 5, 3 * 8)  # W = 5 is padded to 6 for stripes of width 2
+    perturbed = qkv.clone()
+    perturbed[0, 1, 2, 2] += 3.0
+    with torch.no_grad():
+        changed = (attention(perturbed, shifted=False) - attention(qkv, shifted=False)).abs().sum(-1)[0] > 0
+    expected = torch.zeros(3, 8, 5, dtype=torch.bool)
+    expected[1, :, 2:4] = True  # d = 1, the whole H axis, w in the stripe {2, 3}
+    assert torch.equal(changed, expected)
+
+
+def test_vsmtrans_mixes_attention_and_convolution_with_learnable_weights():
+    network = tiny("vsmtrans")
+    mixer = network.stages[0][0].mixer
+    assert mixer.alpha.item() == mixer.beta.item() == 0.5
+    names = {name for name, _ in network.named_parameters()}
+    assert "stages.0.0.mixer.alpha" in names and "stages.0.0.mixer.beta" in names
+    assert mixer.conv[0].kernel_size == (3, 3, 3) and mixer.fuse.in_features == 3 * mixer.fuse.out_features
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["model.options.num_heads=[2,1,2,3]"],
+            r"stage 0 has 12 channels .* divisible by 4 window shapes x num_heads\[0\]=2",
+        ),
+        (["model.options.split_sizes=[1,2,3]"], "split_sizes needs one value per stage"),
+        (["model.options.split_sizes=[0,2,3,4]"], "every value of split_sizes must be a positive integer"),
+        (["model.options.window_size=0"], "window_size must be a positive integer"),
+        (["model.options.depths=[2,2,2,2,2]"], "depths needs one value per stage"),
+        (["model.options.patch_embed_size=0"], "patch_embed_size must be a positive integer"),
+        (["data.patch_size=[48,48,48]"], "divisible by 32"),
+        (["model.options.patch_embed_size=4"], "divisible by 64"),
+    ],
+)
+def test_vsmtrans_option_rules_give_recipe_error(overrides, message):
+    path = RECIPES / "vsmtrans.yaml"
+    with pytest.raises(RecipeError, match=message) as error:
+        load_recipe(path, ["profile=cpu", *overrides])
+    assert str(path) in str(error.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# All four
+
+
+@pytest.mark.parametrize(
+    "name, overrides, message",
+    [
+        ("universal_model_a", ["data.patch_size=[36,36,36]"], "divisible by 8"),
+        ("universal_model_a", ["model.options.channels=[8,15,32,64]"], "even widths"),
+        ("universal_model_b", ["data.patch_size=[48,48,48]"], "divisible by 32"),
+        ("universal_model_b", ["model.options.norm=instance"], "1-voxel bottleneck"),
+        ("universal_model_b", ["model.options.feature_size=16"], "divisible by 12"),
+        ("stunet_b", ["data.patch_size=[40,40,40]"], "divisible by 16"),
+        ("stunet_b", ["data.patch_size=[16,16,16]"], "at least 32"),
+        ("stunet_b", ["model.options.depths=[1,1,1]"], "one entry per stage"),
+        ("vsmtrans", ["data.patch_size=[32,32,40]"], "divisible by 32"),
+    ],
+)
+def test_bad_patch_or_options_give_recipe_error(name, overrides, message):
+    path = RECIPES / f"{name}.yaml"
+    with pytest.raises(RecipeError, match=message) as error:
+        load_recipe(path, ["profile=cpu", *overrides])
+    assert str(path) in str(error.value)
+
+
+@pytest.mark.parametrize("name", MINE)
+def test_eval_forward_is_deterministic_for_a_seed(name):
+    outputs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        network = tiny(name).eval()
+        with torch.no_grad():
+            outputs.append((network(image()), network(image())))
+    (first, repeat), (rebuilt, _) = outputs
+    torch.testing.assert_close(first, repeat, rtol=0, atol=0)  # same weights, same input
+    torch.testing.assert_close(first, rebuilt, rtol=0, atol=0)  # same seed, same weights
+
+
+# Full size, 1 input channel and 3 output channels.
+FULL_SIZE = {
+    "universal_model_a": ({}, (96, 96, 96), 19.23, 19.07),
+    "universal_model_b": ({}, (96, 96, 96), 62.38, 62.19),
+    "stunet_b": ({}, (96, 96, 96), 58.16, None),
+    "vsmtrans": ({}, (128, 128, 128), 50.16, None),
+}
+
+
+@pytest.mark.parametrize("name", MINE)
+def test_full_size_parameter_counts(name):
+    options, patch, total_millions, backbone_millions = FULL_SIZE[name]
+    network = build_backbone(name, 1, OUT_CHANNELS, patch, **options)
+    assert sum(p.numel() for p in network.parameters()) / 1e6 == pytest.approx(total_millions, abs=0.005)
+    if backbone_millions is not None:
+        backbone = sum(p.numel() for p in network.backbone.parameters()) / 1e6
+        assert backbone == pytest.approx(backbone_millions, abs=0.005)
+
+
+def test_vsmtrans_runs_on_inputs_other_than_its_build_patch():
+    """Windows clamp to smaller feature maps and tile larger ones (stripes keep their build length)."""
+    torch.manual_seed(0)
+    network = build_vsmtrans(
+        3, 1, OUT_CHANNELS, patch_size=(64, 64, 64), feature_size=12, depths=(2, 1, 1, 1), num_heads=(1, 1, 2, 3)
+    ).eval()
+    assert network.stages[0][0].mixer.attentions[1].window == (1, 32, 1)
+    with torch.no_grad():
+        assert network(image(1)).shape == (1, OUT_CHANNELS, *PATCH)
+        assert network(torch.randn(1, 1, 32, 64, 96)).shape == (1, OUT_CHANNELS, 32, 64, 96)

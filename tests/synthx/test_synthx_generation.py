@@ -1,0 +1,423 @@
+"""SynthX generation: valid layout-A cases, canvas rules, determinism, resumption after a kill, quarantine, CLI.
+
+The fast tests use an untrained tiny pipeline (2 inference steps) on a hand-made 28x28x16 cohort.
+The slow test trains the generator on the phantom cohort and checks that the requested phase moves
+the synthetic tumors' contrast the way it moves the real ones'.
+
+Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_synthx_generation.py -x -q [--run-slow]
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from scipy import ndimage
+
+from lightning_modules.data.cohort import load_cohort, write_case, write_metadata
+from lightning_modules.data.validation import validate_cohort
+from synthx import generation
+from synthx.generation import (
+    GenerationError,
+    SynthesisRequest,
+    main,
+    pancreas_location,
+    synthesize,
+)
+
+SHAPE = (28, 28, 16)
+MODEL_SPACING = (2.5, 2.5, 3.0)
+ORGAN_HU = {"venous": 105.0, "arterial": 130.0}
+RAS = np.diag([*MODEL_SPACING, 1.0])
+LPS = np.diag([-2.5, -2.5, 3.0, 1.0])  # a DICOM-style orientation: flipped left-right and front-back
+FINE = np.diag([2.0, 2.0, 2.0, 1.0])  # a canvas whose voxels differ from the generator's
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+@pytest.fixture(scope="module")
+def tiny_pipeline(tmp_path_factory):
+    """An untrained SynthX pipeline small enough for seconds-long tests, saved with save_pretrained."""
+    from diffusers import DDPMScheduler
+
+    from synthx.model import SynthXDenoiser
+    from synthx.pipeline import SynthXPipeline
+
+    torch.manual_seed(0)
+    unet = SynthXDenoiser(
+        channels=(8, 8),
+        attention_levels=(False, False),
+        num_res_blocks=1,
+        norm_num_groups=8,
+        num_head_channels=8,
+        spacing=MODEL_SPACING,
+        patch_size=(16, 16, 16),
+    )
+    scheduler = DDPMScheduler(num_train_timesteps=100, prediction_type="sample")
+    folder = tmp_path_factory.mktemp("pipeline")
+    SynthXPipeline(unet=unet, scheduler=scheduler).save_pretrained(str(folder))
+    return folder
+
+
+def _write_canvas(root, case_id, phase, affine, tumor=False):
+    rng = np.random.default_rng(abs(hash(case_id)) % 2**32)
+    ct = np.full(SHAPE, -100.0) + rng.normal(0, 5, SHAPE)
+    pancreas = np.zeros(SHAPE, dtype=bool)
+    pancreas[6:22, 9:19, 4:12] = True
+    liver = np.zeros(SHAPE, dtype=bool)
+    liver[2:10, 20:27, 2:14] = True
+    ct[pancreas] = ORGAN_HU[phase] + rng.normal(0, 5, int(pancreas.sum()))
+    ct[liver] = 90.0
+    masks = {"pancreas": pancreas, "liver": liver}
+    if tumor:
+        lesion = np.zeros(SHAPE, dtype=bool)
+        lesion[12:15, 12:15, 7:9] = True
+        ct[lesion] -= 40.0
+        masks["pancreatic_lesion"] = lesion
+    write_case(root, case_id, np.round(ct), affine, masks)
+
+
+@pytest.fixture
+def cohort(tmp_path):
+    """Healthy training canvases: H1 (venous, F 65, LPS), H2 (venous, M 45, 2 mm voxels), H3 (arterial, F 30);
+    a training tumor case T1; healthy V1 (val) and X1 (test)."""
+    root = tmp_path / "real"
+    root.mkdir()
+    cases = [
+        ("H1", "P1", "F", 65, "venous", 0, "train", LPS),
+        ("H2", "P2", "M", 45, "venous", 0, "train", FINE),
+        ("H3", "P3", "F", 30, "arterial", 0, "train", RAS),
+        ("T1", "P4", "F", 70, "venous", 1, "train", RAS),
+        ("V1", "P5", "M", 50, "venous", 0, "val", RAS),
+        ("X1", "P6", "F", 60, "arterial", 0, "test", RAS),
+    ]
+    rows = []
+    for case_id, patient, sex, age, phase, tumor, split, affine in cases:
+        _write_canvas(root, case_id, phase, affine, tumor=bool(tumor))
+        rows.append(
+            {"case_id": case_id, "patient_id": patient, "cohort": "SiteA", "sex": sex, "age": age, "phase": phase,
+             "tumor": tumor, "split": split}
+        )
+    table = pd.DataFrame(rows)
+    write_metadata(root, table.drop(columns=["split"]))
+    split = tmp_path / "split.csv"
+    table[["case_id", "patient_id", "split"]].to_csv(split, index=False)
+    return root, split
+
+
+REQUESTS = {("F", "60-80", "venous"): 2, ("M", "le20", "arterial"): 1, ("M", "40-60", "venous"): 1}
+FAST = dict(num_inference_steps=2, size_classes={"tiny": 1.0}, log_to_mlflow=False, progress=False)
+
+
+def _ct(path):
+    return np.asarray(nib.load(path).dataobj)
+
+
+def test_generated_cases_are_valid_layout_a_with_full_metadata(cohort, tiny_pipeline, tmp_path):
+    root, split = cohort
+    out = tmp_path / "synthetic"
+    summary = synthesize(root, split, tiny_pipeline, out, REQUESTS, seed=3, **FAST)
+    assert summary.complete and len(summary.generated) == 4 and not summary.failed
+    assert validate_cohort(out, classes=("pancreas", "pancreatic_lesion", "liver")) == []
+
+    synthetic = load_cohort(out)
+    table = synthetic.metadata.set_index("case_id")
+    assert sorted(table.index) == sorted(
+        ["SX3_F_60-80_venous_0000", "SX3_F_60-80_venous_0001", "SX3_M_le20_arterial_0000", "SX3_M_40-60_venous_0000"]
+    )
+    assert (table["synthetic"] == 1).all() and (table["tumor"] == 1).all()
+    real = load_cohort(root).metadata.set_index("case_id")
+    for case_id, row in table.iterrows():
+        canvas = row["source_case_id"]
+        assert canvas in {"H1", "H2", "H3"}  # healthy training canvases only
+        assert row["phase"] == real.loc[canvas, "phase"]  # the canvas' own phase
+        assert row["patient_id"] == real.loc[canvas, "patient_id"]
+        assert row["tumor_location"] in {"head", "body", "tail"}
+        assert 2.0 < float(row["tumor_diameter_mm"]) <= 10.0  # the tiny size class
+        case = synthetic.case(case_id)
+        lesion = np.asarray(nib.load(case.mask_path("pancreatic_lesion")).dataobj) > 0
+        pancreas = np.asarray(nib.load(case.mask_path("pancreas")).dataobj) > 0
+        canvas_case = load_cohort(root).case(canvas)
+        assert lesion.any() and not (lesion & ~pancreas).any()  # the pancreas mask includes the lesion
+        assert np.array_equal(pancreas, np.asarray(nib.load(canvas_case.mask_path("pancreas")).dataobj) > 0)
+        assert np.array_equal(_ct(case.mask_path("liver")), _ct(canvas_case.mask_path("liver")))
+        assert np.allclose(nib.load(case.ct_path).affine, nib.load(canvas_case.ct_path).affine)
+        # Only the tumor and its repainted surroundings change; the rest of the canvas is untouched.
+        changed = _ct(case.ct_path) != _ct(canvas_case.ct_path)
+        near_tumor = ndimage.binary_dilation(lesion, iterations=6)
+        assert changed.any() and not (changed & ~near_tumor).any()
+    # An exact (sex, age band) canvas is used when one exists; otherwise the conditions are recorded as requested.
+    exact = table.loc["SX3_F_60-80_venous_0000"]
+    assert exact["source_case_id"] == "H1" and exact["canvas_matches_condition"] == "1" and float(exact["age"]) == 65.0
+    fallback = table.loc["SX3_M_le20_arterial_0000"]
+    assert fallback["source_case_id"] == "H3" and fallback["sex"] == "M" and float(fallback["age"]) == 15.0
+    assert fallback["canvas_sex"] == "F" and fallback["canvas_matches_condition"] == "0"
+    assert json.loads((out / "synthx_generation.json").read_text())["seed"] == 3
+    assert not (out / "split.csv").exists()  # synthetic cases are training data by construction
+
+
+def test_val_and_test_canvases_are_refused(cohort, tiny_pipeline, tmp_path):
+    root, split = cohort
+    with pytest.raises(GenerationError, match="canvas X1 is in the test split"):
+        synthesize(root, split, tiny_pipeline, tmp_path / "out", REQUESTS, canvas_ids=["H3", "X1"], **FAST)
+    with pytest.raises(GenerationError, match="canvas V1 is in the val split"):
+        synthesize(root, split, tiny_pipeline, tmp_path / "out", REQUESTS, canvas_ids=["V1"], **FAST)
+    with pytest.raises(GenerationError, match="canvas T1 has a tumor"):
+        synthesize(root, split, tiny_pipeline, tmp_path / "out", REQUESTS, canvas_ids=["T1"], **FAST)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_phase_without_canvas_is_refused_before_any_work(cohort, tiny_pipeline, tmp_path):
+    root, split = cohort
+    with pytest.raises(GenerationError, match=r"phase non-contrast \(2 requested\)"):
+        synthesize(root, split, tiny_pipeline, tmp_path / "out", {("F", "le20", "non-contrast"): 2}, **FAST)
+
+
+def test_generation_is_deterministic_for_a_seed(cohort, tiny_pipeline, tmp_path):
+    root, split = cohort
+    requests = {("F", "60-80", "venous"): 1, ("M", "40-60", "venous"): 1}
+    synthesize(root, split, tiny_pipeline, tmp_path / "a", requests, seed=7, **FAST)
+    synthesize(root, split, tiny_pipeline, tmp_path / "b", requests, seed=7, **FAST)
+    synthesize(root, split, tiny_pipeline, tmp_path / "c", requests, seed=8, **FAST)
+    for case in ("SX7_F_60-80_venous_0000", "SX7_M_40-60_venous_0000"):
+        for name in ("ct.nii.gz", "segmentations/pancreatic_lesion.nii.gz"):
+            assert np.array_equal(_ct(tmp_path / "a" / case / name), _ct(tmp_path / "b" / case / name))
+    first = _ct(tmp_path / "a" / "SX7_F_60-80_venous_0000" / "ct.nii.gz")
+    other_seed = _ct(tmp_path / "c" / "SX8_F_60-80_venous_0000" / "ct.nii.gz")
+    assert not np.array_equal(first, other_seed)
+    meta_a = pd.read_csv(tmp_path / "a" / "metadata.csv")
+    meta_b = pd.read_csv(tmp_path / "b" / "metadata.csv")
+    pd.testing.assert_frame_equal(meta_a, meta_b)
+
+
+def _stat(out, case_id):
+    info = (out / case_id / "ct.nii.gz").stat()
+    return info.st_ino, info.st_mtime_ns
+
+
+def test_resume_after_a_kill_redoes_nothing_finished(cohort, tiny_pipeline, tmp_path, monkeypatch):
+    root, split = cohort
+    out = tmp_path / "out"
+    real_write_case = generation.write_case
+    calls = []
+
+    def killed_on_third_case(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # what a kill looks like to the loop: nothing of the case is written
+        return real_write_case(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "write_case", killed_on_third_case)
+    with pytest.raises(KeyboardInterrupt):
+        synthesize(root, split, tiny_pipeline, out, REQUESTS, seed=1, **FAST)
+    finished = calls[:2]
+    assert sorted(pd.read_csv(out / "metadata.csv")["case_id"]) == sorted(finished)
+    assert not (out / calls[2]).exists()
+    before = {case_id: _stat(out, case_id) for case_id in finished}
+
+    monkeypatch.setattr(generation, "write_case", real_write_case)
+    summary = synthesize(root, split, tiny_pipeline, out, REQUESTS, seed=1, **FAST)
+    assert sorted(summary.skipped) == sorted(finished)
+    assert len(summary.generated) == 2 and summary.complete
+    assert {case_id: _stat(out, case_id) for case_id in finished} == before  # not rewritten
+    assert len(pd.read_csv(out / "metadata.csv")) == 4
+    assert validate_cohort(out, classes=("pancreas", "pancreatic_lesion")) == []
+
+    # A case whose files were damaged since is not "complete": the next rerun makes it again.
+    damaged = finished[0]
+    (out / damaged / "segmentations" / "pancreatic_lesion.nii.gz").unlink()
+    repaired = synthesize(root, split, tiny_pipeline, out, REQUESTS, seed=1, **FAST)
+    assert repaired.generated == [damaged] and len(repaired.skipped) == 3
+    assert validate_cohort(out, classes=("pancreas", "pancreatic_lesion")) == []
+
+
+def test_max_cases_leaves_the_rest_for_a_rerun(cohort, tiny_pipeline, tmp_path):
+    root, split = cohort
+    out = tmp_path / "out"
+    first = synthesize(root, split, tiny_pipeline, out, REQUESTS, max_cases=1, **FAST)
+    assert len(first.generated) == 1 and first.not_reached == 3 and not first.complete
+    assert first.per_cell["pending"].sum() == 3
+    second = synthesize(root, split, tiny_pipeline, out, REQUESTS, **FAST)
+    assert second.skipped == first.generated and len(second.generated) == 3
+
+
+def fail_one_of(real_generate, index):
+    """generate_case that fails for the F/60-80/venous request with this index."""
+
+    def generate(cohort_, canvas, request, *args, **kwargs):
+        if (request.sex, request.age_band, request.phase, request.index) == ("F", "60-80", "venous", index):
+            raise RuntimeError("simulated generator failure")
+        return real_generate(cohort_, canvas, request, *args, **kwargs)
+
+    return generate
+
+
+def test_a_failing_case_is_quarantined_and_the_others_are_made(cohort, tiny_pipeline, tmp_path, monkeypatch):
+    root, split = cohort
+    out = tmp_path / "out"
+    real_generate = generation.generate_case
+
+    monkeypatch.setattr(generation, "generate_case", fail_one_of(real_generate, index=1))
+    summary = synthesize(root, split, tiny_pipeline, out, REQUESTS, **FAST)
+    bad = "SX0_F_60-80_venous_0001"
+    assert list(summary.failed) == [bad] and "simulated generator failure" in summary.failed[bad]
+    assert len(summary.generated) == 3
+    assert not (out / bad).exists()
+    assert bad not in set(pd.read_csv(out / "metadata.csv")["case_id"])
+    record = json.loads((out / ".quarantine" / f"{bad}.json").read_text())
+    assert record["request"] == "F/60-80/venous#1" and "RuntimeError" in record["error"]
+
+    monkeypatch.setattr(generation, "generate_case", real_generate)
+    rerun = synthesize(root, split, tiny_pipeline, out, REQUESTS, **FAST)
+    assert rerun.generated == [bad] and rerun.complete
+    assert not (out / ".quarantine" / f"{bad}.json").exists()
+
+    # A damaged case that then fails again leaves the cohort: its folder moves to the quarantine, its row goes.
+    good = "SX0_F_60-80_venous_0000"
+    (out / good / "ct.nii.gz").unlink()
+    monkeypatch.setattr(generation, "generate_case", fail_one_of(real_generate, index=0))
+    third = synthesize(root, split, tiny_pipeline, out, REQUESTS, **FAST)
+    assert list(third.failed) == [good] and not (out / good).exists()
+    assert (out / ".quarantine" / f"{good}.incomplete" / "segmentations").is_dir()
+    assert good not in set(pd.read_csv(out / "metadata.csv")["case_id"])
+    assert validate_cohort(out, classes=("pancreas", "pancreatic_lesion")) == []
+
+
+def test_rerun_with_other_settings_is_refused(cohort, tiny_pipeline, tmp_path):
+    root, split = cohort
+    out = tmp_path / "out"
+    requests = {("F", "60-80", "venous"): 1}
+    synthesize(root, split, tiny_pipeline, out, requests, **FAST)
+    with pytest.raises(GenerationError, match="num_inference_steps: 2 before, 3 now"):
+        synthesize(root, split, tiny_pipeline, out, requests, **{**FAST, "num_inference_steps": 3})
+
+
+def test_pancreas_location_by_hand():
+    pancreas = np.zeros((9, 3, 3), dtype=bool)
+    pancreas[:, 1, 1] = True
+    tumor = np.zeros_like(pancreas)
+    tumor[8, 1, 1] = True
+    # RAS: x grows toward the patient's right, where the head lies.
+    assert pancreas_location(tumor, pancreas, np.eye(4)) == "head"
+    assert pancreas_location(tumor, pancreas, np.diag([-1.0, 1.0, 1.0, 1.0])) == "tail"
+    tumor[:] = False
+    tumor[4, 1, 1] = True
+    assert pancreas_location(tumor, pancreas, np.eye(4)) == "body"
+
+
+def test_request_ids_and_random_streams_depend_on_seed_cell_and_index_only():
+    a = SynthesisRequest("F", "20-40", "arterial", 3)
+    assert a.case_id(0) == "SX0_F_20-40_arterial_0003" and a.key == "F/20-40/arterial#3"
+    assert a.rng(5).integers(1 << 30) == SynthesisRequest("F", "20-40", "arterial", 3).rng(5).integers(1 << 30)
+    assert a.rng(5).integers(1 << 30) != SynthesisRequest("F", "20-40", "arterial", 4).rng(5).integers(1 << 30)
+
+
+def test_cli_with_an_mlflow_run_id_logs_lineage(cohort, tiny_pipeline, tmp_path, mlflow_uri):
+    import mlflow
+
+    root, split = cohort
+    with mlflow.start_run() as generator_run:
+        mlflow.log_artifacts(str(tiny_pipeline), artifact_path="pipeline")
+    out = tmp_path / "synthetic"
+    counts = tmp_path / "counts.csv"
+    counts.write_text("sex,age_band,phase,requested\nF,20-40,arterial,1\nM,gt80,venous,1\n")
+    argv = ["--root", str(root), "--split", str(split), "--pipeline", generator_run.info.run_id, "--out", str(out),
+            "--target", f"counts:{counts}", "--steps", "2", "--size-classes", "tiny=1",
+            "--tracking-uri", mlflow_uri, "--device", "cpu"]
+    assert main(argv) == 0
+    metadata = pd.read_csv(out / "metadata.csv")
+    assert sorted(metadata["case_id"]) == ["SX0_F_20-40_arterial_0000", "SX0_M_gt80_venous_0000"]
+    assert (metadata["generator_run_id"] == generator_run.info.run_id).all()
+    runs = mlflow.search_runs(experiment_names=["synthx"], filter_string="tags.mlflow.runName = 'synthesize'", output_format="list")
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.data.metrics["synthx/cases_generated"] == 2 and run.data.metrics["synthx/seconds_per_case"] > 0
+    assert run.data.tags["generator_run_id"] == generator_run.info.run_id
+    assert (metadata["synthesis_run_id"] == run.info.run_id).all()
+    import io
+
+    per_cell = pd.read_csv(io.StringIO(mlflow.artifacts.load_text(f"runs:/{run.info.run_id}/synthx/per_cell.csv")))
+    assert per_cell["generated"].sum() == 2
+    assert main(argv) == 0  # a rerun finds everything done
+    again = mlflow.search_runs(experiment_names=["synthx"], filter_string="tags.mlflow.runName = 'synthesize'", output_format="list")
+    assert max(r.data.metrics["synthx/cases_skipped"] for r in again) == 2
+
+
+@pytest.mark.slow
+def test_trained_generator_follows_the_phase_contrast_of_real_phantom_tumors(tmp_path, mlflow_uri):
+    """Train the generator (recipe profile cpu, 300 steps) on the phantom, paint tumors into canvases of
+    each phase, and check that the synthetic tumors' contrast against the pancreas orders the phases
+    as the real tumors' does at the extremes (near iso on non-contrast, most conspicuous arterial)."""
+    from lightning_modules.data.phantom import generate_phantom_cohort
+    from lightning_modules.data.splits import make_splits, write_split
+    from synthx.config import load_synthx_recipe
+    from synthx.quality import quality_report
+    from synthx.training import train_synthx
+
+    root, split = tmp_path / "phantom", tmp_path / "split.csv"
+    generate_phantom_cohort(root, n_cases=60, seed=0)
+    write_split(make_splits(load_cohort(root).metadata, seed=0), split)
+    recipe = load_synthx_recipe(
+        RECIPES / "generator" / "synthx.yaml", ["profile=cpu", f"data.root={root}", f"data.split={split}", f"tracking.uri={mlflow_uri}"]
+    )
+    trained = train_synthx(recipe, output_dir=tmp_path / "generator", enable_progress_bar=False)
+
+    phases = ("non-contrast", "arterial", "venous")
+    out = tmp_path / "synthetic"
+    summary = synthesize(
+        root, split, trained.pipeline_dir, out, {("F", "60-80", phase): 4 for phase in phases},
+        num_inference_steps=20, generator_run_id=trained.run_id, log_to_mlflow=False, progress=False,
+    )
+    assert summary.complete, summary.failed
+    assert validate_cohort(out, classes=("pancreas", "pancreatic_lesion")) == []
+    table = quality_report(root, split, out).intensity
+    by_phase = table[table["attribute"] == "phase"].set_index("group")
+    real = by_phase.loc[list(phases), "contrast_real"]
+    synthetic = by_phase.loc[list(phases), "contrast_synthetic"]
+    # The phantom's design (DESIGN.md section 8): non-contrast is the least, arterial the most hypo-attenuating.
+    assert real["non-contrast"] > real["arterial"]
+    assert synthetic["non-contrast"] > synthetic["arterial"], by_phase[["contrast_real", "contrast_synthetic"]]
+
+
+def test_generation_killed_with_sigkill_resumes_without_redoing_finished_cases(cohort, tiny_pipeline, tmp_path):
+    """A real SIGKILL of a generating process: every case is complete or absent, and a rerun only does the rest."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root, split = cohort
+    out = tmp_path / "out"
+    requests = {("F", "60-80", "venous"): 6, ("M", "40-60", "venous"): 6}
+    script = (
+        "import sys; from synthx.generation import synthesize\n"
+        f"synthesize({str(root)!r}, {str(split)!r}, {str(tiny_pipeline)!r}, {str(out)!r}, {requests!r}, seed=1,"
+        " num_inference_steps=10, size_classes={'tiny': 1.0}, log_to_mlflow=False, progress=False)\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if (out / "metadata.csv").exists() and len(pd.read_csv(out / "metadata.csv")) >= 2:
+            break
+        time.sleep(0.2)
+    assert process.poll() is None, "generation finished before it could be killed: " + (process.stderr.read() or "")[-2000:]
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    finished = list(pd.read_csv(out / "metadata.csv")["case_id"])
+    assert 2 <= len(finished) < 12
+    case_dirs = [p.name for p in out.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    for case_id in case_dirs:  # a case folder is complete (atomic rename) even if its row was not yet written
+        assert (out / case_id / "ct.nii.gz").exists() and (out / case_id / "segmentations" / "pancreatic_lesion.nii.gz").exists()
+    before = {case_id: _stat(out, case_id) for case_id in finished}
+    summary = synthesize(root, split, tiny_pipeline, out, requests, seed=1, num_inference_steps=10,
+                         size_classes={"tiny": 1.0}, log_to_mlflow=False, progress=False)
+    assert summary.complete and set(finished) <= set(summary.skipped)
+    assert len(summary.generated) + len(summary.skipped) == 12
+    assert {case_id: _stat(out, case_id) for case_id in finished} == before, "finished cases were not rewritten"
+    assert validate_cohort(out, classes=["pancreas", "pancreatic_lesion"]) == []

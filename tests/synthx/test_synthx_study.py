@@ -1,0 +1,221 @@
+"""SynthX-augmented training (ratio mixing and its refusals), the study end to end with resume, and the sweep."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import mlflow
+import numpy as np
+import optuna
+import pandas as pd
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import RECIPES, REPO_ROOT, tiny_overrides
+from lightning_modules.data.cohort import CohortError, load_cohort, write_metadata
+from lightning_modules.data.datamodule import CohortDataModule
+from lightning_modules.config.recipe import load_recipe
+from lightning_modules.data.mixing import RatioSampler, mixing_datamodule
+from lightning_modules.training import train
+
+
+def fake_synthetic_cohort(root, split, out, canvas_split: str = "train", n: int = 3):
+    """A 'synthetic' cohort made of copies of real cases (their own canvases), marked synthetic=1."""
+    table = pd.read_csv(split)
+    cohort = load_cohort(root)
+    canvases = list(table.loc[table["split"] == canvas_split, "case_id"][:n])
+    out.mkdir(parents=True)
+    rows = []
+    for index, canvas in enumerate(canvases):
+        case_id = f"SX{index:04d}"
+        shutil.copytree(root / canvas, out / case_id)
+        row = cohort.row(canvas)
+        rows.append({"case_id": case_id, "patient_id": row["patient_id"], "cohort": "synthx", "sex": row["sex"],
+                     "age": row["age"], "phase": row["phase"], "race": row["race"], "synthetic": 1,
+                     "source_case_id": canvas, "generator_run_id": "gen-run-1"})
+    write_metadata(out, pd.DataFrame(rows))
+    return out
+
+
+def test_ratio_sampler_respects_the_ratio_within_sampling_error():
+    sampler = RatioSampler(n_real=200, n_synthetic=40, ratio=0.3, seed=0)
+    draws = []
+    for epoch in range(25):
+        sampler.set_epoch(epoch)
+        draws.extend(list(sampler))
+    draws = np.array(draws)
+    fraction = float((draws >= 200).mean())
+    sigma = np.sqrt(0.3 * 0.7 / len(draws))
+    assert abs(fraction - 0.3) < 4 * sigma
+    assert draws.min() >= 0 and draws.max() < 240
+    sampler.set_epoch(3)
+    assert list(sampler) == list(sampler), "deterministic for an epoch"
+    with pytest.raises(ValueError, match="no cases"):
+        RatioSampler(10, 0, 0.2)
+
+
+def test_ratio_zero_is_exactly_the_baseline_data(tiny_phantom, tmp_path):
+    root, split = tiny_phantom
+    synthetic = fake_synthetic_cohort(root, split, tmp_path / "synthetic")
+    base = load_recipe(RECIPES / "unet.yaml", tiny_overrides(root, split, tmp_path))
+    zero = load_recipe(RECIPES / "unet.yaml", [*tiny_overrides(root, split, tmp_path), "synthx.ratio=0", f"synthx.cohort={synthetic}"])
+    mixed_dm, plain_dm = mixing_datamodule(zero), CohortDataModule(base)
+    assert type(mixed_dm) is CohortDataModule and mixed_dm.train_dataset_factory is None
+    mixed_dm.setup("fit")
+    plain_dm.setup("fit")
+    assert mixed_dm.datasets["train"].data == plain_dm.datasets["train"].data
+    assert getattr(mixed_dm.datasets["train"], "sampler", None) is None
+
+
+def test_synthetic_canvases_outside_training_are_refused(tiny_phantom, tmp_path):
+    root, split = tiny_phantom
+    bad = fake_synthetic_cohort(root, split, tmp_path / "from_test", canvas_split="test", n=1)
+    recipe = load_recipe(RECIPES / "unet.yaml", [*tiny_overrides(root, split, tmp_path), "synthx.ratio=0.5", f"synthx.cohort={bad}"])
+    with pytest.raises(CohortError, match="validation/test case"):
+        mixing_datamodule(recipe).setup("fit")
+    stray = fake_synthetic_cohort(root, split, tmp_path / "stray", n=1)
+    rows = load_cohort(stray).metadata
+    rows.loc[0, "source_case_id"] = "NOT_IN_SPLIT"
+    write_metadata(stray, rows)
+    recipe = load_recipe(RECIPES / "unet.yaml", [*tiny_overrides(root, split, tmp_path), "synthx.ratio=0.5", f"synthx.cohort={stray}"])
+    with pytest.raises(CohortError, match="not a real training case"):
+        mixing_datamodule(recipe).setup("fit")
+    with pytest.raises(CohortError, match="needs synthx.cohort"):
+        mixing_datamodule(load_recipe(RECIPES / "unet.yaml", [*tiny_overrides(root, split, tmp_path), "synthx.ratio=0.5"]))
+
+
+def test_augmented_training_logs_the_synthetic_cohort_as_a_dataset_input(tiny_phantom, tmp_path):
+    root, split = tiny_phantom
+    synthetic = fake_synthetic_cohort(root, split, tmp_path / "synthetic")
+    recipe = load_recipe(RECIPES / "unet.yaml", [*tiny_overrides(root, split, tmp_path), "synthx.ratio=0.5", f"synthx.cohort={synthetic}"])
+    result = train(recipe)
+    run = MlflowClient(recipe.tracking.uri).get_run(result.run_id)
+    contexts = {tag.value for d in run.inputs.dataset_inputs for tag in d.tags if tag.key == "mlflow.data.context"}
+    assert contexts == {"training", "training-synthetic"}
+    assert run.data.tags["variant"] == "synthx" and run.data.tags["synthx_ratio"] == "0.5"
+    assert run.data.tags["generator_run_ids"] == "gen-run-1"
+
+
+def _study_settings(root, split, tmp_path):
+    from synthx.study import StudySettings
+
+    overrides = [o for o in tiny_overrides(root, split, tmp_path) if not o.startswith("profile=")]
+    return StudySettings(
+        recipe=str(RECIPES / "unet.yaml"),
+        profile="cpu",
+        overrides=overrides,
+        synthx_overrides=["trainer.max_steps=2", "model.channels=[8,8,8]", "model.norm_num_groups=4",
+                          "model.num_head_channels=8", "data.patch_size=[16,16,16]", "trainer.log_every_n_steps=1",
+                          f"tracking.output_dir={tmp_path / 'outputs'}"],
+        ratio=0.5,
+        target="match:uniform",
+        budget=2,
+        synthesis_steps=2,
+        experiment="study-test",
+        output_dir=str(tmp_path / "study"),
+    )
+
+
+def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path, monkeypatch, capsys):
+    import synthx.generation
+    from synthx.study import run_study
+
+    root, split = tiny_phantom
+    settings = _study_settings(root, split, tmp_path)
+    real_synthesize = synthx.generation.synthesize
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("simulated kill during synthesis")
+
+    monkeypatch.setattr(synthx.generation, "synthesize", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_study(settings)
+    first = capsys.readouterr().out
+    assert "[study] baseline: done" in first and "[study] synthx_train: done" in first
+
+    monkeypatch.setattr(synthx.generation, "synthesize", real_synthesize)
+    table = run_study(settings)
+    second = capsys.readouterr().out
+    for step in ("data", "baseline", "synthx_train"):
+        assert f"[study] {step}: identical finished run" in second, step
+    for step in ("synthesize", "augmented", "evaluate_baseline", "evaluate_synthx", "compare"):
+        assert f"[study] {step}: done" in second, step
+    assert {"attribute", "group", "metric", "delta", "ci_low", "ci_high", "significant"} <= set(table.columns)
+    assert "phase" in set(table["attribute"])
+
+    uri = load_recipe(RECIPES / "unet.yaml", settings.overrides).tracking.uri
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("study-test")
+    parents = client.search_runs([experiment.experiment_id], "tags.stage = 'study'", order_by=["attributes.start_time DESC"])
+    latest = parents[0]
+    assert latest.info.status == "FINISHED"
+    steps = {k[len("step."):]: v for k, v in latest.data.tags.items() if k.startswith("step.")}
+    assert set(steps) == {"data", "baseline", "synthx_train", "synthesize", "augmented", "evaluate_baseline", "evaluate_synthx", "compare"}
+    for name, run_id in steps.items():
+        assert client.get_run(run_id).info.status == "FINISHED", name
+    augmented = client.get_run(steps["augmented"])
+    assert augmented.data.tags["variant"] == "synthx"
+    assert {t.value for d in augmented.inputs.dataset_inputs for t in d.tags} >= {"training-synthetic"}
+
+    # A third run finds every step finished and redoes nothing.
+    run_study(settings)
+    third = capsys.readouterr().out
+    assert third.count("identical finished run") == 8
+
+
+def _sweep_recipe_args(root, split, tmp_path, synthetic):
+    return [*tiny_overrides(root, split, tmp_path), f"synthx.cohort={synthetic}"]
+
+
+def test_three_trial_sweep_links_trials_to_the_sweep_run(tiny_phantom, tmp_path):
+    from synthx.sweep import PARENT_ATTR, main as sweep_main
+
+    root, split = tiny_phantom
+    synthetic = fake_synthetic_cohort(root, split, tmp_path / "synthetic")
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    args = ["--recipe", str(RECIPES / "unet.yaml"), "--storage", storage, "--study-name", "s3", "--trials", "3",
+            "--objective", "both", *_sweep_recipe_args(root, split, tmp_path, synthetic)]
+    assert sweep_main(args) == 0
+    study = optuna.load_study(study_name="s3", storage=storage)
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) == 3 and complete[0].params["ratio"] == 0.0, "the enqueued baseline ratio runs first"
+    uri = load_recipe(RECIPES / "unet.yaml", tiny_overrides(root, split, tmp_path)).tracking.uri
+    mlflow.set_tracking_uri(uri)
+    parent = study.user_attrs[PARENT_ATTR]
+    children = mlflow.search_runs(search_all_experiments=True, filter_string=f"tags.mlflow.parentRunId = '{parent}'")
+    assert len(children) == 3
+    assert sorted(children["tags.optuna_trial"]) == ["0", "1", "2"]
+    assert set(children["tags.synthx_ratio"]) == {f"{t.params['ratio']:g}" for t in complete}
+    artifacts = {a.path for a in MlflowClient(uri).list_artifacts(parent, "sweep")}
+    assert {"sweep/trials.csv", "sweep/pareto_front.json", "sweep/pareto_front.png"} <= artifacts
+    # Resume: asking again for 3 trials runs none.
+    assert sweep_main(args) == 0
+    assert len(optuna.load_study(study_name="s3", storage=storage).trials) == 3
+
+
+def test_two_concurrent_workers_share_one_journal_study(tiny_phantom, tmp_path):
+    from synthx.sweep import main as sweep_main
+
+    root, split = tiny_phantom
+    synthetic = fake_synthetic_cohort(root, split, tmp_path / "synthetic")
+    storage = f"journal:{tmp_path / 'journal.log'}"
+    args = ["--recipe", str(RECIPES / "unet.yaml"), "--storage", storage, "--study-name", "shared", "--trials", "4",
+            "--objective", "worst_sensitivity", "--no-enqueue", *_sweep_recipe_args(root, split, tmp_path, synthetic)]
+    assert sweep_main([*args, "--create-only"]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "lightning_modules.cli", "sweep", *args]
+    workers = [subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for _ in range(2)]
+    outputs = [w.communicate(timeout=900)[0] for w in workers]
+    assert all(w.returncode == 0 for w in workers), outputs[0][-3000:] + outputs[1][-3000:]
+    from synthx.sweep import make_storage
+
+    study = optuna.load_study(study_name="shared", storage=make_storage(storage))
+    finished = [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
+    numbers = [t.number for t in study.trials]
+    assert len(numbers) == len(set(numbers)) and 4 <= len(finished) <= 5
+    runs = {t.user_attrs.get("mlflow_run_id") for t in finished}
+    assert len(runs) == len(finished), "every trial trained its own run"
