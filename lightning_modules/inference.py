@@ -81,29 +81,20 @@ def _inputs(path: Path) -> list[tuple[str, Path]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from lightning_modules.evaluation.runs import EvaluationError, training_run_artifacts
-    from lightning_modules.tracking import tracking_uri
-    from lightning_modules.training import load_module_from_checkpoint
+    from lightning_modules.commands.common import add_model_source_arguments, add_overrides_argument, split_overrides
+    from lightning_modules.models.checkpoints import ModelSourceError, load_module_from_checkpoint, resolve_model_source
 
     parser = argparse.ArgumentParser(prog="benchx predict", description=__doc__.split("\n\n")[0])
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--run-id", help="MLflow training run (its recipe.yaml and best checkpoint)")
-    source.add_argument("--checkpoint", help="a checkpoint file (needs --recipe)")
-    parser.add_argument("--recipe")
+    add_model_source_arguments(parser)
     parser.add_argument("--input", required=True, help="a CT .nii.gz, a cohort folder, or a folder of CTs")
     parser.add_argument("--out", required=True)
-    parser.add_argument("overrides", nargs="*")
+    add_overrides_argument(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    overrides = [p for o in args.overrides for p in o.split()]
     try:
         with tempfile.TemporaryDirectory() as folder:
-            if args.run_id:
-                recipe_path, checkpoint = training_run_artifacts(args.run_id, tracking_uri(None), Path(folder))
-                recipe = load_recipe(recipe_path, overrides, resolved=True)
-            else:
-                if not args.recipe:
-                    parser.error("--checkpoint needs --recipe")
-                recipe, checkpoint = load_recipe(args.recipe, overrides), Path(args.checkpoint)
+            recipe, checkpoint = resolve_model_source(
+                Path(folder), args.run_id, args.checkpoint, args.recipe, split_overrides(args.overrides)
+            )
             module = load_module_from_checkpoint(recipe, checkpoint)
         voxel = None
         for case_id, ct_path in _inputs(Path(args.input)):
@@ -112,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             voxel = float(abs(np.linalg.det(affine[:3, :3])))
             tumor = int((labels == module.tumor_label).sum())
             print(f"{case_id}: predicted {recipe.data.tumor_class} volume {tumor * voxel:.1f} mm^3 -> {Path(args.out) / case_id}")
-    except (EvaluationError, FileNotFoundError) as error:
+    except (ModelSourceError, FileNotFoundError) as error:
         print(f"benchx predict: {error}", file=sys.stderr)
         return 1
     return 0

@@ -31,13 +31,13 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelChec
 from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_modules.models.backbones import build_backbone, get_backbone
 from lightning_modules.data.cohort import CohortError
 from lightning_modules.data.datamodule import CohortDataModule
 from lightning_modules.evaluation.callback import SubgroupEvaluation
 from lightning_modules.data.mixing import log_dataset_inputs, mixing_datamodule
 from lightning_modules.config.recipe import load_recipe, recipe_to_yaml
 from lightning_modules.models.segmentation_module import SegmentationModule
+from lightning_modules.models.checkpoints import build_module
 from lightning_modules.tracking import experiment_id, flatten, run_tags, tracking_uri
 
 RUN_ID_FILE = "mlflow_run_id.txt"
@@ -66,32 +66,6 @@ def recipe_fingerprint(recipe: DictConfig) -> str:
 def default_output_dir(recipe: DictConfig) -> Path:
     return Path(recipe.tracking.output_dir) / f"{recipe.name}-{recipe_fingerprint(recipe)}"
 
-
-def build_module(recipe: DictConfig) -> SegmentationModule:
-    """The SegmentationModule for a recipe: its backbone, loss, optimizer and inference settings."""
-    spec = get_backbone(recipe.model.backbone)
-    options = OmegaConf.to_container(recipe.model.options, resolve=True)
-    network = build_backbone(
-        recipe.model.backbone,
-        in_channels=1,
-        out_channels=len(recipe.data.classes) + 1,
-        patch_size=tuple(int(p) for p in recipe.data.patch_size),
-        **options,
-    )
-    return SegmentationModule(
-        network,
-        classes=list(recipe.data.classes),
-        tumor_class=recipe.data.tumor_class,
-        output=spec.output,
-        patch_size=tuple(int(p) for p in recipe.data.patch_size),
-        optim=OmegaConf.to_container(recipe.optim, resolve=True),
-        max_steps=int(recipe.trainer.max_steps),
-        loss=OmegaConf.to_container(recipe.loss, resolve=True),
-        sw_batch_size=int(recipe.trainer.sw_batch_size),
-        sw_overlap=float(recipe.trainer.sw_overlap),
-        small_tumor_mm=float(recipe.detection.small_tumor_mm),
-        sw_roi_size=[int(v) for v in recipe.trainer.sw_roi_size] or None,
-    )
 
 
 def check_data(recipe: DictConfig, cohort, split) -> list[str]:
@@ -280,15 +254,6 @@ def train(
     return TrainResult(run_id, output_dir, best_path, last, metrics, trainer.global_step)
 
 
-def load_module_from_checkpoint(recipe: DictConfig, checkpoint: str | Path) -> SegmentationModule:
-    """Rebuild the recipe's module and load a checkpoint's weights into it."""
-    import torch
-
-    module = build_module(recipe)
-    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
-    module.load_state_dict(state["state_dict"])
-    return module
-
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
@@ -304,10 +269,10 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from lightning_modules.commands.common import split_overrides
+
     args, unknown = parse_args(sys.argv[1:] if argv is None else argv)
-    overrides = [o for o in [*args.overrides, *unknown] if o.strip()]
-    # `mlflow run` passes overrides as one space-separated string parameter.
-    overrides = [part for o in overrides for part in o.split()]
+    overrides = split_overrides([*args.overrides, *unknown])
     try:
         recipe = load_recipe(args.recipe, overrides)
         # Under `mlflow run`, log into the run it opened (Lightning would otherwise start another).

@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
+from lightning_modules.commands.common import split_overrides
 from lightning_modules.config.recipe import load_recipe
 from lightning_modules.tracking import experiment_id, git_commit, tracking_uri
 
@@ -322,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the backbone recipe")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     settings = StudySettings(
-        recipe=args.recipe, profile=args.profile, overrides=[p for o in args.overrides for p in o.split()],
+        recipe=args.recipe, profile=args.profile, overrides=split_overrides(args.overrides),
         synthx_recipe=args.synthx_recipe, synthx_overrides=args.synthx_override, cases=int(args.cases),
         ratio=args.ratio, target=args.target, budget=args.budget, synthesis_steps=args.synthesis_steps, experiment=args.experiment,
         output_dir=args.out,

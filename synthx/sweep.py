@@ -43,6 +43,7 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
+from lightning_modules.commands.common import split_overrides
 from lightning_modules.config.recipe import load_recipe
 from lightning_modules.tracking import experiment_id, git_commit, tracking_uri
 from lightning_modules.training import train
@@ -272,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--create-only", action="store_true", help="create the study and its MLflow run, then exit")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    overrides = [part for o in args.overrides for part in o.split()]
+    overrides = split_overrides(args.overrides)
     recipe = load_recipe(args.recipe, overrides)
     cohorts = dict(item.split("=", 1) for item in args.targeting)
     enqueue = [] if args.no_enqueue else (args.enqueue if args.enqueue is not None else [0.0])

@@ -12,7 +12,8 @@ from lightning_modules.data.cohort import load_cohort, write_metadata
 from lightning_modules.inference import main as predict_main
 from lightning_modules.inference import predict_scan
 from lightning_modules.config.recipe import load_recipe
-from lightning_modules.training import load_module_from_checkpoint, train
+from lightning_modules.models.checkpoints import load_module_from_checkpoint
+from lightning_modules.training import train
 
 
 def test_prediction_is_on_the_scan_grid_after_reorientation_and_resampling(tiny_phantom, tmp_path):

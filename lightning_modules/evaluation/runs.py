@@ -37,25 +37,12 @@ from lightning_modules.data.datamodule import CohortDataModule
 from lightning_modules.evaluation.callback import RECORDS_ARTIFACT, SubgroupEvaluation, subgroup_figure
 from lightning_modules.config.recipe import load_recipe
 from lightning_modules.tracking import experiment_id, run_tags, tracking_uri
-from lightning_modules.training import load_module_from_checkpoint
+from lightning_modules.models.checkpoints import ModelSourceError, load_module_from_checkpoint
 
 
 class EvaluationError(ValueError):
     """An evaluation or comparison that cannot be done as asked."""
 
-
-def training_run_artifacts(run_id: str, uri: str, folder: Path) -> tuple[Path, Path]:
-    """Download a training run's resolved recipe and its best (else last) checkpoint."""
-    client = MlflowClient(tracking_uri=uri)
-    try:
-        recipe_path = Path(client.download_artifacts(run_id, "recipe.yaml", str(folder)))
-    except Exception as error:  # MLflow raises several types for a missing artifact
-        raise EvaluationError(f"run {run_id} has no recipe.yaml artifact: is it a training run? ({error})") from error
-    names = {Path(item.path).name for item in client.list_artifacts(run_id, "checkpoints")}
-    for name in ("best.ckpt", "last.ckpt"):
-        if name in names:
-            return recipe_path, Path(client.download_artifacts(run_id, f"checkpoints/{name}", str(folder)))
-    raise EvaluationError(f"run {run_id} has no checkpoints/best.ckpt or last.ckpt artifact")
 
 
 def evaluate(
@@ -239,27 +226,22 @@ def _stages(text: str) -> list[str]:
 
 
 def evaluate_main(argv: Sequence[str] | None = None) -> int:
+    from lightning_modules.commands.common import add_model_source_arguments, add_overrides_argument, split_overrides
+    from lightning_modules.models.checkpoints import resolve_model_source
+
     parser = argparse.ArgumentParser(prog="benchx evaluate", description=__doc__.split("\n\n")[1])
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--run-id", help="MLflow training run (its recipe.yaml and best checkpoint are used)")
-    source.add_argument("--checkpoint", help="a checkpoint file (needs --recipe)")
-    parser.add_argument("--recipe", help="recipe for --checkpoint, or to replace the run's recipe")
+    add_model_source_arguments(parser)
     parser.add_argument("--stages", default="val,test", type=_stages,
                         help="comma-separated, from val and test (one value, so key=value overrides may follow)")
-    parser.add_argument("overrides", nargs="*", help="key=value recipe overrides (e.g. data.root=... data.split=...)")
+    add_overrides_argument(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    overrides = [part for o in args.overrides for part in o.split()]
     try:
         with tempfile.TemporaryDirectory() as folder:
-            if args.run_id:
-                recipe_path, checkpoint = training_run_artifacts(args.run_id, tracking_uri(None), Path(folder))
-                recipe = load_recipe(args.recipe, overrides) if args.recipe else load_recipe(recipe_path, overrides, resolved=True)
-            else:
-                if not args.recipe:
-                    parser.error("--checkpoint needs --recipe")
-                recipe, checkpoint = load_recipe(args.recipe, overrides), Path(args.checkpoint)
+            recipe, checkpoint = resolve_model_source(
+                Path(folder), args.run_id, args.checkpoint, args.recipe, split_overrides(args.overrides)
+            )
             run_id, results = evaluate(recipe, checkpoint, args.stages, training_run_id=args.run_id)
-    except (EvaluationError, FileNotFoundError) as error:
+    except (EvaluationError, ModelSourceError, FileNotFoundError) as error:
         print(f"benchx evaluate: {error}", file=sys.stderr)
         return 1
     print(f"evaluation run {run_id}")

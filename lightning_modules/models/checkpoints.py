@@ -1,0 +1,113 @@
+"""Where a trained segmentation model comes from, and how it is rebuilt.
+
+A model is named either by an MLflow training run (its resolved ``recipe.yaml`` and best, else last,
+checkpoint artifacts) or by a checkpoint file plus the recipe it was trained with. Every command that
+loads a model (evaluate, predict, the study) resolves it here, so the rules are the same everywhere.
+
+Example::
+
+    recipe, checkpoint = resolve_model_source(run_id="3f2a...", folder=tmp)
+    module = load_module_from_checkpoint(recipe, checkpoint)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_modules.config.recipe import load_recipe
+from lightning_modules.models.backbones import build_backbone, get_backbone
+from lightning_modules.models.segmentation_module import SegmentationModule
+
+
+class ModelSourceError(ValueError):
+    """A run or checkpoint that does not name a usable trained model."""
+
+
+def build_module(recipe: DictConfig) -> SegmentationModule:
+    """The SegmentationModule for a recipe: its backbone, loss, optimizer and inference settings."""
+    spec = get_backbone(recipe.model.backbone)
+    options = OmegaConf.to_container(recipe.model.options, resolve=True)
+    network = build_backbone(
+        recipe.model.backbone,
+        in_channels=1,
+        out_channels=len(recipe.data.classes) + 1,
+        patch_size=tuple(int(p) for p in recipe.data.patch_size),
+        **options,
+    )
+    return SegmentationModule(
+        network,
+        classes=list(recipe.data.classes),
+        tumor_class=recipe.data.tumor_class,
+        output=spec.output,
+        patch_size=tuple(int(p) for p in recipe.data.patch_size),
+        optim=OmegaConf.to_container(recipe.optim, resolve=True),
+        max_steps=int(recipe.trainer.max_steps),
+        loss=OmegaConf.to_container(recipe.loss, resolve=True),
+        sw_batch_size=int(recipe.trainer.sw_batch_size),
+        sw_overlap=float(recipe.trainer.sw_overlap),
+        small_tumor_mm=float(recipe.detection.small_tumor_mm),
+        sw_roi_size=[int(v) for v in recipe.trainer.sw_roi_size] or None,
+    )
+
+
+def load_module_from_checkpoint(recipe: DictConfig, checkpoint: str | Path) -> SegmentationModule:
+    """Rebuild the recipe's module and load a checkpoint's weights into it."""
+    import torch
+
+    module = build_module(recipe)
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    module.load_state_dict(state["state_dict"])
+    return module
+
+
+def training_run_artifacts(run_id: str, uri: str, folder: Path) -> tuple[Path, Path]:
+    """Download a training run's resolved recipe and its best (else last) checkpoint into ``folder``."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        recipe_path = Path(client.download_artifacts(run_id, "recipe.yaml", str(folder)))
+    except Exception as error:  # MLflow raises several types for a missing artifact
+        raise ModelSourceError(f"run {run_id} has no recipe.yaml artifact: is it a training run? ({error})") from error
+    names = {Path(item.path).name for item in client.list_artifacts(run_id, "checkpoints")}
+    for name in ("best.ckpt", "last.ckpt"):
+        if name in names:
+            return recipe_path, Path(client.download_artifacts(run_id, f"checkpoints/{name}", str(folder)))
+    raise ModelSourceError(f"run {run_id} has no checkpoints/best.ckpt or last.ckpt artifact")
+
+
+def resolve_model_source(
+    folder: Path,
+    run_id: str | None = None,
+    checkpoint: str | Path | None = None,
+    recipe: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    tracking_uri: str | None = None,
+) -> tuple[DictConfig, Path]:
+    """The recipe and checkpoint of a model named by a training run or by a checkpoint file.
+
+    Args:
+        folder: where a run's artifacts are downloaded (the caller keeps it alive while it loads).
+        run_id: an MLflow training run; its resolved recipe is used unless ``recipe`` replaces it.
+        checkpoint: a checkpoint file (then ``recipe`` is required).
+        recipe: the recipe YAML for ``checkpoint``, or one that replaces the run's recipe.
+        overrides: ``key=value`` recipe overrides, applied last.
+        tracking_uri: the MLflow store of ``run_id`` (default: the environment's).
+    """
+    from lightning_modules.tracking import tracking_uri as resolve_uri
+
+    if (run_id is None) == (checkpoint is None):
+        raise ModelSourceError("name exactly one model source: --run-id RUN or --checkpoint FILE --recipe YAML")
+    if run_id is not None:
+        recipe_path, checkpoint_path = training_run_artifacts(run_id, resolve_uri(tracking_uri), Path(folder))
+        if recipe is not None:
+            return load_recipe(recipe, list(overrides)), checkpoint_path
+        return load_recipe(recipe_path, list(overrides), resolved=True), checkpoint_path
+    if recipe is None:
+        raise ModelSourceError("--checkpoint needs --recipe (the recipe the checkpoint was trained with)")
+    if not Path(checkpoint).is_file():
+        raise ModelSourceError(f"checkpoint {checkpoint}: no such file")
+    return load_recipe(recipe, list(overrides)), Path(checkpoint)
