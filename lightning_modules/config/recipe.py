@@ -1,9 +1,10 @@
-"""Recipes: OmegaConf YAML merged onto a structured schema in struct mode (a mistyped key is an error).
+"""The segmentation recipe: its schema (one dataclass per section), its checks, and how it is loaded.
 
-Merge order: schema defaults -> ``recipes/_base.yaml`` -> the backbone's recipe -> the recipe's
-profile (``profiles.<name>``, e.g. ``cpu``) -> command-line ``key=value`` overrides. The top level
-of a recipe is the full-size (Touchstone, DESIGN.md section 7) setting; ``profiles.cpu`` shrinks it
-for this machine and the tests.
+The layers are merged by :mod:`lightning_modules.config.loader` (shared with SynthX): schema
+defaults -> ``recipes/_base.yaml`` -> the backbone's recipe -> the recipe's profile
+(``profiles.<name>``, e.g. ``cpu``) -> command-line ``key=value`` overrides. The top level of a
+recipe is the full-size setting (``docs/design.md "Touchstone hyper-parameters"``, BenchX tables 7
+and 8); ``profiles.cpu`` shrinks it for this machine and the tests.
 
 Example::
 
@@ -17,16 +18,17 @@ from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-BASE_RECIPE = "_base.yaml"
+from lightning_modules.config.loader import RecipeError, load_config, recipe_to_yaml
+
+__all__ = ["Recipe", "RecipeError", "TrackingConfig", "check_recipe", "load_recipe", "recipe_to_yaml"]
 
 
 @dataclass
 class DataConfig:
     root: str = "data/phantom"
     split: str = "splits/phantom.csv"
-    # Classes trained on, in label order after background (DESIGN.md section 1).
+    # Classes trained on, in label order after background (docs/design.md "Cohorts on disk").
     classes: list[str] = field(default_factory=lambda: ["pancreas", "pancreatic_lesion"])
     tumor_class: str = "pancreatic_lesion"
     spacing: list[float] = field(default_factory=lambda: [1.5, 1.5, 1.5])
@@ -99,7 +101,7 @@ class TrainerConfig:
 
 @dataclass
 class DetectionConfig:
-    # DESIGN.md section 3: a scan is positive when its predicted tumor volume exceeds m (mm^3).
+    # docs/design.md "Scan-level detection": a scan is positive when its predicted tumor volume exceeds m (mm^3).
     threshold_mm3: float = 50.0
     # fixed | f1 | youden: 'f1'/'youden' choose m on the validation split, then apply it to test.
     threshold_rule: str = "fixed"
@@ -143,26 +145,16 @@ class Recipe:
     profiles: dict[str, Any] = field(default_factory=dict)
 
 
-class RecipeError(ValueError):
-    """A recipe that cannot be loaded: a mistyped key, a wrong type, a violated shape rule."""
-
-
-def _load_yaml(path: Path) -> DictConfig:
-    if not path.exists():
-        raise RecipeError(f"recipe file {path} does not exist")
-    return OmegaConf.load(path)
-
-
 def load_recipe(
     path: str | Path,
     overrides: list[str] | None = None,
     check: bool = True,
     resolved: bool = False,
-    schema: type = None,
+    schema: type | None = None,
     checker=None,
     base: bool = True,
 ) -> DictConfig:
-    """Load a recipe: schema <- _base.yaml <- recipe <- profile <- overrides, in struct mode.
+    """Load a segmentation recipe: schema <- _base.yaml <- recipe <- profile <- overrides.
 
     Args:
         path: the recipe YAML (its folder must hold ``_base.yaml`` unless the recipe is the base).
@@ -170,80 +162,23 @@ def load_recipe(
         check: bind ``model.options`` to the backbone builder's signature and apply its shape rules.
         resolved: the file is an already resolved recipe (the ``recipe.yaml`` a run logs): no
             ``_base.yaml`` layer and no profile is applied again, only the overrides.
-        schema: the structured dataclass (default :class:`Recipe`; SynthX passes its own).
+        schema: another structured dataclass (default :class:`Recipe`); other schemas should call
+            :func:`lightning_modules.config.loader.load_config` directly.
         checker: ``checker(config, source)`` run when ``check`` (default :func:`check_recipe`).
         base: merge ``_base.yaml`` from the recipe's folder (the backbone recipes' shared layer).
 
     Raises:
         RecipeError: naming the file and the key that is wrong.
     """
-    path = Path(path)
-    overrides = list(overrides or [])
-    structured = OmegaConf.structured(schema or Recipe)
-    layers: list[tuple[str, DictConfig]] = []
-    base_path = path.parent / BASE_RECIPE
-    if base and not resolved and base_path.exists() and base_path.resolve() != path.resolve():
-        layers.append((str(base_path), _load_yaml(base_path)))
-    layers.append((str(path), _load_yaml(path)))
-    try:
-        cli = OmegaConf.from_dotlist(overrides)
-    except OmegaConfBaseException as error:
-        raise RecipeError(f"bad override in {overrides}: {error}") from error
-    layers.append(("command line", cli))
-
-    # Profiles are sets of overrides, not values: collect them from every layer (later layers win)
-    # and merge the selected one after the layers, so the schema still checks every key they set.
-    profiles = OmegaConf.create({})
-    stripped = []
-    for source, layer in layers:
-        if "profiles" in layer:
-            profiles = OmegaConf.merge(profiles, layer.profiles)
-            layer = OmegaConf.masked_copy(layer, [k for k in layer if k != "profiles"])
-        stripped.append((source, layer))
-
-    config = structured
-    _seal(config)
-    for source, layer in stripped:
-        config = _merge(config, layer, source)
-    profile = config.profile
-    if not resolved and profile not in ("full", "", None):
-        if profile not in profiles:
-            raise RecipeError(
-                f"{path}: profile {profile!r} is not defined (available: full, {', '.join(profiles) or 'none'})"
-            )
-        config = _merge(config, profiles[profile], f"{path} profiles.{profile}")
-        config = _merge(config, cli, "command line")
-    OmegaConf.set_struct(config.profiles, False)
-    config.profiles = profiles
-    if "name" not in stripped[-2][1]:
-        config.name = path.stem
-    if check:
-        (checker or check_recipe)(config, source=str(path))
-    return config
-
-
-def _merge(config: DictConfig, layer: DictConfig, source: str) -> DictConfig:
-    try:
-        merged = OmegaConf.merge(config, layer)
-    except ConfigKeyError as error:
-        raise RecipeError(f"{source}: unknown key {error.full_key!r} ({error.msg.splitlines()[0]})") from error
-    except OmegaConfBaseException as error:
-        key = getattr(error, "full_key", None)
-        raise RecipeError(f"{source}: invalid value for {key!r}: {str(error).splitlines()[0]}") from error
-    _seal(merged)
-    return merged
-
-
-# Free-form mappings inside the schema: keys are checked elsewhere (builder signatures) or are free.
-_OPEN_NODES = ("model.options", "tracking.tags", "profiles")
-
-
-def _seal(config: DictConfig) -> None:
-    OmegaConf.set_struct(config, True)
-    for key in _OPEN_NODES:
-        node = OmegaConf.select(config, key)
-        if node is not None:
-            OmegaConf.set_struct(node, False)
+    return load_config(
+        path,
+        overrides,
+        schema=schema or Recipe,
+        checker=checker or check_recipe,
+        check=check,
+        resolved=resolved,
+        base=base,
+    )
 
 
 def check_recipe(config: DictConfig, source: str = "recipe") -> None:
@@ -288,7 +223,3 @@ def check_recipe(config: DictConfig, source: str = "recipe") -> None:
                 raise ValueError(str(error).replace("data.patch_size", "trainer.sw_roi_size")) from None
     except (TypeError, ValueError, KeyError) as error:
         raise RecipeError(f"{source}: model: {error}") from error
-
-
-def recipe_to_yaml(config: DictConfig) -> str:
-    return OmegaConf.to_yaml(config, resolve=True)

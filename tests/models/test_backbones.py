@@ -18,9 +18,8 @@ from omegaconf import OmegaConf
 
 from lightning_modules.models.backbones import BACKBONES, build_backbone, get_backbone
 from lightning_modules.models.backbones.deep_supervision import DeepSupervisionOutput
-from lightning_modules.models.backbones.nnunet import (
-    TOPOLOGY_OPTIONS,
-    build_nnunet,
+from lightning_modules.models.backbones.nnunet import TOPOLOGY_OPTIONS, build_nnunet
+from lightning_modules.models.planning import (
     estimate_feature_map_voxels,
     feature_map_budget,
     network_topology,
@@ -141,7 +140,7 @@ def test_cpu_forward_backward_and_output_modes(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_recipe_optimizer_lowers_loss_on_fixed_batch(name):
     """A few steps of the recipe's optimizer (SegmentationModule's Dice+CE, deep supervision included)."""
-    from lightning_modules.training import build_module
+    from lightning_modules.models.checkpoints import build_module
 
     torch.manual_seed(0)
     recipe = load_recipe(recipe_path(name), ["profile=cpu"])

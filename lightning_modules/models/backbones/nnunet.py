@@ -1,4 +1,4 @@
-"""nnU-Net's networks and a small planner: PlainConvUNet ("nnunet") and ResidualEncoderUNet ("resenc").
+"""nnU-Net's networks: PlainConvUNet ("nnunet") and ResidualEncoderUNet ("resenc").
 
 The networks come from ``dynamic_network_architectures`` (the library nnU-Net v2 builds them with),
 configured as nnU-Net does: 3^3 (or anisotropic) convolutions, instance norm, LeakyReLU, features
@@ -8,30 +8,10 @@ convolutions per stage in encoder and decoder (Isensee et al., Nature Methods 20
 (1, 3, 4, 6, 6, 6) and 1 convolution per decoder stage, the ResEnc L preset (Isensee et al., MICCAI
 2024, "nnU-Net revisited"); 6 stages give 102.4 M parameters.
 
-Planning. nnU-Net does not fix the patch or the depth: it plans them from the dataset. This module
-follows its published rules (our implementation, not nnU-Net's code):
-
-1. Target spacing: the recipe's (``data.spacing``), or else the median spacing, with the 10th
-   percentile for one axis that is more than 3x coarser than the others and has 3x fewer voxels.
-2. Median shape of the cases after resampling to that spacing (in RAS axis order, as the
-   datamodule orients them). Headers only: no voxel data is read.
-3. Initial patch: 256^3 voxels, shaped like a cube in millimetres, clipped to the median shape.
-4. Topology: pool (stride 2) the axes whose spacing is within 2x of the finest one, as long as the
-   result keeps at least 4 voxels (an axis pooled alone needs 12); an axis gets a 3-wide kernel
-   once its spacing comes within 2x of the finest (1 before, for very anisotropic data); the
-   patch is rounded up to a multiple of each axis's total stride.
-5. Budget: while the network's feature maps at that patch (``compute_conv_feature_map_size`` of
-   dynamic_network_architectures, the quantity nnU-Net calibrates) exceed the budget, shrink the
-   axis that is largest relative to the median shape by one stride step and re-plan the topology.
-   The budget is nnU-Net's calibration: 560 M feature-map voxels per 8 GB for the plain U-Net
-   (ExperimentPlanner), 2.1 G per 24 GB for ResEnc (nnUNetPlannerResEncL), scaled to
-   ``gpu_memory_gb``.
-
-Not planned here: the batch size (BenchX table 8 fixes 2), 2D and low-resolution cascade
-configurations, and the axis transposition nnU-Net applies.
-
-Recipes select planning with ``auto`` topology options; :func:`resolve_planned_recipe` (called by
-training) plans from the cohort and fills them in along with ``data.patch_size``.
+nnU-Net plans the patch and the depth from the dataset; that planner lives apart from the networks
+(as in nnU-Net v2), in :mod:`lightning_modules.models.planning`. Recipes select planning with
+``auto`` topology options; :func:`lightning_modules.models.planning.resolve_planned_recipe` (called
+by training) fills them in along with ``data.patch_size``.
 
 Shape rules: each patch dimension must be divisible by the product of the strides along it;
 ``strides``, ``kernel_sizes`` and ``features_per_stage`` need ``n_stages`` entries each, and the
@@ -39,20 +19,15 @@ first stride is 1 (the first stage works at full resolution).
 
 Example::
 
-    plan = plan_nnunet((1.5, 1.5, 1.5), (240, 240, 300), gpu_memory_gb=8)
-    net = build_nnunet(3, 1, 3, patch_size=plan["patch_size"], n_stages=plan["n_stages"],
-                       strides=plan["strides"], kernel_sizes=plan["kernel_sizes"],
-                       features_per_stage=plan["features_per_stage"])
+    net = build_nnunet(3, 1, 3, patch_size=(128, 128, 128), n_stages=6,
+                       strides=[1, 2, 2, 2, 2, 2], kernel_sizes=[3] * 6,
+                       features_per_stage=[32, 64, 128, 256, 320, 320])
 """
 
 from __future__ import annotations
 
-import copy
-import math
-from pathlib import Path
 from typing import Any, Sequence
 
-import nibabel as nib
 import numpy as np
 import torch
 from torch import nn
@@ -62,15 +37,6 @@ from lightning_modules.models.backbones.deep_supervision import DeepSupervisionO
 AUTO = "auto"
 TOPOLOGY_OPTIONS = ("n_stages", "strides", "kernel_sizes", "features_per_stage")
 
-# nnU-Net's calibration of its feature-map estimate against GPU memory (batch size 2):
-# (feature-map voxels, GB it corresponds to). ExperimentPlanner and nnUNetPlannerResEncL.
-FEATURE_MAP_REFERENCE = {"plain": (560e6, 8.0), "resenc": (2.1e9, 24.0)}
-# Voxels of the initial patch before it is fitted to the budget (nnU-Net: 256^3).
-INITIAL_PATCH_VOXELS = 256**3
-MIN_FEATURE_MAP_EDGE = 4
-ANISOTROPY_THRESHOLD = 3.0
-BASE_FEATURES = 32
-MAX_FEATURES = 320
 # ResEnc presets: residual blocks per encoder stage; stages beyond the sixth get 6 as well.
 RESENC_BLOCKS = (1, 3, 4, 6, 6, 6)
 
@@ -109,7 +75,7 @@ def build_nnunet(
         n_conv_per_stage_decoder: convolutions per decoder stage.
         deep_supervision: a segmentation head per decoder stage in train mode.
         gpu_memory_gb: the memory the planner fits the patch to; used only when the topology is
-            ``auto`` (by :func:`resolve_planned_recipe`), not by the network.
+            ``auto`` (by :func:`lightning_modules.models.planning.resolve_planned_recipe`), not by the network.
     """
     topology = _explicit_topology(
         "nnunet", spatial_dims, n_stages, strides, kernel_sizes, features_per_stage, patch_size
@@ -300,329 +266,9 @@ def _explicit_topology(name, spatial_dims, n_stages, strides, kernel_sizes, feat
     if any(value == AUTO for value in values):
         raise ValueError(
             f"{name}: the topology is 'auto' and has not been planned; call "
-            "lightning_modules.models.backbones.nnunet.resolve_planned_recipe(recipe) first (benchx train does), "
+            "lightning_modules.models.planning.resolve_planned_recipe(recipe) first (benchx train does), "
             "or give n_stages, strides, kernel_sizes and features_per_stage"
         )
     options = dict(zip(TOPOLOGY_OPTIONS, values))
     check_nnunet_options(options, tuple(int(p) for p in patch_size))
     return normalize_topology(spatial_dims, *values)
-
-
-# ----------------------------------------------------------------------------------------------
-# Planning
-
-
-def network_topology(
-    spacing: Sequence[float], patch_size: Sequence[int], min_edge: int = MIN_FEATURE_MAP_EDGE
-) -> dict:
-    """Strides, kernel sizes and the rounded-up patch for a patch at a spacing (rule 4 of the docstring).
-
-    Returns:
-        ``n_stages``, ``strides`` and ``kernel_sizes`` (one list per stage, one value per axis),
-        ``patch_size`` rounded up to a multiple of ``divisors`` (the total stride per axis).
-    """
-    dims = len(spacing)
-    spacing_now = [float(s) for s in spacing]
-    size_now = [int(p) for p in patch_size]
-    kernel = [1] * dims
-    strides: list[list[int]] = [[1] * dims]
-    kernels: list[list[int]] = []
-    while True:
-        # An axis can be pooled while the pooled map keeps at least `min_edge` voxels.
-        poolable = [a for a in range(dims) if size_now[a] >= 2 * min_edge]
-        if not poolable:
-            break
-        finest = min(spacing_now[a] for a in poolable)
-        # Pool only axes close to the finest spacing, so anisotropic voxels become isotropic first.
-        poolable = [a for a in poolable if spacing_now[a] / finest < 2]
-        # Pooling one axis alone only pays while it is still long.
-        if len(poolable) == 1 and size_now[poolable[0]] < 3 * min_edge:
-            break
-        overall_finest = min(spacing_now)
-        for axis in range(dims):
-            if kernel[axis] == 1 and spacing_now[axis] / overall_finest < 2:
-                kernel[axis] = 3
-        kernels.append(list(kernel))
-        stride = [2 if a in poolable else 1 for a in range(dims)]
-        for axis in poolable:
-            spacing_now[axis] *= 2
-            size_now[axis] = math.ceil(size_now[axis] / 2)
-        strides.append(stride)
-    # The bottleneck always gets full kernels.
-    kernels.append([3] * dims)
-    divisors = shape_divisors(strides)
-    rounded = [math.ceil(int(p) / d) * d for p, d in zip(patch_size, divisors)]
-    return dict(n_stages=len(strides), strides=strides, kernel_sizes=kernels, patch_size=rounded, divisors=divisors)
-
-
-def features_per_stage(n_stages: int, base: int = BASE_FEATURES, max_features: int = MAX_FEATURES) -> list[int]:
-    """nnU-Net's widths: doubling from ``base`` per stage, capped at ``max_features``."""
-    return [min(base * 2**i, max_features) for i in range(n_stages)]
-
-
-def estimate_feature_map_voxels(
-    architecture: str,
-    patch_size: Sequence[int],
-    topology: dict,
-    features: Sequence[int],
-    in_channels: int = 1,
-    out_channels: int = 3,
-) -> int:
-    """The feature-map size nnU-Net's memory calibration is in (the network is built on the meta device)."""
-    from dynamic_network_architectures.architectures.unet import PlainConvUNet, ResidualEncoderUNet
-
-    dims = len(patch_size)
-    args = (
-        in_channels, topology["n_stages"], list(features), _conv_op(dims), topology["kernel_sizes"], topology["strides"]
-    )
-    # The meta device gives shapes without allocating weights: a 100 M-parameter net in milliseconds.
-    with torch.device("meta"):
-        if architecture == "plain":
-            network = PlainConvUNet(*args, 2, out_channels, 2, deep_supervision=True, **_nnunet_layers(dims))
-        else:
-            blocks = resenc_blocks(topology["n_stages"])
-            network = ResidualEncoderUNet(*args, blocks, out_channels, 1, deep_supervision=True, **_nnunet_layers(dims))
-    return int(network.compute_conv_feature_map_size(tuple(int(p) for p in patch_size)))
-
-
-def feature_map_budget(architecture: str, gpu_memory_gb: float) -> float:
-    """nnU-Net's calibrated feature-map budget for a GPU memory target."""
-    if architecture not in FEATURE_MAP_REFERENCE:
-        raise ValueError(f"architecture must be one of {sorted(FEATURE_MAP_REFERENCE)}, got {architecture!r}")
-    if gpu_memory_gb <= 0:
-        raise ValueError(f"gpu_memory_gb must be positive, got {gpu_memory_gb}")
-    voxels, gigabytes = FEATURE_MAP_REFERENCE[architecture]
-    return voxels * gpu_memory_gb / gigabytes
-
-
-def plan_nnunet(
-    median_spacing: Sequence[float],
-    median_shape: Sequence[float],
-    *,
-    architecture: str = "plain",
-    gpu_memory_gb: float = 8.0,
-    feature_map_budget_voxels: float | None = None,
-    max_features: int = MAX_FEATURES,
-    in_channels: int = 1,
-    out_channels: int = 3,
-) -> dict:
-    """Plan patch size and topology from a dataset's (target) spacing and median shape (rules 3-5).
-
-    Args:
-        median_spacing: the spacing the cases are resampled to (mm per axis).
-        median_shape: the median shape of the cases at that spacing (voxels per axis).
-        architecture: ``plain`` (nnunet) or ``resenc``.
-        gpu_memory_gb: GPU memory to fit; converted with nnU-Net's calibration.
-        feature_map_budget_voxels: a feature-map budget given directly (overrides ``gpu_memory_gb``).
-        max_features: the cap on channels per stage.
-        in_channels: image channels.
-        out_channels: background + classes.
-
-    Returns:
-        ``patch_size``, ``n_stages``, ``strides``, ``kernel_sizes``, ``features_per_stage`` (ready
-        as builder options), and for the record ``spacing``, ``median_shape``, ``architecture``,
-        ``feature_map_voxels`` (the estimate at the planned patch) and ``feature_map_budget``.
-    """
-    spacing = [float(s) for s in median_spacing]
-    shape = [float(s) for s in median_shape]
-    if len(spacing) != len(shape) or len(spacing) not in (2, 3):
-        raise ValueError(f"median_spacing {spacing} and median_shape {shape} need 2 or 3 values each")
-    if min(spacing) <= 0 or min(shape) < 1:
-        raise ValueError(f"spacing must be positive and the shape at least 1 voxel: {spacing}, {shape}")
-    if architecture not in FEATURE_MAP_REFERENCE:
-        raise ValueError(f"architecture must be one of {sorted(FEATURE_MAP_REFERENCE)}, got {architecture!r}")
-    if feature_map_budget_voxels:
-        budget = float(feature_map_budget_voxels)
-    else:
-        budget = feature_map_budget(architecture, gpu_memory_gb)
-
-    # Rule 3: a patch that is a cube in millimetres, INITIAL_PATCH_VOXELS voxels, clipped to the median shape.
-    inverse = 1.0 / np.asarray(spacing)
-    scale = (INITIAL_PATCH_VOXELS / np.prod(inverse)) ** (1.0 / len(spacing))
-    patch = [int(min(round(v * scale), s)) for v, s in zip(inverse, shape)]
-
-    cache: dict[tuple, int] = {}
-
-    def estimate(topology: dict) -> int:
-        key = (tuple(topology["patch_size"]), str(topology["strides"]))
-        if key not in cache:
-            features = features_per_stage(topology["n_stages"], max_features=max_features)
-            cache[key] = estimate_feature_map_voxels(
-                architecture, topology["patch_size"], topology, features, in_channels, out_channels
-            )
-        return cache[key]
-
-    topology = network_topology(spacing, patch)
-    if topology["n_stages"] < 2:
-        raise ValueError(
-            f"median shape {shape} is too small to pool even once (an axis needs {2 * MIN_FEATURE_MAP_EDGE} voxels)"
-        )
-    while estimate(topology) > budget:
-        patch = list(topology["patch_size"])
-        axis = int(np.argmax([p / s for p, s in zip(patch, shape)]))
-        # Shrink by the step that applies after shrinking: a shorter axis may need fewer poolings and
-        # so admit finer sizes (256 -> 224 rather than 192 when the divisor drops from 64 to 32).
-        trial = list(patch)
-        trial[axis] -= topology["divisors"][axis]
-        step = network_topology(spacing, trial)["divisors"][axis] if trial[axis] > 0 else topology["divisors"][axis]
-        patch[axis] -= step
-        topology = network_topology(spacing, patch) if patch[axis] >= 1 else dict(n_stages=0)
-        if topology["n_stages"] < 2:
-            raise ValueError(
-                f"no U-Net with at least one pooling fits a feature-map budget of {budget:.3g} voxels "
-                f"({architecture}, spacing {spacing}); raise gpu_memory_gb"
-            )
-
-    return dict(
-        architecture=architecture,
-        spacing=spacing,
-        median_shape=[round(s, 1) for s in shape],
-        patch_size=topology["patch_size"],
-        n_stages=topology["n_stages"],
-        strides=topology["strides"],
-        kernel_sizes=topology["kernel_sizes"],
-        features_per_stage=features_per_stage(topology["n_stages"], max_features=max_features),
-        feature_map_voxels=estimate(topology),
-        feature_map_budget=budget,
-    )
-
-
-def target_spacing(spacings: np.ndarray, shapes: np.ndarray) -> list[float]:
-    """Rule 1: the median spacing, except for one axis that is far coarser and shorter than the others.
-
-    Such an axis (thick slices) gets the 10th percentile of its spacings instead, so the many
-    thin-slice scans are not blurred to the median; never finer than the other axes.
-    """
-    target = np.median(spacings, axis=0)
-    median_shape = np.median(shapes, axis=0)
-    coarse = int(np.argmax(target))
-    others = [a for a in range(len(target)) if a != coarse]
-    anisotropic_spacing = target[coarse] > ANISOTROPY_THRESHOLD * max(target[others])
-    anisotropic_voxels = median_shape[coarse] * ANISOTROPY_THRESHOLD < min(median_shape[others])
-    if anisotropic_spacing and anisotropic_voxels:
-        target[coarse] = max(np.percentile(spacings[:, coarse], 10), max(target[others]))
-    return [float(s) for s in target]
-
-
-def read_ct_geometry(path: Path) -> tuple[list[float], list[int]]:
-    """Spacing and shape of a CT in RAS axis order, from its NIfTI header only."""
-    image = nib.load(str(path))
-    shape = image.header.get_data_shape()[:3]
-    zooms = image.header.get_zooms()[:3]
-    if len(shape) != 3 or min(shape) < 1 or min(zooms) <= 0:
-        raise ValueError(f"{path}: not a 3D volume with positive spacing (shape {shape}, spacing {zooms})")
-    # The datamodule reorients to RAS, which may permute axes; plan in that order.
-    ras_axis = nib.io_orientation(image.affine)[:, 0].astype(int)
-    ras_shape, ras_zooms = [0] * 3, [0.0] * 3
-    for axis in range(3):
-        ras_shape[ras_axis[axis]] = int(shape[axis])
-        ras_zooms[ras_axis[axis]] = float(zooms[axis])
-    return ras_zooms, ras_shape
-
-
-def plan_from_cohort(
-    root: str | Path,
-    spacing: Sequence[float] | None = None,
-    *,
-    case_ids: Sequence[str] | None = None,
-    architecture: str = "plain",
-    gpu_memory_gb: float = 8.0,
-    max_features: int = MAX_FEATURES,
-    in_channels: int = 1,
-    out_channels: int = 3,
-) -> dict:
-    """Plan from a cohort's CT headers (rules 1-5): the plan of :func:`plan_nnunet` plus ``n_cases``.
-
-    Args:
-        root: the cohort folder (layout A or B).
-        spacing: the spacing training resamples to (``data.spacing``); ``None``: nnU-Net's target
-            spacing (rule 1).
-        case_ids: the cases to plan from (the training split); ``None``: every case.
-        architecture: ``plain`` (nnunet) or ``resenc``.
-        gpu_memory_gb: GPU memory to fit.
-        max_features: the cap on channels per stage.
-        in_channels: image channels.
-        out_channels: background + classes.
-    """
-    from lightning_modules.data.cohort import load_cohort
-
-    cohort = load_cohort(root)
-    ids = list(case_ids) if case_ids is not None else cohort.case_ids
-    if not ids:
-        raise ValueError(f"cohort {root}: no cases to plan from")
-    spacings, shapes, problems = [], [], []
-    for case_id in ids:
-        try:
-            case = cohort.case(case_id)
-        except KeyError as error:
-            problems.append(str(error))
-            continue
-        if not case.ct_path.exists():
-            problems.append(f"case {case_id}: CT file {case.ct_path} is missing")
-            continue
-        try:
-            case_spacing, case_shape = read_ct_geometry(case.ct_path)
-        except Exception as error:  # nibabel raises several types for unreadable headers
-            problems.append(f"case {case_id}: cannot read the header of {case.ct_path}: {error}")
-            continue
-        spacings.append(case_spacing)
-        shapes.append(case_shape)
-    if problems:
-        raise ValueError(f"cohort {root}: cannot plan nnU-Net:\n" + "\n".join(f"  - {p}" for p in problems))
-    spacings_arr, shapes_arr = np.asarray(spacings), np.asarray(shapes, dtype=float)
-    target = [float(s) for s in spacing] if spacing is not None else target_spacing(spacings_arr, shapes_arr)
-    resampled = shapes_arr * spacings_arr / np.asarray(target)
-    plan = plan_nnunet(
-        target,
-        np.median(resampled, axis=0),
-        architecture=architecture,
-        gpu_memory_gb=gpu_memory_gb,
-        max_features=max_features,
-        in_channels=in_channels,
-        out_channels=out_channels,
-    )
-    plan["n_cases"] = len(ids)
-    return plan
-
-
-PLANNED_BUILDERS = {"plain": build_nnunet, "resenc": build_resenc}
-
-
-def resolve_planned_recipe(recipe, case_ids: Sequence[str] | None = None):
-    """Plan a recipe whose nnunet/resenc topology is ``auto``; other recipes come back unchanged.
-
-    Training calls this before building the backbone and logs the plan.
-
-    Args:
-        recipe: a loaded recipe (``lightning_modules.config.recipe.load_recipe``).
-        case_ids: the training cases to plan from; ``None``: the whole cohort.
-
-    Returns:
-        ``(recipe, plan)``: a copy with ``data.patch_size`` and the topology options filled in and
-        re-checked, and the plan dict; or ``(recipe, None)`` when nothing is planned.
-    """
-    from omegaconf import OmegaConf
-
-    from lightning_modules.models.backbones import get_backbone
-    from lightning_modules.config.recipe import check_recipe
-
-    builder = get_backbone(recipe.model.backbone).builder
-    architecture = next((name for name, b in PLANNED_BUILDERS.items() if b is builder), None)
-    options = OmegaConf.to_container(recipe.model.options, resolve=True)
-    if architecture is None or not is_planned(options):
-        return recipe, None
-    default_memory = 8.0 if architecture == "plain" else 24.0
-    plan = plan_from_cohort(
-        recipe.data.root,
-        list(recipe.data.spacing),
-        case_ids=case_ids,
-        architecture=architecture,
-        gpu_memory_gb=float(options.get("gpu_memory_gb", default_memory)),
-        out_channels=len(recipe.data.classes) + 1,
-    )
-    resolved = copy.deepcopy(recipe)
-    resolved.data.patch_size = list(plan["patch_size"])
-    for key in TOPOLOGY_OPTIONS:
-        resolved.model.options[key] = plan[key]
-    check_recipe(resolved, source=f"{recipe.name} (planned)")
-    return resolved, plan
