@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "validate": ("lightning_modules.data.validation", "main", "check a cohort and list every problem at once"),
     "make-splits": ("lightning_modules.data.splits", "main", "write a patient-grouped, stratified split CSV"),
     "audit": ("lightning_modules.data.audit", "main", "leakage audit: duplicates, patient overlap, header cues (exit 1 on leakage)"),
-    "train": ("lightning_modules.training", "main", "train a backbone from a recipe (+ key=value overrides)"),
+    "train": ("lightning_modules.commands.train", "main", "train a backbone from a recipe (+ key=value overrides)"),
     "evaluate": ("lightning_modules.evaluation.runs", "evaluate_main", "subgroup evaluation of a trained model into a new MLflow run"),
     "predict": ("lightning_modules.inference", "main", "segment CT scans; masks written on each scan's own grid and affine"),
     "compare": ("lightning_modules.evaluation.runs", "compare_main", "paired comparison of evaluation runs (BenchX table 6)"),

@@ -1,4 +1,4 @@
-"""MLflow helpers shared by training, evaluation, SynthX and the sweeps (DESIGN.md section 6).
+"""MLflow calls shared by training, evaluation, SynthX and the sweeps (``docs/design.md "MLflow runs and keys"``).
 
 Tracking URI: the recipe's ``tracking.uri`` when it sets one; otherwise ``MLFLOW_TRACKING_URI`` (what
 ``mlflow run`` passes to its entry points); otherwise ``sqlite:///mlflow.db`` (MLflow's own default;
@@ -6,15 +6,32 @@ the ``./mlruns`` file store is refused by MLflow 3). An explicit recipe value wi
 because ``mlflow.set_tracking_uri`` (called by Lightning's MLFlowLogger) writes that variable, so it
 can hold a previous run's store in the same process.
 Tags on every run: ``backbone``, ``recipe``, ``variant``, ``synthx_ratio``, ``split_sha256``, ``git_commit``.
+
+Runs end FINISHED, FAILED or KILLED, never RUNNING: :func:`ended_run` wraps the work of a run and
+sets its final status on success, on an exception and on SIGTERM/SIGINT (turned into
+:class:`Terminated`). A new SQLite store is created once under a file lock (:func:`prepare_store`),
+so several commands started at once on a fresh ``mlflow.db`` do not race in MLflow's table setup.
+
+Example::
+
+    uri = tracking_uri(recipe.tracking.uri)
+    run_id = start_run(uri, "benchx", "train-unet", tags)
+    with ended_run(uri, run_id):
+        ...  # log, train
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import signal
 import subprocess
 from pathlib import Path
+from typing import Iterator
 
 import mlflow
+from lightning.pytorch.loggers import MLFlowLogger
 from mlflow.tracking import MlflowClient
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -45,8 +62,31 @@ def git_commit(path: str | Path | None = None) -> str:
     return commit + ("+dirty" if dirty else "")
 
 
+_PREPARED_STORES: set[str] = set()
+
+
+def prepare_store(uri: str) -> None:
+    """Create a SQLite store's tables once, under an exclusive lock on ``<database>.lock``.
+
+    MLflow creates (migrates) the tables of a new SQLite database on first use; two processes doing
+    that at once fail with ``duplicate column name``. Other stores need nothing.
+    """
+    if uri in _PREPARED_STORES or not uri.startswith("sqlite:///"):
+        return
+    database = Path(uri[len("sqlite:///") :])
+    database.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{database}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    _PREPARED_STORES.add(uri)
+
+
 def experiment_id(name: str, uri: str) -> str:
     """Get or create an experiment by name (used before workers start, so creation never races)."""
+    prepare_store(uri)
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
@@ -70,7 +110,7 @@ def default_artifact_location(uri: str, experiment: str) -> str | None:
 
 
 def run_tags(recipe, split_sha256: str, variant: str | None = None) -> dict[str, str]:
-    """The standard tags of DESIGN.md section 6 for a training or evaluation run."""
+    """The standard tags (``docs/design.md "MLflow runs and keys"``) of a training or evaluation run."""
     ratio = float(recipe.synthx.ratio)
     tags = {
         "backbone": str(recipe.model.backbone),
@@ -95,3 +135,118 @@ def flatten(mapping, prefix: str = "") -> dict[str, str]:
         else:
             flat[name] = str(value)[:6000]
     return flat
+
+
+def start_run(uri: str, experiment: str, run_name: str, tags: dict[str, str]) -> str:
+    """Create a RUNNING run in ``experiment`` (created if missing) and return its id."""
+    client = MlflowClient(tracking_uri=uri)
+    run = client.create_run(experiment_id(experiment, uri), run_name=run_name, tags=tags)
+    return run.info.run_id
+
+
+def run_status(uri: str, run_id: str) -> str | None:
+    """The run's status (``RUNNING``, ``FINISHED``, ``FAILED``, ``KILLED``), or None if the store lacks it."""
+    prepare_store(uri)
+    try:
+        return MlflowClient(tracking_uri=uri).get_run(run_id).info.status
+    except mlflow.exceptions.MlflowException:
+        return None
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGINT arrived while a run was open (a BaseException, like KeyboardInterrupt)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's exit code for death by this signal (143 for SIGTERM, 130 for SIGINT)."""
+        return 128 + self.signum
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def terminating_signals() -> Iterator[None]:
+    """Turn SIGTERM and SIGINT into :class:`Terminated` inside the block (main thread only).
+
+    Lightning adds its own SIGTERM handler during ``fit`` and calls this one after it, so a
+    distributed run still forwards the signal to its other processes first.
+    """
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    for signum in previous:
+        signal.signal(signum, _raise_terminated)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def final_status(error: BaseException | None) -> str:
+    """FINISHED without an error, KILLED for a signal or Ctrl+C, FAILED for anything else."""
+    if error is None:
+        return "FINISHED"
+    if isinstance(error, (Terminated, KeyboardInterrupt)):
+        return "KILLED"
+    if isinstance(error, SystemExit) and error.code in (0, None):
+        return "FINISHED"
+    if isinstance(error, SystemExit) and type(error).__name__ == "SIGTERMException":
+        return "KILLED"  # Lightning's own graceful SIGTERM exit
+    return "FAILED"
+
+
+def end_run(uri: str, run_id: str, status: str) -> None:
+    """Set the run's final status; a run another process already marked FAILED is not relabelled KILLED."""
+    client = MlflowClient(tracking_uri=uri)
+    if status == "KILLED" and run_status(uri, run_id) == "FAILED":
+        return
+    client.set_terminated(run_id, status)
+
+
+@contextlib.contextmanager
+def ended_run(uri: str, run_id: str, writer: bool = True) -> Iterator[None]:
+    """Run the block with SIGTERM/SIGINT turned into :class:`Terminated`; end the run by the outcome.
+
+    Args:
+        uri: the tracking store.
+        run_id: the open run.
+        writer: this process ends the run on success and on a signal (rank 0 of a distributed
+            run); every process marks the run FAILED when its own block raises, so a failure on
+            any rank ends the run FAILED.
+    """
+    with terminating_signals():
+        try:
+            yield
+        except BaseException as error:
+            status = final_status(error)
+            if writer or status == "FAILED":
+                with contextlib.suppress(Exception):
+                    end_run(uri, run_id, status)
+            raise
+    if writer:
+        end_run(uri, run_id, "FINISHED")
+
+
+class RunLogger(MLFlowLogger):
+    """Lightning's MLFlowLogger for a run whose status :func:`ended_run` owns.
+
+    Lightning ends its logger's run FINISHED after ``fit`` and FAILED on any exception; the run of a
+    training also outlives ``fit`` (checkpoints are logged after it) and ends KILLED on a signal, so
+    this logger leaves the status alone. Every process gets the run id, so ``run_id`` is never None.
+    """
+
+    def __init__(self, experiment_name: str, tracking_uri: str, run_id: str):
+        super().__init__(experiment_name=experiment_name, tracking_uri=tracking_uri, run_id=run_id, log_model=False)
+
+    def finalize(self, status: str = "success") -> None:
+        """Leave the run's status to :func:`ended_run`."""

@@ -1,46 +1,97 @@
-"""``benchx train``: train a backbone from a recipe on a cohort + split, tracked in MLflow, resumable.
+"""Train a backbone from a recipe on a cohort + split, tracked in MLflow, resumable, on one or many processes.
 
 Before the first step the cohort is validated and the split audited for patient overlap and
 duplicates; a broken cohort or a leaking split is refused with the full list of problems (the
 leakage check can be overridden with ``data.allow_leakage=true``, which is recorded in MLflow).
 
-Each run has an output folder ``<tracking.output_dir>/<recipe name>-<fingerprint>`` (the fingerprint
-is a hash of the resolved recipe), holding ``checkpoints/last.ckpt`` and ``best.ckpt`` and the MLflow
-run id. Running the same command again after an interruption resumes from ``last.ckpt`` into the
-same MLflow run, at the same step.
+Each run has an output folder, by default ``<tracking.output_dir>/<recipe name>-<fingerprint>``
+(the fingerprint is a hash of the resolved recipe), holding ``checkpoints/`` and ``run.json`` (the
+MLflow run id and the recipe it was started with). One process at a time writes a folder (a lock
+naming the holder). Running the same command again after an interruption resumes from the newest
+good checkpoint into the same MLflow run, at the same step; a rerun with another recipe is refused
+with the keys that differ. The MLflow run ends FINISHED, FAILED or KILLED (SIGTERM, Ctrl+C).
+
+Distributed (``trainer.devices=2 trainer.strategy=ddp``, torchrun, srun): rank 0 takes the lock and
+creates or resumes the run; every process gets its id and checkpoint (see
+:func:`lightning_modules.trainer.share_from_rank_zero`); only rank 0 writes to MLflow and the folder.
 
 Example::
 
-    benchx train --recipe recipes/unet.yaml profile=cpu trainer.max_steps=200
-    mlflow run . -e train -P recipe=recipes/unet.yaml -P overrides="profile=cpu" --env-manager local
+    result = train(load_recipe("recipes/unet.yaml", ["profile=cpu"]))
+    result = train(recipe, TrainSettings(output_dir="outputs/mine", resume=False))
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import hashlib
 import json
-import os
-import sys
-from dataclasses import dataclass, field
+import logging
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
+from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_modules.config.recipe import recipe_to_yaml
 from lightning_modules.data.cohort import CohortError
 from lightning_modules.data.datamodule import CohortDataModule
-from lightning_modules.evaluation.callback import SubgroupEvaluation
 from lightning_modules.data.mixing import log_dataset_inputs, mixing_datamodule
-from lightning_modules.config.recipe import load_recipe, recipe_to_yaml
-from lightning_modules.models.segmentation_module import SegmentationModule
+from lightning_modules.data.splits import read_split_table, split_sha256
+from lightning_modules.evaluation.callback import SubgroupEvaluation
 from lightning_modules.models.checkpoints import build_module
-from lightning_modules.tracking import experiment_id, flatten, run_tags, tracking_uri
+from lightning_modules.models.planning import resolve_planned_recipe
+from lightning_modules.run_folder import (
+    CHECKPOINT_NAMES,
+    RunFolderError,
+    RunFolderLock,
+    RunRecord,
+    check_same_recipe,
+    checkpoint_step,
+    recipe_fingerprint,
+    resume_checkpoint,
+)
+from lightning_modules.tracking import RunLogger, ended_run, flatten, run_status, run_tags, start_run, tracking_uri
+from lightning_modules.trainer import PeriodicCheckpoint, build_trainer, global_rank, share_from_rank_zero
 
-RUN_ID_FILE = "mlflow_run_id.txt"
+__all__ = ["TrainResult", "TrainSettings", "default_output_dir", "recipe_fingerprint", "train"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainSettings:
+    """How a training runs, beyond its recipe.
+
+    Args:
+        output_dir: run folder (default: :func:`default_output_dir`).
+        callbacks: extra Lightning callbacks (e.g. the subgroup evaluation, an Optuna pruner).
+        datamodule: a prepared datamodule (default: the recipe's cohort and split).
+        resume: continue the folder's run from its newest good checkpoint when there is one;
+            False starts a new run in the folder (its old checkpoints are removed).
+        variant: ``baseline`` or ``synthx`` (default: from ``synthx.ratio``).
+        extra_tags: more MLflow tags (e.g. a parent run id, an Optuna trial number).
+        after_run_start: called on rank 0 with the logger once a new MLflow run exists.
+        trainer_overrides: keyword arguments of ``pl.Trainer`` over the recipe's.
+        evaluation: add the SubgroupEvaluation callback (subgroup detection metrics at each validation).
+        run_id: log a new run into this existing MLflow run (``benchx train`` passes the run that
+            ``mlflow run`` opened, ``MLFLOW_RUN_ID``); default: a new run.
+    """
+
+    output_dir: str | Path | None = None
+    callbacks: Sequence[Callback] = ()
+    datamodule: CohortDataModule | None = None
+    resume: bool = True
+    variant: str | None = None
+    extra_tags: dict[str, str] | None = None
+    after_run_start: Callable[[MLFlowLogger], None] | None = None
+    trainer_overrides: dict | None = None
+    evaluation: bool = True
+    run_id: str | None = None
 
 
 @dataclass
@@ -55,17 +106,203 @@ class TrainResult:
     global_step: int = 0
 
 
-def recipe_fingerprint(recipe: DictConfig) -> str:
-    """A short hash of the resolved recipe (without tracking settings): same recipe -> same folder."""
-    container = OmegaConf.to_container(recipe, resolve=True)
-    container.pop("tracking", None)
-    container.pop("profiles", None)
-    return hashlib.sha256(json.dumps(container, sort_keys=True).encode()).hexdigest()[:10]
+@dataclass
+class RunStart:
+    """Rank 0's decision, shared with every process: which run, from which checkpoint."""
+
+    run_id: str
+    uri: str
+    new_run: bool
+    resume_from: str | None = None
+    finished_at: int | None = None
+    leakage_overridden: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 def default_output_dir(recipe: DictConfig) -> Path:
     return Path(recipe.tracking.output_dir) / f"{recipe.name}-{recipe_fingerprint(recipe)}"
 
+
+def train(recipe: DictConfig, settings: TrainSettings | None = None, **options) -> TrainResult:
+    """Train the recipe's backbone; resume the output folder's run when it is the same recipe.
+
+    Args:
+        recipe: a loaded recipe.
+        settings: how to run (default: ``TrainSettings(**options)``).
+        options: the fields of :class:`TrainSettings`, as a shorthand.
+    """
+    settings = settings or TrainSettings(**options)
+    pl.seed_everything(int(recipe.seed), workers=True)
+    recipe, plan, datamodule = prepare_data(recipe, settings.datamodule)
+    output_dir = Path(settings.output_dir) if settings.output_dir else default_output_dir(recipe)
+    checkpoint_dir = output_dir / "checkpoints"
+    with contextlib.ExitStack() as held:
+        start = RunStart(**share_from_rank_zero(
+            lambda: asdict(claim_run(recipe, settings, output_dir, datamodule, held)), str(recipe.trainer.accelerator)
+        ))
+        for note in start.notes:
+            log.warning(note)
+        if start.finished_at is not None:
+            return finished_result(start, output_dir)
+        held.enter_context(ended_run(start.uri, start.run_id, writer=global_rank() == 0))
+        logger = RunLogger(experiment_name=str(recipe.tracking.experiment), tracking_uri=start.uri, run_id=start.run_id)
+        if global_rank() == 0:
+            record_run_start(logger, recipe, plan, datamodule, start, settings)
+        module = build_module(recipe)
+        best, periodic = checkpoint_callbacks(recipe, checkpoint_dir)
+        evaluation = [SubgroupEvaluation.from_recipe(recipe)] if settings.evaluation else []
+        trainer = build_trainer(
+            recipe.trainer,
+            output_dir,
+            logger=logger,
+            callbacks=[best, periodic, LearningRateMonitor(logging_interval="step"), *evaluation, *settings.callbacks],
+            max_steps=int(recipe.trainer.max_steps),
+            val_every_n_steps=int(recipe.trainer.val_every_n_steps),
+            **(settings.trainer_overrides or {}),
+        )
+        trainer.fit(module, datamodule=datamodule, ckpt_path=start.resume_from)
+        best_path = Path(best.best_model_path) if best.best_model_path else None
+        if trainer.is_global_zero:
+            log_checkpoints(logger, [best_path, checkpoint_dir / "last.ckpt"])
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+    return TrainResult(start.run_id, output_dir, best_path, checkpoint_dir / "last.ckpt", metrics, trainer.global_step)
+
+
+# ------------------------------------------------------------------------------------------------
+# The steps of train()
+
+
+def prepare_data(recipe: DictConfig, datamodule: CohortDataModule | None = None) -> tuple[DictConfig, dict | None, CohortDataModule]:
+    """Plan an ``auto`` nnU-Net/ResEnc topology from the training cases and load the datamodule.
+
+    Planning is deterministic, so a resumed run (and every process of a distributed one) plans the
+    same network. Returns the (planned) recipe, the plan (None when nothing was planned) and the
+    datamodule.
+    """
+    split = datamodule.split if datamodule is not None and datamodule.split is not None else None
+    if split is None:
+        split = read_split_table(recipe.data.split)
+    recipe, plan = resolve_planned_recipe(recipe, case_ids=list(split.loc[split["split"] == "train", "case_id"]))
+    if datamodule is not None:
+        datamodule.recipe = recipe
+    datamodule = datamodule or mixing_datamodule(recipe)
+    datamodule._load()
+    return recipe, plan, datamodule
+
+
+def claim_run(
+    recipe: DictConfig, settings: TrainSettings, output_dir: Path, datamodule: CohortDataModule, held: contextlib.ExitStack
+) -> RunStart:
+    """On rank 0: check the data, lock the folder, and resume its run or start a new one.
+
+    The lock is entered into ``held`` and so kept until the run ends.
+
+    Raises:
+        CohortError: a broken cohort or a leaking split.
+        RunFolderError: the folder is locked, belongs to another recipe, or its checkpoints are damaged.
+    """
+    overridden = check_data(recipe, datamodule.cohort, datamodule.split)
+    lock = held.enter_context(RunFolderLock(output_dir, "benchx train"))
+    notes = [lock.takeover_note] if lock.takeover_note else []
+    uri = tracking_uri(recipe.tracking.uri)
+    checkpoint_dir = output_dir / "checkpoints"
+    record = RunRecord.read(output_dir) if settings.resume else None
+    if record is not None:
+        return resume_run(recipe, output_dir, record, uri, notes)
+    if settings.resume and any((checkpoint_dir / name).exists() for name in CHECKPOINT_NAMES):
+        raise RunFolderError(
+            f"{output_dir} has checkpoints but no run.json (from an older version, or another tool): "
+            "start a new run with --fresh (replaces them) or write to another folder"
+        )
+    for name in CHECKPOINT_NAMES:
+        (checkpoint_dir / name).unlink(missing_ok=True)
+    tags = {**run_tags(recipe, split_sha256(recipe.data.split), settings.variant), **(settings.extra_tags or {})}
+    run_name = recipe.tracking.run_name or f"train-{recipe.name}"
+    run_id = settings.run_id or start_run(uri, str(recipe.tracking.experiment), run_name, tags)
+    if settings.run_id:
+        for key, value in tags.items():
+            MlflowClient(tracking_uri=uri).set_tag(run_id, key, value)
+    RunRecord.for_recipe(recipe, run_id, uri).write(output_dir)
+    return RunStart(run_id, uri, new_run=True, leakage_overridden=overridden, notes=notes)
+
+
+def resume_run(recipe: DictConfig, output_dir: Path, record: RunRecord, uri: str, notes: list[str]) -> RunStart:
+    """The folder's run, when the recipe and the tracking store are the ones it was started with."""
+    check_same_recipe(output_dir, record, recipe)
+    status = run_status(uri, record.run_id)
+    if status is None:
+        raise RunFolderError(
+            f"{output_dir} belongs to run {record.run_id} of {record.tracking_uri}, which {uri} does not hold: "
+            "use that tracking store, or start a new run with --fresh"
+        )
+    checkpoint, checkpoint_notes = resume_checkpoint(output_dir / "checkpoints")
+    notes = notes + checkpoint_notes
+    step = checkpoint_step(checkpoint) if checkpoint else 0
+    if status == "FINISHED" and step >= int(recipe.trainer.max_steps):
+        notes.append(f"run {record.run_id} already finished at step {step}; nothing to do")
+        return RunStart(record.run_id, uri, new_run=False, resume_from=str(checkpoint), finished_at=step, notes=notes)
+    return RunStart(record.run_id, uri, new_run=False, resume_from=str(checkpoint) if checkpoint else None, notes=notes)
+
+
+def record_run_start(
+    logger: MLFlowLogger, recipe: DictConfig, plan: dict | None, datamodule: CohortDataModule, start: RunStart, settings: TrainSettings
+) -> None:
+    """On rank 0: a new run gets its parameters, recipe, plan and dataset inputs; a resumed one a tag."""
+    client, run_id = logger.experiment, start.run_id
+    if not start.new_run:
+        client.set_tag(run_id, "resumed", "true")
+        client.update_run(run_id, status="RUNNING")
+        return
+    logger.log_hyperparams(flatten(OmegaConf.to_container(recipe, resolve=True)))
+    client.log_text(run_id, recipe_to_yaml(recipe), "recipe.yaml")
+    if plan is not None:
+        client.log_dict(run_id, plan, "nnunet_plan.json")
+    if start.leakage_overridden:
+        client.set_tag(run_id, "leakage_override", "true")
+        client.log_text(run_id, "\n".join(start.leakage_overridden), "leakage_override.txt")
+    log_dataset_inputs(client, run_id, datamodule, str(recipe.data.split))
+    if settings.after_run_start is not None:
+        settings.after_run_start(logger)
+
+
+def checkpoint_callbacks(recipe: DictConfig, checkpoint_dir: Path) -> tuple[ModelCheckpoint, PeriodicCheckpoint]:
+    """``best.ckpt`` by validation Dice of the tumor class (and ``last.ckpt`` after each validation),
+    and ``last.ckpt`` every ``trainer.checkpoint_every_n_steps`` steps, so a kill loses at most that many."""
+    best = ModelCheckpoint(
+        dirpath=checkpoint_dir,
+        filename="best",
+        monitor=f"val/dice/{recipe.data.tumor_class}",
+        mode="max",
+        save_top_k=1,
+        save_last=True,
+        enable_version_counter=False,
+    )
+    periodic = PeriodicCheckpoint(
+        checkpoint_dir, int(recipe.trainer.checkpoint_every_n_steps), int(recipe.trainer.val_every_n_steps)
+    )
+    return best, periodic
+
+
+def log_checkpoints(logger: MLFlowLogger, paths: Sequence[Path | None]) -> None:
+    """Log the checkpoints that exist under the run's ``checkpoints/`` artifacts."""
+    for path in paths:
+        if path is not None and path.exists():
+            logger.experiment.log_artifact(logger.run_id, str(path), "checkpoints")
+
+
+def finished_result(start: RunStart, output_dir: Path) -> TrainResult:
+    """The result of a run that had already finished: its checkpoints and final metrics."""
+    checkpoint_dir = output_dir / "checkpoints"
+    run = MlflowClient(tracking_uri=start.uri).get_run(start.run_id)
+    best = checkpoint_dir / "best.ckpt"
+    return TrainResult(
+        start.run_id, output_dir, best if best.exists() else None, checkpoint_dir / "last.ckpt",
+        dict(run.data.metrics), int(start.finished_at or 0),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Data checks
 
 
 def check_data(recipe: DictConfig, cohort, split) -> list[str]:
@@ -110,178 +347,3 @@ def _cached(folder: Path, key: str, compute) -> list[str]:
     findings = [str(f) for f in compute()]
     atomic_write_bytes(path, json.dumps(findings).encode())
     return findings
-
-
-def train(
-    recipe: DictConfig,
-    output_dir: str | Path | None = None,
-    callbacks: Sequence[Callback] = (),
-    datamodule: CohortDataModule | None = None,
-    resume: bool = True,
-    variant: str | None = None,
-    extra_tags: dict[str, str] | None = None,
-    after_run_start: Callable[[MLFlowLogger], None] | None = None,
-    trainer_overrides: dict | None = None,
-    evaluation: bool = True,
-    run_id: str | None = None,
-) -> TrainResult:
-    """Train the recipe's backbone; resume from ``last.ckpt`` in ``output_dir`` when present.
-
-    Args:
-        recipe: a loaded recipe.
-        output_dir: run folder (default: ``default_output_dir(recipe)``).
-        callbacks: extra Lightning callbacks (e.g. the subgroup evaluation, an Optuna pruner).
-        datamodule: a prepared datamodule (default: the recipe's cohort and split).
-        resume: continue from ``last.ckpt`` into the same MLflow run when it exists.
-        variant: ``baseline`` or ``synthx`` (default: from ``synthx.ratio``).
-        extra_tags: more MLflow tags (e.g. a parent run id, an Optuna trial number).
-        after_run_start: called with the logger once the MLflow run exists (e.g. to log dataset inputs).
-        trainer_overrides: keyword arguments passed to ``pl.Trainer`` over the recipe's.
-        evaluation: add the SubgroupEvaluation callback (subgroup detection metrics at each validation).
-        run_id: log into this existing MLflow run (``benchx train`` passes the run that
-            ``mlflow run`` opened, ``MLFLOW_RUN_ID``); default: a new run.
-    """
-    from lightning_modules.data.splits import split_sha256
-
-    from lightning_modules.models.backbones.nnunet import resolve_planned_recipe
-
-    pl.seed_everything(int(recipe.seed), workers=True)
-    output_dir = Path(output_dir) if output_dir else default_output_dir(recipe)
-    checkpoint_dir = output_dir / "checkpoints"
-    last = checkpoint_dir / "last.ckpt"
-    # nnU-Net / ResEnc with `auto` topology: plan patch size and stages from the training cases
-    # (deterministic, so a resumed run plans the same network).
-    split_table = datamodule.split if datamodule is not None and datamodule.split is not None else None
-    if split_table is None:
-        from lightning_modules.data.splits import read_split_table
-
-        split_table = read_split_table(recipe.data.split)
-    recipe, plan = resolve_planned_recipe(recipe, case_ids=list(split_table.loc[split_table["split"] == "train", "case_id"]))
-    if datamodule is not None:
-        datamodule.recipe = recipe
-    datamodule = datamodule or mixing_datamodule(recipe)
-    datamodule._load()
-    overridden = check_data(recipe, datamodule.cohort, datamodule.split)
-
-    uri = tracking_uri(recipe.tracking.uri)
-    experiment = str(recipe.tracking.experiment)
-    experiment_id(experiment, uri)
-    run_id_path = output_dir / RUN_ID_FILE
-    resuming = resume and last.exists() and run_id_path.exists()
-    run_id = run_id_path.read_text().strip() if resuming else run_id
-    tags = run_tags(recipe, split_sha256(recipe.data.split), variant)
-    tags.update(extra_tags or {})
-    logger = MLFlowLogger(
-        experiment_name=experiment,
-        tracking_uri=uri,
-        run_name=recipe.tracking.run_name or f"train-{recipe.name}",
-        run_id=run_id,
-        tags=tags if run_id is None else None,
-        log_model=False,
-    )
-    run_id = logger.run_id
-    output_dir.mkdir(parents=True, exist_ok=True)
-    run_id_path.write_text(run_id)
-    client = logger.experiment
-    if not resuming:
-        if run_id is not None:
-            for key, value in tags.items():
-                client.set_tag(run_id, key, value)
-        logger.log_hyperparams(flatten(OmegaConf.to_container(recipe, resolve=True)))
-        client.log_text(run_id, recipe_to_yaml(recipe), "recipe.yaml")
-        if plan is not None:
-            client.log_dict(run_id, plan, "nnunet_plan.json")
-        if overridden:
-            client.set_tag(run_id, "leakage_override", "true")
-            client.log_text(run_id, "\n".join(overridden), "leakage_override.txt")
-        log_dataset_inputs(client, run_id, datamodule, str(recipe.data.split))
-        if after_run_start is not None:
-            after_run_start(logger)
-    else:
-        client.set_tag(run_id, "resumed", "true")
-
-    module = build_module(recipe)
-    tumor = recipe.data.tumor_class
-    best = ModelCheckpoint(
-        dirpath=checkpoint_dir,
-        filename="best",
-        monitor=f"val/dice/{tumor}",
-        mode="max",
-        save_top_k=1,
-        save_last=True,
-        enable_version_counter=False,
-    )
-    # A second writer of last.ckpt on a step interval, so an interruption between validations
-    # loses at most `checkpoint_every_n_steps` steps.
-    periodic = ModelCheckpoint(
-        dirpath=checkpoint_dir,
-        save_top_k=0,
-        save_last=True,
-        every_n_train_steps=int(recipe.trainer.checkpoint_every_n_steps),
-        enable_version_counter=False,
-    )
-    if evaluation:
-        callbacks = [SubgroupEvaluation.from_recipe(recipe), *callbacks]
-    trainer_kwargs = dict(
-        max_steps=int(recipe.trainer.max_steps),
-        val_check_interval=int(recipe.trainer.val_every_n_steps),
-        check_val_every_n_epoch=None,
-        num_sanity_val_steps=0,
-        accelerator=recipe.trainer.accelerator,
-        devices=recipe.trainer.devices,
-        strategy=recipe.trainer.strategy,
-        precision=recipe.trainer.precision,
-        log_every_n_steps=int(recipe.trainer.log_every_n_steps),
-        gradient_clip_val=recipe.trainer.gradient_clip_val,
-        deterministic=bool(recipe.trainer.deterministic),
-        default_root_dir=str(output_dir),
-        logger=logger,
-        callbacks=[best, periodic, LearningRateMonitor(logging_interval="step"), *callbacks],
-        enable_model_summary=False,
-        enable_progress_bar=bool(recipe.trainer.progress_bar) and sys.stderr.isatty(),
-    )
-    trainer_kwargs.update(trainer_overrides or {})
-    trainer = pl.Trainer(**trainer_kwargs)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resuming else None)
-
-    best_path = Path(best.best_model_path) if best.best_model_path else None
-    if trainer.is_global_zero:
-        if best_path and best_path.exists():
-            client.log_artifact(run_id, str(best_path), "checkpoints")
-        if last.exists():
-            client.log_artifact(run_id, str(last), "checkpoints")
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
-    return TrainResult(run_id, output_dir, best_path, last, metrics, trainer.global_step)
-
-
-
-def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(
-        prog="benchx train",
-        description="Train a backbone from a recipe. Trailing key=value pairs override the recipe "
-        "(e.g. profile=cpu trainer.max_steps=100 data.root=/data/AbdomenAtlas).",
-    )
-    parser.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/unet.yaml")
-    parser.add_argument("--out", default=None, help="run folder (default: outputs/<recipe>-<hash>)")
-    parser.add_argument("--fresh", action="store_true", help="do not resume from an existing last.ckpt")
-    parser.add_argument("overrides", nargs="*", help="key=value recipe overrides")
-    return parser.parse_known_args(list(argv))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from lightning_modules.commands.common import split_overrides
-
-    args, unknown = parse_args(sys.argv[1:] if argv is None else argv)
-    overrides = split_overrides([*args.overrides, *unknown])
-    try:
-        recipe = load_recipe(args.recipe, overrides)
-        # Under `mlflow run`, log into the run it opened (Lightning would otherwise start another).
-        result = train(recipe, output_dir=args.out, resume=not args.fresh, run_id=os.environ.get("MLFLOW_RUN_ID"))
-    except CohortError as error:
-        print(f"benchx train: {error}", file=sys.stderr)
-        return 1
-    print(f"run {result.run_id}: {result.global_step} steps, best checkpoint {result.best_checkpoint}")
-    for key in sorted(result.metrics):
-        if key.startswith("val/"):
-            print(f"  {key} = {result.metrics[key]:.4f}")
-    return 0

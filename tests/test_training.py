@@ -18,7 +18,9 @@ from conftest import RECIPES, REPO_ROOT, tiny_overrides
 from lightning_modules.data.cohort import CohortError
 from lightning_modules.data.datamodule import CohortDataModule
 from lightning_modules.config.recipe import load_recipe
-from lightning_modules.training import build_module, default_output_dir, train
+from lightning_modules.models.checkpoints import build_module
+from lightning_modules.run_folder import RunRecord
+from lightning_modules.training import default_output_dir, train
 
 
 class StopAt(pl.Callback):
@@ -39,7 +41,7 @@ def test_training_logs_to_mlflow_and_resumes_into_the_same_run(tiny_phantom, tmp
         train(recipe, callbacks=[StopAt(2)])
     out = default_output_dir(recipe)
     assert (out / "checkpoints" / "last.ckpt").exists()
-    first_run = (out / "mlflow_run_id.txt").read_text()
+    first_run = RunRecord.read(out).run_id
     # Lightning runs checkpoint callbacks after the others, so the crash at step 2 comes before its save.
     assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 1
 
@@ -117,7 +119,7 @@ def test_killed_training_resumes_with_the_same_step_count(tiny_phantom, tmp_path
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert 3 <= step < 40
-    run_id = (default_output_dir(recipe) / "mlflow_run_id.txt").read_text()
+    run_id = RunRecord.read(default_output_dir(recipe)).run_id
     result = train(recipe)
     assert result.run_id == run_id and result.global_step == 40
     assert MlflowClient(recipe.tracking.uri).get_run(run_id).info.status == "FINISHED"

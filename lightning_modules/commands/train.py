@@ -1,0 +1,63 @@
+"""``benchx train``: parse the recipe, the overrides and the run folder, and call :func:`lightning_modules.training.train`.
+
+Example::
+
+    benchx train --recipe recipes/unet.yaml profile=cpu trainer.max_steps=200
+    benchx train --recipe recipes/unet.yaml profile=cpu trainer.devices=2 trainer.strategy=ddp
+    torchrun --standalone --nproc_per_node=2 -m lightning_modules.cli train --recipe recipes/unet.yaml profile=cpu trainer.devices=2 trainer.strategy=ddp
+    mlflow run . -e train -P recipe=recipes/unet.yaml -P overrides="profile=cpu" --env-manager local
+
+Exit codes: 0 trained (or already finished), 1 refused (bad recipe, broken cohort, leaking split,
+folder in use, another recipe in the folder, damaged checkpoints), 128 + signal when stopped by
+SIGTERM (143) or Ctrl+C (130).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from lightning_modules.commands.common import add_overrides_argument, split_overrides
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="benchx train",
+        description="Train a backbone from a recipe. Trailing key=value pairs override the recipe "
+        "(e.g. profile=cpu trainer.max_steps=100 data.root=/data/AbdomenAtlas). Rerunning the same "
+        "command resumes the run; another recipe in the same folder is refused.",
+    )
+    parser.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/unet.yaml")
+    parser.add_argument("--out", default=None, help="run folder (default: <tracking.output_dir>/<recipe>-<hash>)")
+    parser.add_argument("--fresh", action="store_true", help="start a new run in the folder, replacing its checkpoints")
+    add_overrides_argument(parser)
+    return parser.parse_args(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from lightning_modules.config.recipe import RecipeError, load_recipe
+    from lightning_modules.data.cohort import CohortError
+    from lightning_modules.run_folder import RunFolderError
+    from lightning_modules.tracking import Terminated
+    from lightning_modules.trainer import RankZeroRefusal
+    from lightning_modules.training import TrainSettings, train
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        recipe = load_recipe(args.recipe, split_overrides(args.overrides))
+        # Under `mlflow run`, log into the run it opened (Lightning would otherwise start another).
+        settings = TrainSettings(output_dir=args.out, resume=not args.fresh, run_id=os.environ.get("MLFLOW_RUN_ID"))
+        result = train(recipe, settings)
+    except (RecipeError, CohortError, RunFolderError, RankZeroRefusal) as error:
+        print(f"benchx train: {error}", file=sys.stderr)
+        return 1
+    except Terminated as stopped:
+        print(f"benchx train: {stopped}; rerun the same command to resume", file=sys.stderr)
+        return stopped.exit_code
+    print(f"run {result.run_id}: {result.global_step} steps, best checkpoint {result.best_checkpoint}")
+    for key in sorted(result.metrics):
+        if key.startswith("val/"):
+            print(f"  {key} = {result.metrics[key]:.4f}")
+    return 0
