@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Iterator
 
 import mlflow
-from lightning.pytorch.loggers import MLFlowLogger
 from mlflow.tracking import MlflowClient
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -236,17 +235,3 @@ def ended_run(uri: str, run_id: str, writer: bool = True) -> Iterator[None]:
     if writer:
         end_run(uri, run_id, "FINISHED")
 
-
-class RunLogger(MLFlowLogger):
-    """Lightning's MLFlowLogger for a run whose status :func:`ended_run` owns.
-
-    Lightning ends its logger's run FINISHED after ``fit`` and FAILED on any exception; the run of a
-    training also outlives ``fit`` (checkpoints are logged after it) and ends KILLED on a signal, so
-    this logger leaves the status alone. Every process gets the run id, so ``run_id`` is never None.
-    """
-
-    def __init__(self, experiment_name: str, tracking_uri: str, run_id: str):
-        super().__init__(experiment_name=experiment_name, tracking_uri=tracking_uri, run_id=run_id, log_model=False)
-
-    def finalize(self, status: str = "success") -> None:
-        """Leave the run's status to :func:`ended_run`."""

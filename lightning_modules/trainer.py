@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import lightning.pytorch as pl
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.loggers import Logger
+from lightning.pytorch.loggers import Logger, MLFlowLogger
 
 PREVIOUS_LAST = "last.previous.ckpt"
 # Where the launching process leaves rank 0's decision for the processes Lightning starts.
@@ -124,6 +124,21 @@ def build_trainer(
     )
     arguments.update(overrides)
     return pl.Trainer(**arguments)
+
+
+class RunLogger(MLFlowLogger):
+    """Lightning's MLFlowLogger for a run whose status :func:`lightning_modules.tracking.ended_run` owns.
+
+    Lightning ends its logger's run FINISHED after ``fit`` and FAILED on any exception; the run of a
+    training also outlives ``fit`` (checkpoints are logged after it) and ends KILLED on a signal, so
+    this logger leaves the status alone. Every process gets the run id, so ``run_id`` is never None.
+    """
+
+    def __init__(self, experiment_name: str, tracking_uri: str, run_id: str):
+        super().__init__(experiment_name=experiment_name, tracking_uri=tracking_uri, run_id=run_id, log_model=False)
+
+    def finalize(self, status: str = "success") -> None:
+        """Leave the run's status to :func:`lightning_modules.tracking.ended_run`."""
 
 
 # ------------------------------------------------------------------------------------------------

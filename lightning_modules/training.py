@@ -51,12 +51,11 @@ from lightning_modules.run_folder import (
     RunFolderLock,
     RunRecord,
     check_same_recipe,
-    checkpoint_step,
     recipe_fingerprint,
     resume_checkpoint,
 )
-from lightning_modules.tracking import RunLogger, ended_run, flatten, run_status, run_tags, start_run, tracking_uri
-from lightning_modules.trainer import PeriodicCheckpoint, build_trainer, global_rank, share_from_rank_zero
+from lightning_modules.tracking import ended_run, flatten, run_status, run_tags, start_run, tracking_uri
+from lightning_modules.trainer import PeriodicCheckpoint, RunLogger, build_trainer, global_rank, share_from_rank_zero
 
 __all__ = ["TrainResult", "TrainSettings", "default_output_dir", "recipe_fingerprint", "train"]
 
@@ -235,13 +234,13 @@ def resume_run(recipe: DictConfig, output_dir: Path, record: RunRecord, uri: str
             f"{output_dir} belongs to run {record.run_id} of {record.tracking_uri}, which {uri} does not hold: "
             "use that tracking store, or start a new run with --fresh"
         )
+    if status == "FINISHED":
+        # Never reopened: its checkpoints and metrics are final (a longer training is another recipe).
+        notes.append(f"run {record.run_id} in {output_dir} already finished; nothing to do")
+        return RunStart(record.run_id, uri, new_run=False, finished_at=int(recipe.trainer.max_steps), notes=notes)
     checkpoint, checkpoint_notes = resume_checkpoint(output_dir / "checkpoints")
-    notes = notes + checkpoint_notes
-    step = checkpoint_step(checkpoint) if checkpoint else 0
-    if status == "FINISHED" and step >= int(recipe.trainer.max_steps):
-        notes.append(f"run {record.run_id} already finished at step {step}; nothing to do")
-        return RunStart(record.run_id, uri, new_run=False, resume_from=str(checkpoint), finished_at=step, notes=notes)
-    return RunStart(record.run_id, uri, new_run=False, resume_from=str(checkpoint) if checkpoint else None, notes=notes)
+    return RunStart(record.run_id, uri, new_run=False, resume_from=str(checkpoint) if checkpoint else None,
+                    notes=notes + checkpoint_notes)
 
 
 def record_run_start(

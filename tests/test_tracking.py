@@ -1,0 +1,116 @@
+"""MLflow helpers: store preparation under concurrency, run endings by outcome and signal, tags, URIs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import REPO_ROOT
+from lightning_modules.trainer import RunLogger
+from lightning_modules.tracking import (
+    Terminated,
+    default_artifact_location,
+    ended_run,
+    experiment_id,
+    flatten,
+    run_status,
+    start_run,
+    tracking_uri,
+)
+
+# Each process imports first, then waits for the go-file, so their first store accesses coincide.
+FIRST_USE = """
+import sys, time
+from pathlib import Path
+from lightning_modules.tracking import experiment_id
+go = Path(sys.argv[2])
+(go.parent / f"ready-{sys.argv[3]}").touch()
+while not go.exists():
+    time.sleep(0.01)
+print(experiment_id("concurrent", sys.argv[1]))
+"""
+
+
+def test_concurrent_first_use_of_a_new_sqlite_store(tmp_path):
+    """Three processes on a fresh database at once: without the lock MLflow's table setup fails
+    (duplicate column name / alembic version); with it all three get the same experiment."""
+    uri = f"sqlite:///{tmp_path / 'new.db'}"
+    go = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    processes = [
+        subprocess.Popen([sys.executable, "-c", FIRST_USE, uri, str(go), str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(3)
+    ]
+    deadline = time.time() + 300
+    while len(list(tmp_path.glob("ready-*"))) < 3 and time.time() < deadline:
+        time.sleep(0.2)
+    go.touch()
+    outputs = [p.communicate(timeout=300) for p in processes]
+    for process, (out, err) in zip(processes, outputs):
+        assert process.returncode == 0, err[-2000:]
+    assert len({out.strip() for out, _ in outputs}) == 1, "every process found the same experiment"
+
+
+def test_ended_run_sets_the_status_by_outcome(mlflow_uri):
+    ids = [start_run(mlflow_uri, "outcomes", f"run-{i}", {"k": "v"}) for i in range(4)]
+    with ended_run(mlflow_uri, ids[0]):
+        pass
+    with pytest.raises(ValueError):
+        with ended_run(mlflow_uri, ids[1]):
+            raise ValueError("boom")
+    with pytest.raises(Terminated) as stopped:
+        with ended_run(mlflow_uri, ids[2]):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+    assert stopped.value.exit_code == 143
+    # Another process marked the run FAILED (a rank that crashed): this one's SIGINT does not relabel it.
+    MlflowClient(mlflow_uri).set_terminated(ids[3], "FAILED")
+    with pytest.raises(Terminated):
+        with ended_run(mlflow_uri, ids[3]):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+    assert [run_status(mlflow_uri, run_id) for run_id in ids] == ["FINISHED", "FAILED", "KILLED", "FAILED"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the previous handler is restored"
+
+
+def test_a_process_that_is_not_the_writer_only_marks_failures(mlflow_uri):
+    run_id = start_run(mlflow_uri, "ranks", "ddp", {})
+    with ended_run(mlflow_uri, run_id, writer=False):
+        pass
+    assert run_status(mlflow_uri, run_id) == "RUNNING", "only rank 0 ends a run that succeeded"
+    with pytest.raises(RuntimeError):
+        with ended_run(mlflow_uri, run_id, writer=False):
+            raise RuntimeError("rank 1 crashed")
+    assert run_status(mlflow_uri, run_id) == "FAILED"
+
+
+def test_run_logger_leaves_the_status_to_ended_run(mlflow_uri):
+    run_id = start_run(mlflow_uri, "logger", "run", {})
+    logger = RunLogger("logger", mlflow_uri, run_id)
+    logger.log_metrics({"train/loss": 1.0}, step=3)
+    logger.finalize("failed")
+    assert run_status(mlflow_uri, run_id) == "RUNNING"
+    assert logger.run_id == run_id
+    history = MlflowClient(mlflow_uri).get_metric_history(run_id, "train/loss")
+    assert [(m.step, m.value) for m in history] == [(3, 1.0)]
+    assert run_status(mlflow_uri, "0" * 32) is None
+
+
+def test_uri_precedence_artifact_location_and_flatten(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///from-env.db")
+    assert tracking_uri("sqlite:///recipe.db") == "sqlite:///recipe.db"
+    assert tracking_uri(None) == "sqlite:///from-env.db"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert tracking_uri(None) == "sqlite:///mlflow.db"
+    location = default_artifact_location(f"sqlite:///{tmp_path / 'm.db'}", "my exp/1")
+    assert location == (tmp_path / "mlartifacts" / "my_exp_1").as_uri()
+    assert default_artifact_location("http://127.0.0.1:5000", "x") is None
+    assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": None}) == {"a.b": "1", "a.c.d": "[1, 2]", "e": "None"}
+    uri = f"sqlite:///{tmp_path / 'e.db'}"
+    assert experiment_id("same", uri) == experiment_id("same", uri)
