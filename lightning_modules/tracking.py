@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import signal
 import subprocess
@@ -165,8 +166,14 @@ class Terminated(BaseException):
         return 128 + self.signum
 
 
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated(signum)
+# A signal arriving inside `deferred_signals()` is only recorded here, and raised at a safe point.
+_SIGNALS: dict = {"deferred": False, "received": None}
+
+
+def _on_signal(signum, frame) -> None:
+    _SIGNALS["received"] = signum
+    if not _SIGNALS["deferred"]:
+        raise Terminated(signum)
 
 
 @contextlib.contextmanager
@@ -182,13 +189,40 @@ def terminating_signals() -> Iterator[None]:
         yield
         return
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    _SIGNALS["received"] = None
     for signum in previous:
-        signal.signal(signum, _raise_terminated)
+        signal.signal(signum, _on_signal)
     try:
         yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def deferred_signals() -> Iterator[None]:
+    """Inside the block a signal is only recorded; :func:`raise_if_signalled` raises it.
+
+    Raising inside whatever the process was doing (an MLflow write, a collective of a distributed
+    run) can leave it half done; training checks between batches instead.
+    """
+    _SIGNALS["deferred"] = True
+    try:
+        yield
+    except BaseException as error:
+        # Lightning stops on SIGTERM by its own exception (a SystemExit with code 0): say why.
+        if _SIGNALS["received"] is not None and not isinstance(error, Terminated):
+            raise Terminated(_SIGNALS["received"]) from error
+        raise
+    finally:
+        _SIGNALS["deferred"] = False
+    raise_if_signalled()
+
+
+def raise_if_signalled() -> None:
+    """Raise :class:`Terminated` for a signal recorded inside :func:`deferred_signals`."""
+    if _SIGNALS["received"] is not None:
+        raise Terminated(_SIGNALS["received"])
 
 
 def final_status(error: BaseException | None) -> str:
@@ -227,10 +261,12 @@ def ended_run(uri: str, run_id: str, writer: bool = True) -> Iterator[None]:
         try:
             yield
         except BaseException as error:
-            status = final_status(error)
+            status = "KILLED" if _SIGNALS["received"] is not None else final_status(error)
             if writer or status == "FAILED":
-                with contextlib.suppress(Exception):
+                try:
                     end_run(uri, run_id, status)
+                except Exception as failure:  # the store may be unreachable; the original error matters more
+                    logging.getLogger(__name__).warning("could not end MLflow run %s as %s: %s", run_id, status, failure)
             raise
     if writer:
         end_run(uri, run_id, "FINISHED")

@@ -32,6 +32,8 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger, MLFlowLogger
 
+from lightning_modules.tracking import raise_if_signalled
+
 PREVIOUS_LAST = "last.previous.ckpt"
 # Where the launching process leaves rank 0's decision for the processes Lightning starts.
 DECISION_VARIABLE = "BENCHX_RANK_ZERO_DECISION"
@@ -76,6 +78,20 @@ class PeriodicCheckpoint(ModelCheckpoint):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 
+class StopOnSignal(Callback):
+    """Raise a SIGTERM/SIGINT recorded under :func:`lightning_modules.tracking.deferred_signals`
+    between batches, where stopping leaves no MLflow write or collective half done."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        raise_if_signalled()
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        raise_if_signalled()
+
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        raise_if_signalled()
+
+
 def build_trainer(
     trainer_config,
     output_dir: str | Path | None,
@@ -95,7 +111,8 @@ def build_trainer(
             on a terminal).
         output_dir: Lightning's ``default_root_dir`` (None: the working folder; evaluation).
         logger: the run's logger, or False.
-        callbacks: the run's callbacks (checkpointing included; none means no checkpoints).
+        callbacks: the run's callbacks (checkpointing included; none means no checkpoints);
+            :class:`StopOnSignal` is always added.
         max_steps: optimizer steps (-1: no limit; evaluation).
         val_every_n_steps: validate every this many steps; None: no validation during fit.
         overrides: keyword arguments of ``pl.Trainer`` that replace the ones derived here.
@@ -114,7 +131,7 @@ def build_trainer(
         deterministic=bool(get("deterministic", False)),
         default_root_dir=str(output_dir) if output_dir is not None else None,
         logger=logger,
-        callbacks=list(callbacks),
+        callbacks=[*callbacks, StopOnSignal()],
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         plugins=[AtomicCheckpointIO()],
         num_sanity_val_steps=0,

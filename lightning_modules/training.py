@@ -54,7 +54,7 @@ from lightning_modules.run_folder import (
     recipe_fingerprint,
     resume_checkpoint,
 )
-from lightning_modules.tracking import ended_run, flatten, run_status, run_tags, start_run, tracking_uri
+from lightning_modules.tracking import deferred_signals, ended_run, flatten, run_status, run_tags, start_run, tracking_uri
 from lightning_modules.trainer import PeriodicCheckpoint, RunLogger, build_trainer, global_rank, share_from_rank_zero
 
 __all__ = ["TrainResult", "TrainSettings", "default_output_dir", "recipe_fingerprint", "train"]
@@ -159,7 +159,8 @@ def train(recipe: DictConfig, settings: TrainSettings | None = None, **options) 
             val_every_n_steps=int(recipe.trainer.val_every_n_steps),
             **(settings.trainer_overrides or {}),
         )
-        trainer.fit(module, datamodule=datamodule, ckpt_path=start.resume_from)
+        with deferred_signals():
+            trainer.fit(module, datamodule=datamodule, ckpt_path=start.resume_from)
         best_path = Path(best.best_model_path) if best.best_model_path else None
         if trainer.is_global_zero:
             log_checkpoints(logger, [best_path, checkpoint_dir / "last.ckpt"])

@@ -233,3 +233,88 @@ def test_same_recipe_and_seed_give_the_same_metrics(tiny_phantom, tmp_path):
     other = train(load_recipe(RECIPES / "unet.yaml", [*tiny_overrides(root, split, tmp_path, steps=3), "seed=7"]),
                   output_dir=tmp_path / "other")
     assert other.metrics["train/loss"] != first.metrics["train/loss"], "the seed matters"
+
+
+def _wait_for_step(path, step: int, process, timeout: float = 300) -> int:
+    """Wait until the checkpoint at ``path`` reaches ``step`` while ``process`` runs; its step."""
+    deadline, found = time.time() + timeout, 0
+    while time.time() < deadline and process.poll() is None:
+        if path.exists():
+            try:
+                found = torch.load(path, weights_only=False)["global_step"]
+            except Exception:  # read while being replaced
+                found = 0
+            if found >= step:
+                break
+        time.sleep(0.5)
+    return found
+
+
+def test_one_process_per_folder_sigterm_ends_killed_and_another_recipe_is_refused(tiny_phantom, tmp_path, capsys):
+    """Two trainings on one folder: the second is refused naming the first; SIGTERM ends the run KILLED;
+    the rerun resumes it to FINISHED; a changed recipe is then refused and the run stays FINISHED."""
+    from lightning_modules.commands.train import main
+
+    root, split = tiny_phantom
+    folder = tmp_path / "run"
+    overrides = tiny_overrides(root, split, tmp_path, steps=30)
+    arguments = ["--recipe", str(RECIPES / "unet.yaml"), "--out", str(folder), *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen([sys.executable, "-m", "lightning_modules.cli", "train", *arguments], cwd=REPO_ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert _wait_for_step(folder / "checkpoints" / "last.ckpt", 2, first) >= 2
+    assert main(arguments) == 1
+    refusal = capsys.readouterr().err
+    assert f"is in use by process {first.pid}" in refusal and str(folder) in refusal
+    first.send_signal(signal.SIGTERM)
+    _, stderr = first.communicate(timeout=120)
+    assert first.returncode == 143, stderr[-2000:]
+    assert "stopped by SIGTERM; rerun the same command to resume" in stderr
+    recipe = load_recipe(RECIPES / "unet.yaml", overrides)
+    run_id = RunRecord.read(folder).run_id
+    client = MlflowClient(recipe.tracking.uri)
+    assert client.get_run(run_id).info.status == "KILLED"
+
+    assert main(arguments) == 0
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert main([*arguments, "trainer.max_steps=40"]) == 1
+    refusal = capsys.readouterr().err
+    assert "trainer.max_steps: 30 -> 40" in refusal and "--fresh" in refusal
+    assert client.get_run(run_id).info.status == "FINISHED", "a refusal never touches the finished run"
+    assert train(recipe, output_dir=folder).run_id == run_id, "same recipe: already finished, nothing to do"
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+class CrashInValidation(pl.Callback):
+    """Simulates a crash during the validation at ``step``."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_validation_start(self, trainer, pl_module):
+        if trainer.global_step == self.step:
+            raise RuntimeError("crash in validation")
+
+
+def test_resume_after_a_crash_in_validation_and_a_damaged_checkpoint_logs_every_validation(tiny_phantom, tmp_path):
+    root, split = tiny_phantom
+    recipe = load_recipe(RECIPES / "unet.yaml", [*tiny_overrides(root, split, tmp_path, steps=6), "trainer.val_every_n_steps=2"])
+    with pytest.raises(RuntimeError, match="crash in validation"):
+        train(recipe, callbacks=[CrashInValidation(4)])
+    checkpoints = default_output_dir(recipe) / "checkpoints"
+    # The step checkpoint of a validation step is not written before that validation: resuming
+    # from step 4 would skip the validation at 4.
+    assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] == 3
+    assert torch.load(checkpoints / "last.previous.ckpt", weights_only=False)["global_step"] == 2
+    data = (checkpoints / "last.ckpt").read_bytes()
+    (checkpoints / "last.ckpt").write_bytes(data[:1000])
+    client = MlflowClient(recipe.tracking.uri)
+    run_id = RunRecord.read(default_output_dir(recipe)).run_id
+    assert client.get_run(run_id).info.status == "FAILED"
+
+    result = train(recipe)
+    assert result.run_id == run_id and result.global_step == 6
+    assert client.get_run(run_id).info.status == "FINISHED"
+    steps = sorted({m.step for m in client.get_metric_history(run_id, "val/dice/pancreatic_lesion")})
+    # Lightning logs a validation after step k at MLflow step k - 1: the validations at 2, 4 and 6.
+    assert steps == [1, 3, 5]
