@@ -261,7 +261,7 @@ def ended_run(uri: str, run_id: str, writer: bool = True) -> Iterator[None]:
         try:
             yield
         except BaseException as error:
-            status = "KILLED" if _SIGNALS["received"] is not None else final_status(error)
+            status = final_status(error)
             if writer or status == "FAILED":
                 try:
                     end_run(uri, run_id, status)

@@ -21,8 +21,10 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
+import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -32,7 +34,9 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger, MLFlowLogger
 
-from lightning_modules.tracking import raise_if_signalled
+from lightning_modules.tracking import end_run, raise_if_signalled
+
+log = logging.getLogger(__name__)
 
 PREVIOUS_LAST = "last.previous.ckpt"
 # Where the launching process leaves rank 0's decision for the processes Lightning starts.
@@ -90,6 +94,33 @@ class StopOnSignal(Callback):
 
     def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         raise_if_signalled()
+
+
+class FailWithLaunchedProcesses(Callback):
+    """On the launching process (rank 0), end the run FAILED as soon as a process Lightning's launcher
+    started dies with an error: Lightning then SIGKILLs the launching process, which could not end
+    the run itself. Watches from a daemon thread (every half second) during ``fit``."""
+
+    def __init__(self, uri: str, run_id: str, period: float = 0.5):
+        self.uri, self.run_id, self.period = uri, run_id, period
+        self._stop = threading.Event()
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        processes = list(getattr(trainer.strategy.launcher, "procs", None) or [])
+        if trainer.is_global_zero and processes:
+            self._stop.clear()
+            threading.Thread(target=self._watch, args=(processes,), daemon=True, name="benchx-rank-watcher").start()
+
+    def _watch(self, processes) -> None:
+        while not self._stop.wait(self.period):
+            failed = [p for p in processes if p.poll() not in (None, 0)]
+            if failed:
+                log.error("process %d of the run ended with code %d: ending run %s FAILED", failed[0].pid, failed[0].returncode, self.run_id)
+                end_run(self.uri, self.run_id, "FAILED")
+                return
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop.set()
 
 
 def build_trainer(

@@ -55,7 +55,7 @@ from lightning_modules.run_folder import (
     resume_checkpoint,
 )
 from lightning_modules.tracking import deferred_signals, ended_run, flatten, run_status, run_tags, start_run, tracking_uri
-from lightning_modules.trainer import PeriodicCheckpoint, RunLogger, build_trainer, global_rank, share_from_rank_zero
+from lightning_modules.trainer import FailWithLaunchedProcesses, PeriodicCheckpoint, RunLogger, build_trainer, global_rank, share_from_rank_zero
 
 __all__ = ["TrainResult", "TrainSettings", "default_output_dir", "recipe_fingerprint", "train"]
 
@@ -154,7 +154,8 @@ def train(recipe: DictConfig, settings: TrainSettings | None = None, **options) 
             recipe.trainer,
             output_dir,
             logger=logger,
-            callbacks=[best, periodic, LearningRateMonitor(logging_interval="step"), *evaluation, *settings.callbacks],
+            callbacks=[best, periodic, LearningRateMonitor(logging_interval="step"), *evaluation, *settings.callbacks,
+                       FailWithLaunchedProcesses(start.uri, start.run_id)],
             max_steps=int(recipe.trainer.max_steps),
             val_every_n_steps=int(recipe.trainer.val_every_n_steps),
             **(settings.trainer_overrides or {}),

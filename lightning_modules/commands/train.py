@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lightning_modules.data.cohort import CohortError
     from lightning_modules.run_folder import RunFolderError
     from lightning_modules.tracking import Terminated
-    from lightning_modules.trainer import RankZeroRefusal
+    from lightning_modules.trainer import RankZeroRefusal, global_rank
     from lightning_modules.training import TrainSettings, train
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -56,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Terminated as stopped:
         print(f"benchx train: {stopped}; rerun the same command to resume", file=sys.stderr)
         return stopped.exit_code
+    if global_rank() > 0:
+        return 0
     print(f"run {result.run_id}: {result.global_step} steps, best checkpoint {result.best_checkpoint}")
     for key in sorted(result.metrics):
         if key.startswith("val/"):

@@ -1,0 +1,126 @@
+"""``benchx train`` on 2 CPU processes (gloo): Lightning's launcher and torchrun give one FINISHED MLflow
+run whose validation metrics equal a 1-process validation of the same weights; a rank killed mid-run
+ends the run FAILED and the rerun resumes it at its checkpoint.
+
+Each test starts 2 or 3 trainings of a few steps; on the shared 2-core machine a 2-process training
+takes 1.5-2.5 minutes, hence the ``slow`` marker (``--run-slow``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from conftest import RECIPES, REPO_ROOT, tiny_overrides
+from lightning_modules.config.recipe import load_recipe
+from lightning_modules.data.datamodule import CohortDataModule
+from lightning_modules.evaluation.callback import SubgroupEvaluation
+from lightning_modules.models.checkpoints import load_module_from_checkpoint
+from lightning_modules.run_folder import RunRecord
+
+DDP = ["trainer.devices=2", "trainer.strategy=ddp", "trainer.accelerator=cpu"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+
+
+def _train_command(launcher: list[str], folder: Path, overrides: list[str]) -> list[str]:
+    return [*launcher, "-m", "lightning_modules.cli", "train", "--recipe", str(RECIPES / "unet.yaml"), "--out", str(folder), *overrides, *DDP]
+
+
+def _single_process_validation(recipe, checkpoint: Path) -> dict[str, float]:
+    """The validation metrics of a checkpoint on one process (no logger)."""
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[SubgroupEvaluation.from_recipe(recipe)])
+    trainer.validate(load_module_from_checkpoint(recipe, checkpoint), datamodule=CohortDataModule(recipe))
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+
+
+@pytest.mark.slow
+def test_ddp_through_the_cli_and_torchrun_log_one_finished_run_with_single_process_metrics(tiny_phantom, tmp_path):
+    root, split = tiny_phantom
+    overrides = tiny_overrides(root, split, tmp_path, steps=4)
+    recipe = load_recipe(RECIPES / "unet.yaml", overrides)
+    client = MlflowClient(recipe.tracking.uri)
+    launchers = {
+        "lightning": [sys.executable],
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
+    }
+    runs = {}
+    for name, launcher in launchers.items():
+        folder = tmp_path / name
+        done = subprocess.run(_train_command(launcher, folder, overrides), cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.count("run ") == 1, "only rank 0 reports"
+        runs[name] = RunRecord.read(folder).run_id
+        run = client.get_run(runs[name])
+        assert run.info.status == "FINISHED"
+        assert {a.path for a in client.list_artifacts(runs[name], "checkpoints")} >= {"checkpoints/best.ckpt", "checkpoints/last.ckpt"}
+        # The validation at step 4 ran on the weights of best.ckpt (the only validation).
+        single = _single_process_validation(recipe, folder / "checkpoints" / "best.ckpt")
+        for key in ("val/dice/pancreatic_lesion", "val/f1/overall", "val/sensitivity/overall", "val/n/overall"):
+            if key in single:
+                assert run.data.metrics[key] == pytest.approx(single[key], rel=1e-5, abs=1e-7), (name, key)
+    experiment = client.get_experiment_by_name(str(recipe.tracking.experiment))
+    assert len(client.search_runs([experiment.experiment_id])) == 2, "one MLflow run per training, none from rank 1"
+    first, second = (client.get_run(runs[name]).data.metrics for name in launchers)
+    assert first["val/dice/pancreatic_lesion"] == pytest.approx(second["val/dice/pancreatic_lesion"], rel=1e-5)
+
+
+def _children(pid: int) -> list[int]:
+    """PIDs whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_the_run_and_the_rerun_resumes_it_under_ddp(tiny_phantom, tmp_path):
+    root, split = tiny_phantom
+    overrides = tiny_overrides(root, split, tmp_path, steps=30)
+    recipe = load_recipe(RECIPES / "unet.yaml", overrides)
+    folder = tmp_path / "ddp"
+    last = folder / "checkpoints" / "last.ckpt"
+    main = subprocess.Popen(_train_command([sys.executable], folder, overrides), cwd=REPO_ROOT, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, step = time.time() + 400, 0
+    while time.time() < deadline and main.poll() is None and step < 3:
+        try:
+            step = torch.load(last, weights_only=False)["global_step"] if last.exists() else 0
+        except Exception:  # read while being replaced
+            step = 0
+        time.sleep(0.5)
+    assert main.poll() is None and step >= 3, "training finished or failed before rank 1 could be killed"
+    rank1 = _children(main.pid)
+    assert rank1, "Lightning's launcher started rank 1 as a child process"
+    for pid in rank1:
+        os.kill(pid, signal.SIGKILL)
+    main.wait(timeout=120)
+    assert main.returncode != 0
+    run_id = RunRecord.read(folder).run_id
+    client = MlflowClient(recipe.tracking.uri)
+    assert client.get_run(run_id).info.status == "FAILED"
+    resumed_from = torch.load(last, weights_only=False)["global_step"]
+
+    done = subprocess.run(_train_command([sys.executable], folder, overrides), cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"run {run_id}: 30 steps" in done.stdout
+    assert f"Restoring states from the checkpoint path at {folder}" in done.stderr and resumed_from >= 3
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["resumed"] == "true"
+    lr_key = next(k for k in run.data.metrics if k.startswith("lr-"))
+    steps = sorted({m.step for m in client.get_metric_history(run_id, lr_key)})
+    assert steps[-1] == 29 and steps[0] == 0, "one learning-rate history across the kill"
