@@ -75,7 +75,7 @@ class SegmentationModule(pl.LightningModule):
         loss: ``dice_weight, ce_weight, deep_supervision_decay``.
         sw_batch_size / sw_overlap: sliding-window inference settings.
         sw_roi_size: inference window (default: ``patch_size``).
-        small_tumor_mm: the 'small' tumor-size boundary for the records (DESIGN.md section 4).
+        small_tumor_mm: the 'small' tumor-size boundary for the records (docs/design.md "Lesion size and location").
     """
 
     def __init__(
@@ -188,7 +188,7 @@ class SegmentationModule(pl.LightningModule):
             )
             diameter = _as_float(record.get("tumor_diameter_mm"))
             if label == 1 and math.isnan(diameter) and bool(true_tumor.any()):
-                # Largest extent of the lesion's bounding box, in mm (DESIGN.md: derived from the mask).
+                # Largest extent of the lesion's bounding box, in mm (docs/design.md "Lesion size and location": derived from the mask).
                 coords = torch.nonzero(true_tumor).double()
                 extent = (coords.max(0).values - coords.min(0).values + 1) * torch.tensor(spacing, dtype=torch.float64)
                 diameter = float(extent.max())
