@@ -144,12 +144,15 @@ def build_trainer(
         logger: the run's logger, or False.
         callbacks: the run's callbacks (checkpointing included; none means no checkpoints);
             :class:`StopOnSignal` is always added.
-        max_steps: optimizer steps (-1: no limit; evaluation).
-        val_every_n_steps: validate every this many steps; None: no validation during fit.
+        max_steps: optimizer steps (-1: evaluation only, ``trainer.validate``/``trainer.test``).
+        val_every_n_steps: validate every this many steps; None: no validation during ``fit``.
         overrides: keyword arguments of ``pl.Trainer`` that replace the ones derived here.
     """
     get = trainer_config.get if hasattr(trainer_config, "get") else lambda key, default=None: getattr(trainer_config, key, default)
-    validation = dict(val_check_interval=int(val_every_n_steps), check_val_every_n_epoch=None) if val_every_n_steps else dict(limit_val_batches=0)
+    if val_every_n_steps:
+        validation = dict(val_check_interval=int(val_every_n_steps), check_val_every_n_epoch=None)
+    else:  # a training without validation; evaluation (max_steps -1) validates when asked
+        validation = dict(limit_val_batches=0) if max_steps > 0 else {}
     arguments = dict(
         max_steps=int(max_steps),
         accelerator=get("accelerator", "auto"),

@@ -84,7 +84,9 @@ class TrainerConfig:
     val_every_n_steps: int = 2_000
     accelerator: str = "auto"
     devices: Any = 1
+    # ddp for several processes (Lightning's launcher, torchrun, srun); devices x num_nodes = processes.
     strategy: str = "auto"
+    num_nodes: int = 1
     precision: str = "32-true"
     log_every_n_steps: int = 50
     gradient_clip_val: Optional[float] = None

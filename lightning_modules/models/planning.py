@@ -194,10 +194,7 @@ def plan_nnunet(
         raise ValueError(f"spacing must be positive and the shape at least 1 voxel: {spacing}, {shape}")
     if architecture not in FEATURE_MAP_REFERENCE:
         raise ValueError(f"architecture must be one of {sorted(FEATURE_MAP_REFERENCE)}, got {architecture!r}")
-    if feature_map_budget_voxels:
-        budget = float(feature_map_budget_voxels)
-    else:
-        budget = feature_map_budget(architecture, gpu_memory_gb)
+    budget = float(feature_map_budget_voxels) if feature_map_budget_voxels else feature_map_budget(architecture, gpu_memory_gb)
 
     # Rule 3: a patch that is a cube in millimetres, INITIAL_PATCH_VOXELS voxels, clipped to the median shape.
     inverse = 1.0 / np.asarray(spacing)
@@ -221,15 +218,7 @@ def plan_nnunet(
             f"median shape {shape} is too small to pool even once (an axis needs {2 * MIN_FEATURE_MAP_EDGE} voxels)"
         )
     while estimate(topology) > budget:
-        patch = list(topology["patch_size"])
-        axis = int(np.argmax([p / s for p, s in zip(patch, shape)]))
-        # Shrink by the step that applies after shrinking: a shorter axis may need fewer poolings and
-        # so admit finer sizes (256 -> 224 rather than 192 when the divisor drops from 64 to 32).
-        trial = list(patch)
-        trial[axis] -= topology["divisors"][axis]
-        step = network_topology(spacing, trial)["divisors"][axis] if trial[axis] > 0 else topology["divisors"][axis]
-        patch[axis] -= step
-        topology = network_topology(spacing, patch) if patch[axis] >= 1 else dict(n_stages=0)
+        topology = _shrink_step(topology, spacing, shape)
         if topology["n_stages"] < 2:
             raise ValueError(
                 f"no U-Net with at least one pooling fits a feature-map budget of {budget:.3g} voxels "
@@ -248,6 +237,20 @@ def plan_nnunet(
         feature_map_voxels=estimate(topology),
         feature_map_budget=budget,
     )
+
+
+def _shrink_step(topology: dict, spacing: Sequence[float], shape: Sequence[float]) -> dict:
+    """Rule 5's step: shrink the axis largest relative to the median shape, and re-plan the topology
+    (``n_stages`` 0 when nothing is left)."""
+    patch = list(topology["patch_size"])
+    axis = int(np.argmax([p / s for p, s in zip(patch, shape)]))
+    # Shrink by the step that applies after shrinking: a shorter axis may need fewer poolings and
+    # so admit finer sizes (256 -> 224 rather than 192 when the divisor drops from 64 to 32).
+    trial = list(patch)
+    trial[axis] -= topology["divisors"][axis]
+    step = network_topology(spacing, trial)["divisors"][axis] if trial[axis] > 0 else topology["divisors"][axis]
+    patch[axis] -= step
+    return network_topology(spacing, patch) if patch[axis] >= 1 else dict(n_stages=0)
 
 
 def target_spacing(spacings: np.ndarray, shapes: np.ndarray) -> list[float]:
