@@ -9,12 +9,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from lightning_modules.commands.make_splits import main
 from lightning_modules.data.cohort import load_cohort, write_case, write_metadata
 from lightning_modules.data.metadata import normalize_metadata
 from lightning_modules.data.splits import (
     SplitError,
     load_split,
-    main,
     make_splits,
     patient_overlaps,
     split_sha256,
