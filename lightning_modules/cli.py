@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "fetch-example": ("lightning_modules.data.example_ct", "main", "fetch the real TotalSegmentator example CT as case TS_EXAMPLE"),
     "validate": ("lightning_modules.commands.validate", "main", "check a cohort and list every problem at once"),
     "make-splits": ("lightning_modules.commands.make_splits", "main", "write a patient-grouped, stratified split CSV"),
-    "audit": ("lightning_modules.data.audit", "main", "leakage audit: duplicates, patient overlap, header cues (exit 1 on leakage)"),
+    "audit": ("lightning_modules.commands.audit", "main", "leakage audit: duplicates, patient overlap, header cues (exit 1 on leakage)"),
     "train": ("lightning_modules.training", "main", "train a backbone from a recipe (+ key=value overrides)"),
     "evaluate": ("lightning_modules.evaluation.runs", "evaluate_main", "subgroup evaluation of a trained model into a new MLflow run"),
     "predict": ("lightning_modules.inference", "main", "segment CT scans; masks written on each scan's own grid and affine"),

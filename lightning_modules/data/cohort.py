@@ -86,6 +86,15 @@ class Case:
     def mask_path(self, class_name: str) -> Path:
         return self.segmentation_dir / f"{class_name}.nii.gz"
 
+    def tumor_label(self, lesion_class: str = "pancreatic_lesion") -> int:
+        """The scan-level tumor label: the ``tumor`` column, or (when not recorded, -1) whether the
+        lesion mask has any non-zero voxel (a missing lesion file means no lesion)."""
+        value = int(self.metadata.get("tumor", -1))
+        if value >= 0:
+            return value
+        path = self.mask_path(lesion_class)
+        return int(path.exists() and bool(np.asarray(nib.load(path).dataobj).any()))
+
     def available_classes(self) -> list[str]:
         if not self.segmentation_dir.is_dir():
             return []
@@ -164,13 +173,7 @@ class Cohort:
 
     def resolve_tumor_labels(self, lesion_class: str = "pancreatic_lesion") -> pd.Series:
         """Scan-level tumor labels, derived from the lesion mask where ``tumor`` was not recorded (-1)."""
-        labels = []
-        for case in self.cases():
-            value = int(case.metadata.get("tumor", -1))
-            if value < 0:
-                path = case.mask_path(lesion_class)
-                value = int(path.exists() and bool(np.asarray(nib.load(path).dataobj).any()))
-            labels.append(value)
+        labels = [case.tumor_label(lesion_class) for case in self.cases()]
         return pd.Series(labels, index=self.metadata["case_id"], name="tumor")
 
 

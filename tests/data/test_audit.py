@@ -23,10 +23,10 @@ from lightning_modules.data.audit import (
     canonical_sha256,
     check_split_leakage,
     header_leakage,
-    main,
     shifted_ncc,
     volume_signatures,
 )
+from lightning_modules.commands.audit import main
 from lightning_modules.data.cohort import load_cohort, write_case, write_metadata
 
 SHAPE = (28, 28, 24)
