@@ -1,6 +1,6 @@
 """Leakage audit: planted duplicates, patient overlap and synthetic canvases are found; clean data is not flagged.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_audit.py -x -q
+Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/data/test_audit.py -x -q
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Checks grids and affines kept, binary masks, class mapping (organ includes its l
 a kill, quarantine with nothing half-written, the DICOM LPS->RAS affine against hand-computed
 values, HU rescale, and that identifying DICOM values reach no output file and no log line.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_importers.py -x -q
+Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/data/test_importers.py -x -q
 """
 
 from __future__ import annotations

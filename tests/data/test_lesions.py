@@ -1,6 +1,6 @@
 """Lesion size and location: the largest 3D extent, the size classes, and head/body/tail of the pancreas.
 
-Run: PYTHONPATH=$PWD .venv/bin/pytest tests/data/test_lesions.py -x -q
+Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/data/test_lesions.py -x -q
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Patient-disjoint splits: grouping, stratification, write-once, and the checks of load_split.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_splits.py -x -q
+Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/data/test_splits.py -x -q
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Cohort validation: a clean tiny cohort has no problems; each deliberately broken one is named.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_validation.py -x -q
+Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/data/test_validation.py -x -q
 """
 
 from __future__ import annotations
