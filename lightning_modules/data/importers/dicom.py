@@ -30,9 +30,11 @@ Privacy (what reaches ``metadata.csv``, the NIfTI header and the logs):
   from ``--salt`` or ``BENCHX_PSEUDONYM_SALT`` (keep it secret and the same across imports, so one
   patient keeps one pseudonym); empty when the series has no PatientID (each case is then its own
   patient). PatientID itself is never written.
-- never read into the output: names, birth date, accession number, institution, station,
-  physicians, UIDs (Siemens UIDs embed the acquisition time), descriptions, dates and times. The NIfTI
-  header is built fresh (descrip, db_name, aux_file empty). Errors name files and tags, never values.
+- never written to any output: names, birth date, accession number, other patient ids (read only
+  to check folder names, see above), institution, station, physicians, UIDs (Siemens UIDs embed
+  the acquisition time), descriptions, dates and times. The NIfTI header is built fresh (descrip,
+  db_name, aux_file empty). Errors name files and tags, never values; a pseudonymized folder's
+  errors name its pseudonym instead of its path.
 
 Example::
 
