@@ -282,6 +282,6 @@ def normalize_metadata(raw: pd.DataFrame) -> tuple[pd.DataFrame, list[Problem]]:
         if synthetic == 1 and source == "":
             problems.append(Problem(case_id, METADATA_FILE, column="source_case_id", message="synthetic case without a source (canvas) case id"))
     table["age_band"] = age_bands(table["age"])
-    ordered = list(STANDARD_COLUMNS) + ["age_band"]
+    ordered = list(STANDARD_COLUMNS) + ["age_band"] + [c for c in OPTIONAL_COLUMNS if c in table.columns]
     table = table[ordered + [c for c in table.columns if c not in ordered]]
     return table.reset_index(drop=True), problems
