@@ -556,6 +556,12 @@ def test_dicom_folder_named_with_a_date_or_identifier_gets_a_pseudonym(tmp_path)
     for token in ("19520314", "2021-05-03", "1234567"):
         assert token not in listing
     assert importers.looks_like_date_or_identifier("03.05.2021") and not importers.looks_like_date_or_identifier("ct_v2")
+    # A failing series in such a folder is quarantined under the pseudonym; its error names no path part.
+    write_dicom_series(src / "broken_20200101", dicom_hu()[:, :, :1], tags=tags, **GEOMETRY)
+    again = importers.import_source("dicom", src, out, cohort="site-f", salt="s3cret")
+    [(case_id, reason)] = again.quarantined.items()
+    assert case_id == importers.folder_pseudonym("broken_20200101", "s3cret") and "at least 2 slices" in reason
+    assert "20200101" not in reason and "20200101" not in (out / "quarantine.csv").read_text()
 
 
 def test_a_refused_import_leaves_no_output_folder(tmp_path):
