@@ -11,7 +11,9 @@ when the source is listed, against the identifying fields of the series' first r
 
 Either way the case id, the ``source`` column of ``quarantine.csv``, log lines and error messages
 carry the pseudonym (``DCM`` + 12 hex digits of HMAC-SHA256(salt, folder path)), never the folder's
-name. Without a salt the pseudonym is an unkeyed hash of the path: give ``--salt`` for real data.
+name; a ``--metadata`` row for such a folder is keyed by the pseudonym
+(:func:`folder_pseudonym`). Without a salt the pseudonym is an unkeyed hash of the path: give
+``--salt`` for real data.
 
 Geometry: slices are sorted by ImagePositionPatient projected on the slice normal (row x column
 direction cosines of ImageOrientationPatient); the positions must advance by one constant step
