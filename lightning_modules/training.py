@@ -41,7 +41,7 @@ from lightning_modules.config.recipe import recipe_to_yaml
 from lightning_modules.data.cohort import CohortError
 from lightning_modules.data.datamodule import CohortDataModule
 from lightning_modules.data.mixing import log_dataset_inputs, mixing_datamodule
-from lightning_modules.data.splits import read_split_table, split_sha256
+from lightning_modules.data.splits import load_split, split_sha256
 from lightning_modules.evaluation.callback import SubgroupEvaluation
 from lightning_modules.models.checkpoints import build_module
 from lightning_modules.models.planning import resolve_planned_recipe
@@ -182,7 +182,7 @@ def prepare_data(recipe: DictConfig, datamodule: CohortDataModule | None = None)
     """
     split = datamodule.split if datamodule is not None and datamodule.split is not None else None
     if split is None:
-        split = read_split_table(recipe.data.split)
+        split = load_split(recipe.data.split)
     recipe, plan = resolve_planned_recipe(recipe, case_ids=list(split.loc[split["split"] == "train", "case_id"]))
     if datamodule is not None:
         datamodule.recipe = recipe
