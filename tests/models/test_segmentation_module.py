@@ -11,6 +11,7 @@ from monai.data import MetaTensor
 from monai.losses import DiceCELoss
 from torch import nn
 
+from lightning_modules.data.lesions import largest_lesion_extent_mm
 from lightning_modules.models.segmentation_module import SegmentationModule, deep_supervision_weights, lr_lambda
 
 CLASSES = ["pancreas", "pancreatic_lesion"]
@@ -80,8 +81,10 @@ def test_case_records_of_a_perfect_prediction():
     assert record["volume_mm3"] == pytest.approx(8 * 8.0) and record["true_volume_mm3"] == pytest.approx(64.0)
     assert record["max_prob"] == pytest.approx(1.0, abs=1e-6)
     assert record["dice_pancreas"] == pytest.approx(1.0) and record["dice_pancreatic_lesion"] == pytest.approx(1.0)
-    # No recorded diameter: the lesion's bounding-box extent (2 voxels x 2 mm) makes it small.
-    assert record["tumor_diameter_mm"] == pytest.approx(4.0) and record["tumor_size"] == "small"
+    # No recorded diameter: derived from the lesion mask by the one lesion-size rule; 2^3 voxels at 2 mm are small.
+    lesion = (batch["label"][0, 0] == 2).numpy()
+    assert record["tumor_diameter_mm"] == pytest.approx(largest_lesion_extent_mm(lesion, [2.0, 2.0, 2.0]))
+    assert 0 < record["tumor_diameter_mm"] <= 20 and record["tumor_size"] == "small"
 
 
 def test_validation_records_a_negative_case_without_inflating_the_lesion_dice():
