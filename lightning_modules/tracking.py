@@ -195,6 +195,7 @@ def terminating_signals() -> Iterator[None]:
     try:
         yield
     finally:
+        _SIGNALS["received"] = None
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 

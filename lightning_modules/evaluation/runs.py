@@ -26,7 +26,6 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-import lightning.pytorch as pl
 import pandas as pd
 from lightning.pytorch.loggers import MLFlowLogger
 from mlflow.tracking import MlflowClient
@@ -38,6 +37,7 @@ from lightning_modules.evaluation.callback import RECORDS_ARTIFACT, SubgroupEval
 from lightning_modules.config.recipe import load_recipe
 from lightning_modules.tracking import experiment_id, run_tags, tracking_uri
 from lightning_modules.models.checkpoints import ModelSourceError, load_module_from_checkpoint
+from lightning_modules.trainer import build_trainer
 
 
 class EvaluationError(ValueError):
@@ -74,15 +74,9 @@ def evaluate(
         tags=tags,
     )
     callback = SubgroupEvaluation.from_recipe(recipe, tables_on_val=True)
-    trainer = pl.Trainer(
-        accelerator=recipe.trainer.accelerator,
-        devices=1,
-        logger=logger,
-        callbacks=[callback],
-        enable_model_summary=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-    )
+    # One process and full precision, as before the shared Trainer construction.
+    trainer = build_trainer(recipe.trainer, None, logger=logger, callbacks=[callback], devices=1, strategy="auto",
+                            num_nodes=1, precision="32-true", deterministic=False, enable_progress_bar=False)
     datamodule = CohortDataModule(recipe)
     stages = list(stages)
     if "val" in stages or recipe.detection.threshold_rule != "fixed":
