@@ -17,7 +17,7 @@ import sys
 
 # name -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "phantom": ("lightning_modules.data.phantom", "main", "write the embedded phantom cohort (layout A + metadata.csv)"),
+    "phantom": ("lightning_modules.commands.phantom", "main", "write the embedded phantom cohort (layout A + metadata.csv)"),
     "import": ("lightning_modules.data.importers", "main", "import TotalSegmentator / nnU-Net / MSD / DICOM data into layout A"),
     "fetch-example": ("lightning_modules.data.example_ct", "main", "fetch the real TotalSegmentator example CT as case TS_EXAMPLE"),
     "validate": ("lightning_modules.data.validation", "main", "check a cohort and list every problem at once"),
