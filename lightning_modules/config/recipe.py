@@ -104,6 +104,9 @@ class DetectionConfig:
     # fixed | f1 | youden: 'f1'/'youden' choose m on the validation split, then apply it to test.
     threshold_rule: str = "fixed"
     score: str = "volume"  # volume | max_prob
+    # nnU-Net-style post-processing: predicted tumor components smaller than this (mm^3) are removed
+    # before the scan-level score (lightning_modules/models/tumor_outputs.py).
+    min_component_mm3: float = 0.0
     small_tumor_mm: float = 20.0
     bootstrap_resamples: int = 2000
     confidence: float = 0.95
