@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "evaluate": ("lightning_modules.evaluation.runs", "evaluate_main", "subgroup evaluation of a trained model into a new MLflow run"),
     "predict": ("lightning_modules.inference", "main", "segment CT scans; masks written on each scan's own grid and affine"),
     "compare": ("lightning_modules.evaluation.runs", "compare_main", "paired comparison of evaluation runs (BenchX table 6)"),
-    "study": ("synthx.study", "main", "the baseline-vs-SynthX study on a cohort (the main job)"),
+    "study": ("synthx.commands.study", "main", "the baseline-vs-SynthX study on a cohort (the main job)"),
     "sweep": ("synthx.sweep", "main", "Optuna sweep over the synthesis ratio"),
     "synthx-train": ("synthx.training", "main", "train the SynthX tumor generator (conditional 3D diffusion)"),
     "synthesize": ("synthx.generation", "main", "paint conditioned synthetic tumors into healthy training scans (resumable)"),
