@@ -153,10 +153,16 @@ class StudyRunner:
 
 
 def segmentation_recipe(settings: StudySettings, extra: Sequence[str] = ()):
-    """The backbone recipe of the study: recipe, profile, the study's experiment, overrides, then ``extra``."""
+    """The backbone recipe of the study: recipe, profile, the study's experiment, overrides, then ``extra``.
+
+    The trainings do not validate the real cohort again (``data.validate=false``): the ``data`` step
+    has just validated it, and reading every scan twice more costs minutes on a CPU. The split's
+    leakage audit still runs before each training.
+    """
     return load_recipe(
         settings.recipe,
-        [f"profile={settings.profile}", f"tracking.experiment={settings.experiment}", *settings.overrides, *extra],
+        [f"profile={settings.profile}", f"tracking.experiment={settings.experiment}", "data.validate=false",
+         *settings.overrides, *extra],
     )
 
 
