@@ -51,7 +51,8 @@ _ATTENUATION: dict[Tissue, tuple[float, float, float, float]] = {
 # "The phantom cohort"). The designed gaps: non-contrast stays at -5 HU against 9-19 HU of noise
 # (the physics gap); arterial puts a strong -70 HU tumor on a pancreas enhanced to 180 HU, so the
 # tumor sits near healthy venous pancreas (115 HU) and venous-trained models miss it (the
-# scarcity gap, with arterial scans rare). Delayed is in between (-20 HU).
+# scarcity gap, with arterial scans rare). The arterial pancreas (180 HU in the table above) is
+# deliberately above the textbook 110-150 HU, to make that gap. Delayed is in between (-20 HU).
 # Liver (hypovascular metastasis-like) and kidney (cyst/RCC-like) lesions have no source table:
 # chosen hypo-attenuating with the same near-iso non-contrast behaviour.
 _LESION_CONTRAST: dict[str, tuple[float, float, float, float]] = {
