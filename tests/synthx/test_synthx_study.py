@@ -111,7 +111,8 @@ def _study_settings(root, split, tmp_path):
                           "model.num_head_channels=8", "data.patch_size=[16,16,16]", "trainer.log_every_n_steps=1",
                           f"tracking.output_dir={tmp_path / 'outputs'}"],
         ratio=0.5,
-        target="need:2",
+        target="match:uniform",  # need:B is tested below on records with a known deficit: a 2-step
+        budget=2,                # baseline may detect every validation tumor, leaving no need to fill
         synthesis_steps=2,
         experiment="study-test",
         output_dir=str(tmp_path / "study"),
@@ -160,10 +161,10 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     augmented = client.get_run(steps["augmented"])
     assert augmented.data.tags["variant"] == "synthx"
     assert {t.value for d in augmented.inputs.dataset_inputs for t in d.tags} >= {"training-synthetic"}
-    # Targeting read the baseline evaluation's validation records and spent the need:2 budget.
+    # The targeting step is linked to the baseline evaluation whose validation records it was given.
     targeting = client.get_run(steps["targeting"])
     assert targeting.data.params["baseline_evaluation_run"] == steps["evaluate_baseline"]
-    assert targeting.data.params["rule"] == "need:2"
+    assert targeting.data.params["rule"] == "match:uniform"
     assert read_targets(client, steps["targeting"])["requested"].sum() == 2
 
     # A third run finds every step finished and redoes nothing.
