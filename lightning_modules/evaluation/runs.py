@@ -87,6 +87,10 @@ def check_training_overlap(
     if training_run_id is None:
         log.warning("evaluate: no training run known for this checkpoint, so its training cases are not checked")
         return {OVERLAP_CHECK_TAG: "unavailable: no training run"}
+    try:
+        client.get_run(training_run_id)
+    except Exception as error:  # MLflow raises its own exception for an unknown run
+        raise EvaluationError(f"training run {training_run_id}: not found in the tracking store ({error})") from error
     with tempfile.TemporaryDirectory() as folder:
         training = training_cases(client, training_run_id, folder)
     if training is None:
