@@ -46,6 +46,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from lightning_modules.data.cohort import CohortError
+    from lightning_modules.data.splits import SplitError
     from lightning_modules.evaluation.runs import EvaluationError, evaluate
     from lightning_modules.models.checkpoints import ModelSourceError, resolve_model_source
 
@@ -57,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             run_id, results = evaluate(recipe, checkpoint, args.stages, training_run_id=args.run_id,
                                        allow_training_overlap=args.allow_training_overlap)
-    except (EvaluationError, ModelSourceError, FileNotFoundError) as error:
+    except (EvaluationError, ModelSourceError, SplitError, CohortError, FileNotFoundError) as error:
         print(f"benchx evaluate: {error}", file=sys.stderr)
         return 1
     print(f"evaluation run {run_id}")
