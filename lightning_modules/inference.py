@@ -5,8 +5,8 @@ foreground crop, padding), is segmented by sliding-window inference, and the lab
 back through the inverse of every preprocessing step (MONAI ``Invertd``), so the written masks have
 the CT's exact shape and affine. For each scan it writes ``<out>/<case_id>/prediction.nii.gz``
 (integer labels in recipe class order) and ``<out>/<case_id>/segmentations/<class>.nii.gz``, and
-reports the predicted tumor volume in mm^3 (the scan-level score of docs/design.md "Scan-level
-detection"). A file that cannot be read (e.g. a truncated ``.nii.gz``) is named, skipped and listed
+reports the predicted tumor volume in mm^3, the scan-level score of
+docs/design.md "Scan-level detection". A file that cannot be read (e.g. a truncated ``.nii.gz``) is named, skipped and listed
 in the summary; the other scans are still predicted.
 
 Example::

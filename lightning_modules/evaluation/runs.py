@@ -3,8 +3,8 @@
 ``evaluate`` takes a trained model (checkpoint + recipe, and its training run when known), a cohort
 and a split (including an external cohort never trained on), and writes a new MLflow run linked to
 the training run (tag ``training_run_id``) with the subgroup metrics, the per-case records, the
-subgroup tables with CIs and the figures, at three operating points (docs/design.md "Scan-level
-detection"): the recipe's (``val/...``, ``test/...``), BenchX's fixed m (``test_fixed/...``) and the
+subgroup tables with CIs and the figures, at three operating points
+(docs/design.md "Scan-level detection"): the recipe's (``val/...``, ``test/...``), BenchX's fixed m (``test_fixed/...``) and the
 one chosen on validation (``test_val_chosen/...``; metrics ``operating_point/<name>`` hold the
 thresholds). It refuses an evaluation set holding a training case or patient of the model unless
 ``allow_training_overlap`` is set (then tagged ``training_overlap_override``).
@@ -13,8 +13,8 @@ thresholds). It refuses an evaluation set holding a training case or patient of 
 writes the table of BenchX table 6 at each operating point (fixed m, validation-chosen, matched
 specificity): for each subgroup its patients, positives and negatives, baseline, augmented, the
 difference with its paired bootstrap CI, the share of resamples where it was defined, and whether
-it is significant (CI excludes 0 and the subgroup supports it: docs/design.md "Confidence intervals
-and comparisons").
+it is significant (CI excludes 0 and the subgroup supports it:
+docs/design.md "Confidence intervals and comparisons").
 
 Example::
 
