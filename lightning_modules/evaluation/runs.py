@@ -230,6 +230,7 @@ class EvaluatedRun:
     records: pd.DataFrame
     val_records: pd.DataFrame | None
     thresholds: dict[str, float] = field(default_factory=dict)
+    fallback: str = ""
 
 
 def _check_run_ids(run_ids: Sequence[str]) -> list[str]:
@@ -263,7 +264,8 @@ def _load_run(client: MlflowClient, run_id: str, stage: str, folder: str) -> Eva
             )
         thresholds[name] = float(value)
     name = run.data.tags.get("variant") or run.info.run_name or run_id[:8]
-    return EvaluatedRun(run_id, name, records, download_records(client, run_id, "val", folder), thresholds)
+    fallback = run.data.tags.get(f"{FALLBACK_TAG}.val_chosen", "")
+    return EvaluatedRun(run_id, name, records, download_records(client, run_id, "val", folder), thresholds, fallback)
 
 
 def _matched_point(baseline: EvaluatedRun, other: EvaluatedRun, score: str) -> OperatingPoint:
@@ -349,7 +351,7 @@ def compare(
     if len(set(hashes)) != 1:
         listing = ", ".join(f"{run.run_id}: {h[:12]} ({len(run.records)} cases)" for run, h in zip(runs, hashes))
         raise EvaluationError(f"runs were evaluated on different sets (case-id sha256 differs): {listing}")
-    notes: list[str] = []
+    notes = [f"{run.name} ({run.run_id}): validation operating point: {run.fallback}" for run in runs if run.fallback]
     settings = {"n_resamples": n_resamples, "confidence": confidence, "score": score}
     comparison = pd.concat([_compare_pair(runs[0], other, settings, notes) for other in runs[1:]], ignore_index=True)
     for note in notes:
