@@ -161,3 +161,24 @@ def test_a_case_of_a_training_patient_is_named():
     frame.loc[test_case, "patient_id"] = train_patient
     problems = training_overlap(frame[frame["split"] == "test"], frame[frame["split"] == "train"])
     assert problems == [f"case {frame.loc[test_case, 'case_id']}: patient {train_patient} has training cases"]
+
+
+def test_matched_specificity_uses_the_baselines_validation_specificity_and_falls_back_when_it_cannot():
+    from test_detection_metrics import random_records
+
+    from lightning_modules.evaluation.runs import EvaluatedRun, _compare_pair
+    from lightning_modules.evaluation.thresholds import specificity_at
+
+    test_records, val_a, val_b = random_records(150, 1), random_records(90, 2), random_records(90, 3)
+    baseline = EvaluatedRun("a" * 32, "baseline", test_records, val_a, {"fixed": 50.0, "val_chosen": 20.0})
+    other = EvaluatedRun("b" * 32, "synthx", test_records.assign(volume_mm3=test_records["volume_mm3"] * 2), val_b,
+                         {"fixed": 50.0, "val_chosen": 30.0})
+    notes: list[str] = []
+    table = _compare_pair(baseline, other, {"n_resamples": 20, "confidence": 0.95, "score": "volume"}, notes)
+    matched = table[table["operating_point"] == "matched_specificity"].iloc[0]
+    assert matched["threshold_a"] == 20.0 and not notes
+    assert specificity_at(val_b, matched["threshold_b"]) >= specificity_at(val_a, 20.0) - 1e-12
+    other.val_records = None
+    table = _compare_pair(baseline, other, {"n_resamples": 20, "confidence": 0.95, "score": "volume"}, notes)
+    assert (table.loc[table["operating_point"] == "matched_specificity", "threshold_b"] == 50.0).all()
+    assert len(notes) == 1 and "matched specificity: no validation records" in notes[0]
