@@ -243,16 +243,20 @@ def evaluate_action(recipe, trained: dict, variant: str) -> Callable[[dict], dic
 
 
 def validation_records(client: MlflowClient, evaluation_run_id: str) -> tuple[pd.DataFrame, float | None]:
-    """The per-case VALIDATION records an evaluation run logged, and its validation operating point.
+    """The per-case VALIDATION records an evaluation run logged, and its validation-chosen operating point.
 
-    Only ``evaluation/val_records.csv`` is read: targeting never sees test labels.
+    Only ``evaluation/val_records.csv`` is read: targeting never sees test labels. The threshold is
+    the run's ``operating_point/val_chosen`` (None when the run has none: the targeting rule then
+    uses the fixed m).
     """
-    from lightning_modules.evaluation.callback import RECORDS_ARTIFACT
+    from lightning_modules.evaluation.artifacts import download_records
+    from lightning_modules.evaluation.runs import OPERATING_POINT_METRIC
 
     with tempfile.TemporaryDirectory() as folder:
-        path = client.download_artifacts(evaluation_run_id, RECORDS_ARTIFACT.format(stage="val"), folder)
-        records = pd.read_csv(path, keep_default_na=False, na_values=[""])
-    history = client.get_metric_history(evaluation_run_id, "val/threshold")
+        records = download_records(client, evaluation_run_id, "val", folder)
+    if records is None:
+        raise RuntimeError(f"evaluation run {evaluation_run_id} logged no validation records; targeting needs them")
+    history = client.get_metric_history(evaluation_run_id, OPERATING_POINT_METRIC.format(name="val_chosen"))
     threshold = float(history[-1].value) if history else None
     return records, threshold
 

@@ -195,7 +195,7 @@ def test_targeting_reads_validation_records_only(tiny_phantom, tmp_path):
     })
     evaluation = client.create_run(experiment).info.run_id
     client.log_text(evaluation, records.to_csv(index=False), "evaluation/val_records.csv")
-    client.log_metric(evaluation, "val/threshold", 50.0)
+    client.log_metric(evaluation, "operating_point/val_chosen", 50.0)
     read, threshold = validation_records(client, evaluation)
     assert threshold == 50.0 and list(read["case_id"]) == val_ids
     settings = StudySettings(target="need:3")
