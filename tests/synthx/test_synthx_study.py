@@ -157,7 +157,8 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     assert set(steps) == set(STEPS)
     for name, run_id in steps.items():
         assert client.get_run(run_id).info.status == "FINISHED", name
-        assert client.get_run(run_id).data.tags["mlflow.parentRunId"] == latest.info.run_id, name
+        # A reused step keeps the parent of the study run that made it.
+        assert client.get_run(run_id).data.tags["mlflow.parentRunId"] in {p.info.run_id for p in parents}, name
     augmented = client.get_run(steps["augmented"])
     assert augmented.data.tags["variant"] == "synthx"
     assert {t.value for d in augmented.inputs.dataset_inputs for t in d.tags} >= {"training-synthetic"}
