@@ -67,8 +67,8 @@ class StudySettings:
     ratio: float = 0.3
     target: str = "need:20"
     budget: int | None = None
-    synthesis_steps: int = 20
-    scheduler: str = "ddim"
+    synthesis_steps: int | None = None  # None: the SynthX recipe's sampling.num_inference_steps
+    scheduler: str | None = None  # None: the SynthX recipe's sampling.scheduler
     experiment: str = "benchx-study"
     output_dir: str = "outputs/study"
 
@@ -302,19 +302,25 @@ def generator_action(generator_recipe, output_dir: Path) -> Callable[[dict], dic
     return action
 
 
-def synthesize_action(client: MlflowClient, root: Path, split: Path, settings: StudySettings, generator: dict,
-                      targeting: dict, synthetic_root: Path, seed: int, uri: str) -> Callable[[dict], dict]:
-    """The action of the synthesis step: paint the targeted cases into matching healthy training scans."""
+def synthesize_action(client: MlflowClient, root: Path, split: Path, settings: StudySettings, generator_recipe,
+                      generator: dict, targeting: dict, synthetic_root: Path, seed: int, uri: str) -> Callable[[dict], dict]:
+    """The action of the synthesis step: paint the targeted cases into matching healthy training scans.
+
+    Sampling (scheduler, steps, guidance) and the mask prior come from the SynthX recipe; the study's
+    ``synthesis_steps`` and ``scheduler`` replace the recipe's only when set.
+    """
 
     def action(tags: dict) -> dict:
-        from synthx.generation import synthesize
+        from synthx.generation import SynthesisSettings, synthesize
 
-        summary = synthesize(
-            root, split, generator["pipeline"], synthetic_root, read_targets(client, targeting["run_id"]), seed=seed,
-            num_inference_steps=settings.synthesis_steps, scheduler=settings.scheduler,
+        chosen = {key: value for key, value in (("num_inference_steps", settings.synthesis_steps),
+                                                ("scheduler", settings.scheduler)) if value is not None}
+        synthesis = SynthesisSettings.from_recipe(
+            generator_recipe, root, split, generator["pipeline"], synthetic_root, seed=seed,
             generator_run_id=generator["run_id"], tracking_uri=uri, experiment=settings.experiment,
-            progress=sys.stderr.isatty(),
+            progress=sys.stderr.isatty(), **chosen,
         )
+        summary = synthesize(synthesis, read_targets(client, targeting["run_id"]))
         if not summary.complete:
             raise RuntimeError(f"synthesis incomplete: {len(summary.failed)} failed: {summary.failed}")
         return {"run_id": summary.synthesis_run_id, "cohort": str(synthetic_root),
@@ -377,8 +383,8 @@ def _synthx_steps(runner: StudyRunner, settings: StudySettings, root: Path, spli
         "synthesize",
         {"generator": generator["run_id"], "targeting": targeting["run_id"], "steps": settings.synthesis_steps,
          "scheduler": settings.scheduler, "seed": seed},
-        synthesize_action(runner.client, root, split, settings, generator, targeting, output_dir / "synthetic", seed,
-                          runner.uri),
+        synthesize_action(runner.client, root, split, settings, generator_recipe, generator, targeting,
+                          output_dir / "synthetic", seed, runner.uri),
     )
 
 

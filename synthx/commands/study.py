@@ -32,8 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="targeting rule: need:B (default %(default)s: B cases where the baseline's validation "
                              "sensitivity falls short), min_positives:k, match:val, match:uniform, counts:<table>")
     parser.add_argument("--budget", type=int, default=None, help="total synthetic cases for match:* rules")
-    parser.add_argument("--synthesis-steps", type=int, default=StudySettings.synthesis_steps,
-                        help="denoising steps per synthetic case (default: %(default)s)")
+    parser.add_argument("--synthesis-steps", type=int, default=None,
+                        help="denoising steps per synthetic case (default: the SynthX recipe's sampling.num_inference_steps)")
     parser.add_argument("--experiment", default=StudySettings.experiment, help="MLflow experiment (default: %(default)s)")
     parser.add_argument("--out", default=StudySettings.output_dir, help="output folder (default: %(default)s)")
     add_overrides_argument(parser)
