@@ -1,6 +1,7 @@
-"""Targeting arithmetic on hand-computed examples: min_positives, match (water filling), explicit tables.
+"""Targeting arithmetic on hand-computed examples: need (validation deficit), min_positives, match (water filling),
+explicit tables; match:test refused.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_synthx_targeting.py -x -q
+Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/synthx/test_synthx_targeting.py -x -q
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from synthx.targeting import (
     parse_rule,
     plan_match,
     requests_from_targets,
+    resolve_targets,
 )
 
 
@@ -93,11 +95,13 @@ def test_min_positives_by_hand(cohort_with_split):
         (11, [4, 3, 4]),  # T=16: final counts [4, 4, 8] are proportional to the test's [1, 1, 2]
     ],
 )
-def test_match_test_by_hand(cohort_with_split, budget, expected):
+def test_match_by_hand(cohort_with_split, tmp_path, budget, expected):
     root, split = cohort_with_split
     # Restrict the grid to F/60-80 so the arithmetic is the hand example c=[0,1,4], p=[1/4,1/4,1/2].
+    table = tmp_path / "weights.csv"
+    table.write_text("sex,age_band,phase,weight\nF,60-80,non-contrast,1\nF,60-80,arterial,1\nF,60-80,venous,2\n")
     targets = compute_targets(
-        root, split, "match_test", budget=budget, sexes=["F"], age_bands=["60-80"], phases=["non-contrast", "arterial", "venous"]
+        root, split, f"match:{table}", budget=budget, sexes=["F"], age_bands=["60-80"], phases=["non-contrast", "arterial", "venous"]
     )
     assert targets["real_positives"].tolist() == [0, 1, 4]
     assert targets["requested"].tolist() == expected
@@ -115,7 +119,7 @@ def test_match_keeps_cells_missing_from_the_target_at_zero():
 def test_match_needs_a_budget_and_a_nonempty_target(cohort_with_split):
     root, split = cohort_with_split
     with pytest.raises(TargetingError, match="budget"):
-        compute_targets(root, split, "match:test")
+        compute_targets(root, split, "match:uniform")
     with pytest.raises(TargetingError, match="val split has no positive"):
         compute_targets(root, split, "match:val", budget=3, sexes=["F"])
 
@@ -167,9 +171,10 @@ def test_explicit_counts_reject_bad_rows(cohort_with_split, tmp_path, content, m
 
 def test_rules_parse_and_errors_name_the_problem(cohort_with_split, tmp_path):
     assert parse_rule("min_positives:4") == ("min_positives", "4")
-    assert parse_rule("match_test") == ("match", "test")
+    assert parse_rule("match_val") == ("match", "val")
+    assert parse_rule("need:12") == ("need", "12")
     assert parse_rule("table.csv") == ("counts", "table.csv")
-    for rule in ("min_positives:-1", "min_positives:x", "median", "match:"):
+    for rule in ("min_positives:-1", "min_positives:x", "median", "match:", "need:", "need:-3"):
         with pytest.raises(TargetingError):
             parse_rule(rule)
     root, _ = cohort_with_split
@@ -201,3 +206,76 @@ def test_log_targets_round_trips_through_mlflow(cohort_with_split, mlflow_uri):
     loaded = mlflow.load_table("synthx/targets.json", run_ids=[run.info.run_id])
     assert loaded[list(TARGET_COLUMNS)].to_dict("records") == targets.to_dict("records")
     assert mlflow.get_run(run.info.run_id).data.metrics["synthx/requested_total"] == targets["requested"].sum()
+
+
+def test_match_test_is_refused_whatever_its_spelling(cohort_with_split):
+    root, split = cohort_with_split
+    for rule in ("match:test", "match_test", " match : test "):
+        with pytest.raises(TargetingError, match="TEST split's labels"):
+            resolve_targets(root, split, rule, budget=5)
+
+
+@pytest.fixture
+def need_cohort(tmp_path):
+    """Canvases (healthy training scans) in F/60-80 venous+arterial and M/40-60 venous+arterial; validation
+    positives with a known baseline outcome (see the hand computation in the test)."""
+    rows = [
+        _case("C1", "F", 70, "venous", 0, "train"), _case("C2", "F", 70, "arterial", 0, "train"),
+        _case("C3", "M", 50, "arterial", 0, "train"), _case("C4", "M", 50, "venous", 0, "train"),
+        _case("T1", "F", 70, "venous", 1, "train"), _case("X1", "F", 70, "arterial", 1, "test"),
+    ]
+    # (case, sex, age, phase, label, predicted volume mm^3): missed when the volume is <= 50.
+    outcomes = [
+        ("V1", "F", 70, "arterial", 1, 0.0), ("V2", "F", 70, "arterial", 1, 0.0), ("V3", "M", 50, "arterial", 1, 100.0),
+        ("V4", "M", 50, "arterial", 1, 0.0), ("V5", "F", 70, "venous", 1, 100.0), ("V6", "F", 70, "venous", 1, 100.0),
+        ("V7", "M", 50, "venous", 1, 100.0), ("V8", "M", 50, "venous", 1, 100.0), ("V9", "F", 70, "venous", 0, 0.0),
+    ]
+    rows += [_case(c, sex, age, phase, label, "val") for c, sex, age, phase, label, _ in outcomes]
+    table = pd.DataFrame(rows)
+    root = tmp_path / "cohort"
+    root.mkdir()
+    table.drop(columns=["split"]).to_csv(root / "metadata.csv", index=False)
+    split_path = tmp_path / "split.csv"
+    table[["case_id", "patient_id", "split"]].to_csv(split_path, index=False)
+    records = pd.DataFrame(
+        [{"case_id": c, "patient_id": f"P{c}", "label": label, "volume_mm3": volume, "sex": sex,
+          "age_band": "60-80" if age == 70 else "40-60", "phase": phase} for c, sex, age, phase, label, volume in outcomes]
+    )
+    return root, split_path, records
+
+
+NEED_GRID = dict(sexes=["F", "M"], age_bands=["40-60", "60-80"], phases=["arterial", "venous"])
+
+
+@pytest.mark.parametrize("budget, expected", [(18, [7, 4, 5, 2]), (10, [4, 2, 3, 1]), (0, [0, 0, 0, 0])])
+def test_need_allocates_by_the_validation_deficit_to_cells_with_canvases(need_cohort, budget, expected):
+    root, split, records = need_cohort
+    # Miss rates on validation: arterial 3/4, venous 0/4 (other phases: pooled 3/8); F 2/4, M 1/4; 60-80 2/4, 40-60 1/4.
+    # Need = mean of the three: F/60-80/arterial 7/12, F/60-80/venous 4/12, M/40-60/arterial 5/12, M/40-60/venous 2/12;
+    # the other four cells of the grid have no canvas and get nothing.
+    targets = resolve_targets(root, split, f"need:{budget}", baseline_records=records, threshold=50.0, **NEED_GRID)
+    by_cell = targets.set_index(["sex", "age_band", "phase"])
+    fillable = [("F", "60-80", "arterial"), ("F", "60-80", "venous"), ("M", "40-60", "arterial"), ("M", "40-60", "venous")]
+    assert [int(by_cell.loc[cell, "requested"]) for cell in fillable] == expected
+    assert targets["requested"].sum() == budget
+    assert by_cell.loc[("F", "40-60", "arterial"), "need"] == pytest.approx(0.5)  # in need, but no canvas
+    assert by_cell.loc[("F", "40-60", "arterial"), "requested"] == 0 and by_cell.loc[("F", "40-60", "arterial"), "canvases"] == 0
+    assert by_cell.loc[("F", "60-80", "arterial"), "need"] == pytest.approx(7 / 12)
+    # A prediction column (0/1) is the operating point itself: the same outcome, the same allocation.
+    predicted = records.drop(columns=["volume_mm3"]).assign(prediction=(records["volume_mm3"] > 50).astype(int))
+    again = resolve_targets(root, split, f"need:{budget}", baseline_records=predicted, **NEED_GRID)
+    assert again["requested"].tolist() == targets["requested"].tolist()
+
+
+def test_need_reads_validation_records_only_and_needs_a_deficit(need_cohort):
+    root, split, records = need_cohort
+    with pytest.raises(TargetingError, match="validation records"):
+        resolve_targets(root, split, "need:5", **NEED_GRID)
+    leaked = pd.concat([records, records.iloc[[0]].assign(case_id="X1")], ignore_index=True)
+    with pytest.raises(TargetingError, match="baseline record X1 is a test case"):
+        resolve_targets(root, split, "need:5", baseline_records=leaked, threshold=50.0, **NEED_GRID)
+    perfect = records.assign(volume_mm3=1000.0)
+    with pytest.raises(TargetingError, match="no cell with a canvas has a validation deficit"):
+        resolve_targets(root, split, "need:5", baseline_records=perfect, threshold=50.0, **NEED_GRID)
+    with pytest.raises(TargetingError, match="no positive case"):
+        resolve_targets(root, split, "need:5", baseline_records=records[records["label"] == 0], threshold=50.0, **NEED_GRID)
