@@ -7,7 +7,7 @@ displacement field: Gaussian-filtered noise), clipped to the organ eroded by ``e
 centred at a random organ location where it fits.
 
 Size classes are ranges of the largest diameter in mm (lower bound exclusive, upper inclusive, like
-the age bands of DESIGN.md section 4). DESIGN.md's evaluation subgroup ``small`` (<= 20 mm) is
+the age bands of docs/design.md "Subgroups"). The evaluation subgroup ``small`` (<= 20 mm) is
 ``tiny`` + ``small`` here::
 
     tiny (2, 10]   small (10, 20]   medium (20, 40]   large (40, 60]

@@ -247,9 +247,6 @@ def resolve_targets(
     return plan_match(train_counts, weights, int(budget))
 
 
-# The name earlier callers use.
-compute_targets = resolve_targets
-
 
 def parse_rule(rule: str) -> tuple[str, str]:
     """Split a rule into (kind, argument): ``min_positives:4`` -> (``min_positives``, ``4``).
@@ -408,7 +405,7 @@ def log_targets(targets: pd.DataFrame, artifact_file: str = "synthx/targets.json
     """Log the targeting table to MLflow (a table for the UI and a CSV twin) plus the total requested.
 
     Args:
-        targets: the table from :func:`compute_targets`.
+        targets: the table from :func:`resolve_targets`.
         artifact_file: where the table goes among the run's artifacts (``.json``, as mlflow.log_table needs).
         run_id: the run to log to; the active run when None.
     """

@@ -168,7 +168,7 @@ def _trainer(recipe: DictConfig, max_steps: int, folder: Path, logger: MLFlowLog
         dirpath=folder / "checkpoints",
         save_top_k=0,
         save_last=True,
-        every_n_train_steps=max(1, min(max_steps, int(recipe.trainer.checkpoint_every_n_steps))),
+        every_n_train_steps=max(1, int(recipe.trainer.checkpoint_every_n_steps)),
         enable_version_counter=False,
     )
     settings = recipe.trainer

@@ -13,7 +13,6 @@ from synthx.targeting import (
     TARGET_COLUMNS,
     TargetingError,
     cell_grid,
-    compute_targets,
     log_targets,
     parse_rule,
     plan_match,
@@ -71,7 +70,7 @@ def test_grid_order_is_stable_whatever_the_argument_order():
 
 def test_min_positives_by_hand(cohort_with_split):
     root, split = cohort_with_split
-    targets = compute_targets(root, split, "min_positives:3")
+    targets = resolve_targets(root, split, "min_positives:3")
     assert list(targets.columns) == list(TARGET_COLUMNS)
     assert len(targets) == 40
     assert tuple(targets.iloc[0][["sex", "age_band", "phase"]]) == ("F", "le20", "non-contrast")
@@ -100,7 +99,7 @@ def test_match_by_hand(cohort_with_split, tmp_path, budget, expected):
     # Restrict the grid to F/60-80 so the arithmetic is the hand example c=[0,1,4], p=[1/4,1/4,1/2].
     table = tmp_path / "weights.csv"
     table.write_text("sex,age_band,phase,weight\nF,60-80,non-contrast,1\nF,60-80,arterial,1\nF,60-80,venous,2\n")
-    targets = compute_targets(
+    targets = resolve_targets(
         root, split, f"match:{table}", budget=budget, sexes=["F"], age_bands=["60-80"], phases=["non-contrast", "arterial", "venous"]
     )
     assert targets["real_positives"].tolist() == [0, 1, 4]
@@ -119,20 +118,20 @@ def test_match_keeps_cells_missing_from_the_target_at_zero():
 def test_match_needs_a_budget_and_a_nonempty_target(cohort_with_split):
     root, split = cohort_with_split
     with pytest.raises(TargetingError, match="budget"):
-        compute_targets(root, split, "match:uniform")
+        resolve_targets(root, split, "match:uniform")
     with pytest.raises(TargetingError, match="val split has no positive"):
-        compute_targets(root, split, "match:val", budget=3, sexes=["F"])
+        resolve_targets(root, split, "match:val", budget=3, sexes=["F"])
 
 
 def test_match_uniform_and_weight_table(cohort_with_split, tmp_path):
     root, split = cohort_with_split
     kwargs = dict(sexes=["F"], age_bands=["60-80"], phases=["non-contrast", "arterial", "venous"])
-    uniform = compute_targets(root, split, "match:uniform", budget=7, **kwargs)
+    uniform = resolve_targets(root, split, "match:uniform", budget=7, **kwargs)
     # c=[0,1,4], p=1/3 each: T=12 -> [4, 3, 0]
     assert uniform["requested"].tolist() == [4, 3, 0]
     table = tmp_path / "weights.csv"
     table.write_text("sex,age_band,phase,weight\nF,60-80,non-contrast,1\nF,60-80,arterial,0.5\n")
-    weighted = compute_targets(root, split, f"match:{table}", budget=5, **kwargs)
+    weighted = resolve_targets(root, split, f"match:{table}", budget=5, **kwargs)
     # p=[2/3, 1/3, 0]: T=9 -> [6, 2, 0] exceeds B; kinks 0 then 3 -> T=(5+1)/1=6 -> [4, 1, 0]
     assert weighted["requested"].tolist() == [4, 1, 0]
 
@@ -141,13 +140,13 @@ def test_explicit_counts_from_csv_and_yaml(cohort_with_split, tmp_path):
     root, split = cohort_with_split
     csv = tmp_path / "counts.csv"
     csv.write_text("sex,age_band,phase,requested\nmale,20-40,plain,5\nF,60-80,pv,2\n")
-    targets = compute_targets(root, split, f"counts:{csv}")
+    targets = resolve_targets(root, split, f"counts:{csv}")
     assert _requested(targets, "M", "20-40", "non-contrast") == (5, 0)
     assert _requested(targets, "F", "60-80", "venous") == (2, 4)
     assert targets["requested"].sum() == 7
     yaml_path = tmp_path / "counts.yaml"
     yaml_path.write_text("cells:\n  - {sex: F, age_band: le20, phase: arterial, requested: 4}\n")
-    assert compute_targets(root, split, str(yaml_path))["requested"].sum() == 4
+    assert resolve_targets(root, split, str(yaml_path))["requested"].sum() == 4
 
 
 @pytest.mark.parametrize(
@@ -166,7 +165,7 @@ def test_explicit_counts_reject_bad_rows(cohort_with_split, tmp_path, content, m
     csv = tmp_path / "bad.csv"
     csv.write_text(content)
     with pytest.raises(TargetingError, match=message):
-        compute_targets(root, split, f"counts:{csv}")
+        resolve_targets(root, split, f"counts:{csv}")
 
 
 def test_rules_parse_and_errors_name_the_problem(cohort_with_split, tmp_path):
@@ -181,10 +180,10 @@ def test_rules_parse_and_errors_name_the_problem(cohort_with_split, tmp_path):
     bad_split = tmp_path / "bad_split.csv"
     bad_split.write_text("case_id,patient_id,split\nGHOST,P1,train\n")
     with pytest.raises(ValueError, match="GHOST"):
-        compute_targets(root, bad_split, "min_positives:1")
+        resolve_targets(root, bad_split, "min_positives:1")
     bad_split.write_text("case_id,patient_id,split\nTV0,PTV0,holdout\n")
     with pytest.raises(ValueError, match="TV0.*holdout"):
-        compute_targets(root, bad_split, "min_positives:1")
+        resolve_targets(root, bad_split, "min_positives:1")
 
 
 def test_requests_expand_per_cell_indices():
@@ -200,7 +199,7 @@ def test_log_targets_round_trips_through_mlflow(cohort_with_split, mlflow_uri):
     import mlflow
 
     root, split = cohort_with_split
-    targets = compute_targets(root, split, "min_positives:2")
+    targets = resolve_targets(root, split, "min_positives:2")
     with mlflow.start_run() as run:
         log_targets(targets)
     loaded = mlflow.load_table("synthx/targets.json", run_ids=[run.info.run_id])
