@@ -24,7 +24,8 @@ counted nor requested. No rule reads the test split. The rules:
 
 Real-valued requests are rounded to integers that sum exactly to ``B`` by largest remainders, ties
 going to the earlier cell; the arithmetic is exact (fractions). The result is a table
-``(sex, age_band, phase, real_positives, requested)`` (``need`` adds ``need`` and ``canvases``), one
+``(sex, age_band, phase, real_positives, requested)`` (``need`` adds ``need``, ``canvases`` and
+``unfillable``: in need without a canvas), one
 row per cell in a stable order (sex F, M; age bands youngest first; phases non-contrast, arterial,
 venous, delayed).
 
@@ -380,6 +381,8 @@ def plan_need(train_counts: pd.DataFrame, canvases: pd.DataFrame, needs: Sequenc
     table["requested"] = _round_largest_remainder(exact, budget) if total else 0
     table["need"] = [float(n) for n in needs]
     table["canvases"] = canvases["count"].astype(int).to_numpy()
+    # In need but without a healthy training scan of the cell: reported, never filled from another cell.
+    table["unfillable"] = [bool(n > 0) and not fillable for n, fillable in zip(needs, open_cells)]
     return table
 
 

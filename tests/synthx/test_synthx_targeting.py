@@ -259,6 +259,7 @@ def test_need_allocates_by_the_validation_deficit_to_cells_with_canvases(need_co
     assert targets["requested"].sum() == budget
     assert by_cell.loc[("F", "40-60", "arterial"), "need"] == pytest.approx(0.5)  # in need, but no canvas
     assert by_cell.loc[("F", "40-60", "arterial"), "requested"] == 0 and by_cell.loc[("F", "40-60", "arterial"), "canvases"] == 0
+    assert by_cell["unfillable"].sum() == 4 and not by_cell.loc[("F", "60-80", "arterial"), "unfillable"]
     assert by_cell.loc[("F", "60-80", "arterial"), "need"] == pytest.approx(7 / 12)
     # A prediction column (0/1) is the operating point itself: the same outcome, the same allocation.
     predicted = records.drop(columns=["volume_mm3"]).assign(prediction=(records["volume_mm3"] > 50).astype(int))
