@@ -18,14 +18,15 @@ counted nor requested. No rule reads the test split. The rules:
   budget ``B`` so that the training positives' distribution over cells comes as close as it can to
   the target distribution ``p``. With real counts ``c_i`` the request is ``r_i = max(0, p_i * T - c_i)``,
   with the level ``T`` chosen so that ``sum r_i = B`` (water filling). When ``B`` is large enough,
-  ``T = C + B`` and the match is exact. ``match:test`` is refused: test labels must not shape training.
+  ``T = C + B`` and the match is exact. As for ``need``, only cells with a canvas take part (the
+  others are marked ``unfillable``). ``match:test`` is refused: test labels must not shape training.
 - ``counts:<file>`` (or just a ``.csv``/``.yaml`` path): explicit counts from a table with columns
   ``sex, age_band, phase, requested``.
 
 Real-valued requests are rounded to integers that sum exactly to ``B`` by largest remainders, ties
 going to the earlier cell; the arithmetic is exact (fractions). The result is a table
-``(sex, age_band, phase, real_positives, requested)`` (``need`` adds ``need``, ``canvases`` and
-``unfillable``: in need without a canvas), one
+``(sex, age_band, phase, real_positives, requested)`` (``need`` and ``match`` add ``canvases`` and
+``unfillable``: wanted but without a canvas; ``need`` adds ``need``), one
 row per cell in a stable order (sex F, M; age bands youngest first; phases non-contrast, arterial,
 venous, delayed).
 
@@ -245,7 +246,24 @@ def resolve_targets(
         weights = [1] * len(grid)
     else:
         weights = _weights_from_table(grid, _read_table(Path(argument)), str(argument))
-    return plan_match(train_counts, weights, int(budget))
+    return plan_match_fillable(train_counts, count_canvases(cases, grid), weights, int(budget))
+
+
+def plan_match_fillable(train_counts: pd.DataFrame, canvases: pd.DataFrame, target_weights: Sequence, budget: int) -> pd.DataFrame:
+    """:func:`plan_match` over the cells that have a canvas; target cells without one are marked ``unfillable``.
+
+    A cell without a healthy training scan cannot receive a synthetic case, so its share of the
+    target is left out and the budget is spent on the others.
+    """
+    open_cells = [int(n) > 0 for n in canvases["count"]]
+    weights = [Fraction(str(w)) if isinstance(w, float) else Fraction(w) for w in target_weights]
+    kept = [w if fillable else Fraction(0) for w, fillable in zip(weights, open_cells)]
+    if budget > 0 and sum(weights) > 0 and sum(kept) == 0:
+        raise TargetingError("no cell of the target distribution has a healthy training scan (canvas) to paint into")
+    table = plan_match(train_counts, kept, budget) if sum(kept) > 0 else plan_match(train_counts, weights, 0)
+    table["canvases"] = canvases["count"].astype(int).to_numpy()
+    table["unfillable"] = [w > 0 and not fillable for w, fillable in zip(weights, open_cells)]
+    return table
 
 
 

@@ -60,3 +60,36 @@ def test_bad_modes_and_ratios_are_refused():
         load_recipe(RECIPE, ["profile=cpu", "synthx.ratio=1.5", "synthx.mode=displace"])
     with pytest.raises(RecipeError, match="synthx.mode"):
         load_recipe(RECIPE, ["profile=cpu", "synthx.mode=replace"])
+
+
+def test_training_with_additive_mixing_logs_each_epochs_exposures(tiny_phantom, tmp_path):
+    import shutil
+
+    import mlflow
+    import pandas as pd
+
+    from conftest import tiny_overrides
+    from lightning_modules.data.cohort import load_cohort, write_metadata
+    from lightning_modules.training import train
+
+    root, split = tiny_phantom
+    table = pd.read_csv(split)
+    train_ids = list(table.loc[table["split"] == "train", "case_id"])
+    cohort, synthetic = load_cohort(root), tmp_path / "synthetic"
+    synthetic.mkdir()
+    rows = []
+    for index, canvas in enumerate(train_ids[:2]):  # copies of real training scans, marked synthetic
+        shutil.copytree(root / canvas, synthetic / f"SX{index:04d}")
+        row = cohort.row(canvas)
+        rows.append({"case_id": f"SX{index:04d}", "patient_id": row["patient_id"], "sex": row["sex"], "age": row["age"],
+                     "phase": row["phase"], "synthetic": 1, "source_case_id": canvas, "generator_run_id": ""})
+    write_metadata(synthetic, pd.DataFrame(rows))
+    steps = 2 * len(train_ids)  # about two epochs at batch size 2 with r = 1
+    recipe = load_recipe(RECIPE, [*tiny_overrides(root, split, tmp_path, steps=steps), "synthx.ratio=1.0", f"synthx.cohort={synthetic}",
+                                  "data.batch_size=2", "data.cache=false"])
+    result = train(recipe, evaluation=False)
+    client = mlflow.tracking.MlflowClient(recipe.tracking.uri)
+    real = client.get_metric_history(result.run_id, "mixing/real_exposures")
+    synth = client.get_metric_history(result.run_id, "mixing/synthetic_exposures")
+    assert len(real) >= 2 and {m.value for m in real} == {float(len(train_ids))}
+    assert {m.value for m in synth} == {float(len(train_ids))}  # r = 1: as many synthetic draws as real cases

@@ -41,6 +41,8 @@ def cohort_with_split(tmp_path):
         + [_case("XN", "F", 61, "non-contrast", 1, "test"), _case("XA", "F", 79, "arterial", 1, "test")]
         + [_case(f"XV{i}", "F", 80, "venous", 1, "test") for i in range(2)]
         + [_case("VA", "M", 50, "arterial", 1, "val")]
+        # healthy training scans (canvases) of the F/60-80 cells the match examples spend their budget on
+        + [_case("HA", "F", 65, "arterial", 0, "train"), _case("HV", "F", 66, "venous", 0, "train")]
     )
     table = pd.DataFrame(rows)
     root = tmp_path / "cohort"
@@ -279,3 +281,15 @@ def test_need_reads_validation_records_only_and_needs_a_deficit(need_cohort):
         resolve_targets(root, split, "need:5", baseline_records=perfect, threshold=50.0, **NEED_GRID)
     with pytest.raises(TargetingError, match="no positive case"):
         resolve_targets(root, split, "need:5", baseline_records=records[records["label"] == 0], threshold=50.0, **NEED_GRID)
+
+
+def test_match_spends_the_budget_only_on_cells_with_a_canvas(cohort_with_split):
+    root, split = cohort_with_split
+    # F/60-80 has canvases (TNEG, HA, HV); F/le20 has none, so its uniform share is left out and marked.
+    targets = resolve_targets(root, split, "match:uniform", budget=7, sexes=["F"], age_bands=["le20", "60-80"],
+                              phases=["non-contrast", "arterial", "venous"])
+    assert targets["requested"].tolist() == [0, 0, 0, 4, 3, 0]
+    assert targets["unfillable"].tolist() == [True, True, True, False, False, False]
+    assert targets["canvases"].tolist() == [0, 0, 0, 1, 1, 1]
+    with pytest.raises(TargetingError, match="no cell of the target distribution has a healthy training scan"):
+        resolve_targets(root, split, "match:uniform", budget=3, sexes=["M"], age_bands=["le20"])
