@@ -44,10 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
     from synthx.config import load_synthx_recipe
     from synthx.training import train_autoencoder, train_synthx
 
-    args = build_parser().parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
     overrides = split_overrides(args.overrides)
     overrides += [f"data.root={args.root}"] if args.root else []
     overrides += [f"data.split={args.split}"] if args.split else []
