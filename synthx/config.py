@@ -21,7 +21,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from lightning_modules.config.recipe import RecipeError, TrackingConfig, load_recipe, recipe_to_yaml
-from synthx.mask_prior import SIZE_CLASSES
+from lightning_modules.data.lesions import SIZE_CLASSES
 from synthx.model import ORGAN_OF_LESION
 from synthx.schedulers import SAMPLING_SCHEDULERS
 

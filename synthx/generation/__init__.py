@@ -14,7 +14,7 @@ from synthx.generation.canvases import (
     choose_canvas,
     partition_requests,
 )
-from synthx.generation.painting import PaintSettings, generate_case, pancreas_location
+from synthx.generation.painting import PaintSettings, generate_case
 from synthx.generation.run import SynthesisSettings, SynthesisSummary, synthesize
 from synthx.generation.source import load_pipeline, resolve_pipeline_source
 from synthx.generation.writing import MANIFEST_FILE, QUARANTINE_DIR
@@ -32,7 +32,6 @@ __all__ = [
     "choose_canvas",
     "generate_case",
     "load_pipeline",
-    "pancreas_location",
     "partition_requests",
     "resolve_pipeline_source",
     "synthesize",

@@ -35,7 +35,8 @@ from scipy import ndimage
 from lightning_modules.data.cohort import Cohort
 from lightning_modules.data.metadata import UNKNOWN
 from synthx.generation.canvases import LESION_CLASS, ORGAN_CLASS, GenerationError, SynthesisRequest
-from synthx.mask_prior import SIZE_CLASS_NAMES, TumorDoesNotFitError, largest_diameter_mm, sample_tumor_mask
+from lightning_modules.data.lesions import SIZE_CLASS_NAMES, largest_extent_mm, pancreas_location
+from synthx.mask_prior import TumorDoesNotFitError, sample_tumor_mask
 from synthx.pipeline import inpainting_region
 
 
@@ -83,22 +84,6 @@ class Patch:
     model_organ: np.ndarray
     model_tumor: np.ndarray
     resampled: bool
-
-
-def pancreas_location(tumor: np.ndarray, pancreas: np.ndarray, affine: np.ndarray) -> str:
-    """``head``, ``body`` or ``tail``: where the tumor's centre lies along the pancreas' right-left extent.
-
-    The pancreas is cut into thirds of its extent along the patient's left-right axis in world (RAS+)
-    coordinates; the head is the patient's right third (largest x), the tail the left third. This
-    is a geometric stand-in for the anatomical landmarks (the SMV and the aorta), which the masks lack.
-    """
-    organ_points = nib.affines.apply_affine(affine, np.argwhere(pancreas))
-    centre = nib.affines.apply_affine(affine, np.argwhere(tumor).mean(axis=0))
-    low, high = organ_points[:, 0].min(), organ_points[:, 0].max()
-    if high <= low:
-        return "body"
-    fraction = (centre[0] - low) / (high - low)
-    return "tail" if fraction < 1 / 3 else ("body" if fraction < 2 / 3 else "head")
 
 
 def read_canvas(cohort: Cohort, canvas_id: str) -> Canvas:
@@ -216,7 +201,7 @@ def describe(canvas: Canvas, canvas_row: Mapping, request: SynthesisRequest, cas
         "tumor": 1,
         "synthetic": 1,
         "source_case_id": canvas.case_id,
-        "tumor_diameter_mm": round(largest_diameter_mm(tumor, canvas.spacing), 2),
+        "tumor_diameter_mm": round(largest_extent_mm(tumor, canvas.spacing), 2),
         "spacing": "x".join(f"{s:g}" for s in canvas.spacing),
         "synthx_request": request.key,
         "synthx_size_class": size_class,
@@ -239,7 +224,7 @@ def generate_case(
     # AbdomenAtlas convention: the organ mask includes its lesion.
     masks[ORGAN_CLASS] = canvas.masks[ORGAN_CLASS] | tumor
     masks = {name: _reorient(mask, canvas.back) for name, mask in masks.items()}
-    row["tumor_location"] = pancreas_location(masks[LESION_CLASS], masks[ORGAN_CLASS], canvas.image.affine)
+    row["tumor_location"] = pancreas_location(masks[ORGAN_CLASS], masks[LESION_CLASS], canvas.image.affine)
     return GeneratedCase(case_id, _reorient(new_ct, canvas.back), canvas.image.affine, masks, row)
 
 

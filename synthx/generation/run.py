@@ -40,6 +40,7 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from lightning_modules.data.cohort import file_sha256, load_cohort, write_case, write_metadata
+from lightning_modules.data.lesions import SIZE_CLASS_NAMES
 from lightning_modules.data.metadata import PHASES, normalize_phase
 from lightning_modules.data.splits import load_split
 from synthx.config import MaskPriorConfig, SamplingConfig
@@ -58,7 +59,6 @@ from synthx.generation.writing import (
     read_existing_rows,
     remove_stale_staging,
 )
-from synthx.mask_prior import SIZE_CLASS_NAMES
 from synthx.provenance import GeneratorProvenance, check_provenance, read_provenance
 from synthx.schedulers import SAMPLING_SCHEDULERS
 from synthx.targeting import log_targets, resolve_targets

@@ -9,7 +9,6 @@ from synthx.training.dataset import (
     TumorPatchDataset,
     build_dataset,
     patch_dataset,
-    read_split,
     recipe_training_cases,
     training_tumor_cases,
 )
@@ -36,7 +35,6 @@ __all__ = [
     "recipe_training_cases",
     "drop_conditions",
     "load_autoencoder",
-    "read_split",
     "recipe_key",
     "train_autoencoder",
     "train_synthx",

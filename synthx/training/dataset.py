@@ -32,18 +32,12 @@ from scipy import ndimage
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_modules.data.cohort import Cohort, load_cohort
-from lightning_modules.data.splits import load_split
 from synthx.model import CONDITION_NAMES, ORGAN_OF_LESION, encode_age_band, encode_organ, encode_phase, encode_sex
 from synthx.pipeline import inpainting_region, normalize_hu
 
 TRAIN_SPLIT = "train"
 # Air: what lies beyond the scan when a patch reaches past the volume's edge.
 PAD_HU = -1024.0
-
-
-def read_split(path: str | Path, cohort: Cohort) -> pd.DataFrame:
-    """The checked split table (``case_id, patient_id, split``) of ``cohort``."""
-    return load_split(path, cohort)
 
 
 def training_tumor_cases(

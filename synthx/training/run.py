@@ -35,11 +35,11 @@ from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.data.cohort import load_cohort
-from lightning_modules.data.splits import split_sha256
+from lightning_modules.data.splits import load_split, split_sha256
 from lightning_modules.tracking import experiment_id, flatten, git_commit, tracking_uri
 from synthx.config import recipe_to_yaml
 from synthx.provenance import GeneratorProvenance
-from synthx.training.dataset import TumorPatchDataModule, read_split, recipe_training_cases
+from synthx.training.dataset import TumorPatchDataModule, recipe_training_cases
 from synthx.training.modules import SynthXAutoencoderModule, SynthXTrainingModule
 
 RUN_ID_FILE = "mlflow_run_id.txt"
@@ -197,7 +197,7 @@ def _trainer(recipe: DictConfig, max_steps: int, folder: Path, logger: MLFlowLog
 def _fit(recipe: DictConfig, module: pl.LightningModule, variant: str, max_steps: int, output_dir, resume: bool, progress, extra: dict):
     """Data, run folder, logger, trainer and fit, shared by the generator and the autoencoder."""
     cohort = load_cohort(recipe.data.root)
-    case_ids = recipe_training_cases(recipe, cohort, read_split(recipe.data.split, cohort))
+    case_ids = recipe_training_cases(recipe, cohort, load_split(recipe.data.split, cohort))
     datamodule = TumorPatchDataModule(recipe, case_ids)
     folder, run_id = run_folder(recipe, output_dir, variant, resume)
     logger = _logger(recipe, variant, run_id)
