@@ -184,19 +184,12 @@ class SynthXPipeline(DiffusionPipeline):
         regions = np.stack([inpainting_region(tumors[b], spacing, config.inpaint_margin_mm) for b in range(batch)])
 
         # 3. Encode the conditions; the null condition (all 0) is the unconditional branch of guidance.
-        conditions = encode_conditions(sex=sex, age=age, phase=phase, organ=organ, batch_size=batch)
-        conditions = {name: value.to(device) for name, value in conditions.items()}
         use_guidance = guidance_scale > 1.0
-        if use_guidance:
-            conditions = {name: torch.cat([torch.zeros_like(value), value]) for name, value in conditions.items()}
+        conditions = encode_conditions(sex=sex, age=age, phase=phase, organ=organ, batch_size=batch)
+        conditions = {name: (torch.cat([torch.zeros_like(v), v]) if use_guidance else v).to(device) for name, v in conditions.items()}
 
         # 4. Normalize intensities and blank the inpainting region (in latent space when a vae is registered).
-        clean = torch.from_numpy(normalize_hu(images, config.hu_window)).to(device=device, dtype=dtype)[:, None]
-        region = torch.from_numpy(regions).to(device=device, dtype=dtype)[:, None]
-        masked = clean * (1.0 - region)
-        if self.vae is not None:
-            masked = self.vae.encode(masked)
-            region = F.max_pool3d(region, kernel_size=self.vae.downsampling_factor)
+        masked, region = self._masked_input(images, regions, device, dtype)
 
         # 5. Start from pure noise over the whole patch (the known part reaches the model as `masked`).
         latents = randn_tensor(masked.shape, generator=generator, device=device, dtype=dtype)
@@ -230,6 +223,16 @@ class SynthXPipeline(DiffusionPipeline):
         if not return_dict:
             return results, tumors
         return SynthXPipelineOutput(images=results, tumor_masks=tumors)
+
+    def _masked_input(self, images: np.ndarray, regions: np.ndarray, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normalized patches with the region blanked, and the region (both at the latent size with a vae)."""
+        clean = torch.from_numpy(normalize_hu(images, self.unet.config.hu_window)).to(device=device, dtype=dtype)[:, None]
+        region = torch.from_numpy(regions).to(device=device, dtype=dtype)[:, None]
+        masked = clean * (1.0 - region)
+        if self.vae is not None:
+            masked = self.vae.encode(masked)
+            region = F.max_pool3d(region, kernel_size=self.vae.downsampling_factor)
+        return masked, region
 
     def _check_inputs(self, image, organ_mask, tumor_mask) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """Images, organ masks and tumor masks as (B, D, H, W), same shapes, divisible by the downsampling, finite."""
