@@ -137,6 +137,7 @@ BACKBONES: dict[str, BackboneSpec] = {
     ),
     "vsmtrans": BackboneSpec(
         build_vsmtrans,
+        deep_supervision=True,
         divisor=vsmtrans_divisor,
         check=check_vsmtrans_options,
         description="VSmTrans (Liu et al. 2024): variable-shape window attention + parallel convolution",
