@@ -63,7 +63,10 @@ def build_mednext(
     norm_type: str = "group",
     deep_supervision: bool = True,
 ) -> nn.Module:
-    """Build MONAI's MedNeXt (defaults: size L, kernel 3, deep supervision).
+    """Build MedNeXt as the reference (defaults: size L, kernel 3, deep supervision) from MONAI's blocks.
+
+    Deliberate differences from the reference and from MONAI's port: listed in the module docstring
+    (down-block expansion ratios as the reference, no ``dummy_tensor``).
 
     Args:
         spatial_dims: 3 for CT volumes.

@@ -223,7 +223,10 @@ def build_stunet(
     kernel_size: int = 3,
     deep_supervision: bool = True,
 ) -> nn.Module:
-    """Build STU-Net (base size by default).
+    """Build STU-Net (base size by default), block by block as the reference.
+
+    Deliberate differences from the reference (both numerically neutral): listed in the module
+    docstring (1x1x1 convolution before the nearest upsampling; strides 2 on every axis).
 
     Args:
         spatial_dims: 3 for volumes.

@@ -138,7 +138,7 @@ def build_swin_unetr(
     patch_merging: str = "legacy",
     pretrained_weights: str | None = None,
 ) -> nn.Module:
-    """Build MONAI's SwinUNETR.
+    """Build MONAI's SwinUNETR (the library class itself), with the legacy patch merging by default.
 
     Args:
         spatial_dims: 3 for CT volumes.

@@ -426,6 +426,9 @@ def build_universal_model(
 ) -> nn.Module:
     """Build the Universal Model with a 3D U-Net (variant a) or SwinUNETR (variant b) backbone.
 
+    Deliberate differences from the reference: listed in the module docstring (gcd group counts,
+    batched heads, MONAI's SwinUNETR with the legacy merging, class rows chosen by name).
+
     Args:
         spatial_dims: must be 3.
         in_channels: input channels.

@@ -422,7 +422,10 @@ def build_vsmtrans(
     norm: str | Sequence = "instance",
     deep_supervision: bool = True,
 ) -> nn.Module:
-    """Build VSmTrans (the BenchX/Touchstone setting by default).
+    """Build VSmTrans (the BenchX/Touchstone setting by default), following the reference's forward pass.
+
+    Deliberate differences from the reference: listed in the module docstring (windows clamped at
+    run time for other input sizes, no unused fifth deep-supervision head, fused attention kernel).
 
     Args:
         spatial_dims: must be 3.
