@@ -204,14 +204,14 @@ def run_study(settings: StudySettings) -> pd.DataFrame:
         synthetic_root = output_dir / "synthetic"
 
         def synthesize_action(tags):
-            from synthx.generation import synthesize
+            from synthx.generation import SynthesisSettings, synthesize
 
-            summary = synthesize(
-                root, split, generator["pipeline"], synthetic_root, settings.target, seed=int(base.seed), budget=settings.budget,
+            summary = synthesize(SynthesisSettings.from_recipe(
+                generator_recipe, root, split, generator["pipeline"], synthetic_root, seed=int(base.seed), budget=settings.budget,
                 num_inference_steps=settings.synthesis_steps, scheduler=settings.scheduler,
                 generator_run_id=generator["run_id"], tracking_uri=uri, experiment=settings.experiment,
                 progress=sys.stderr.isatty(),
-            )
+            ), settings.target)
             if not summary.complete:
                 raise RuntimeError(f"synthesis incomplete: {len(summary.failed)} failed: {summary.failed}")
             return {"run_id": summary.synthesis_run_id, "cohort": str(synthetic_root), "cases": len(summary.generated) + len(summary.skipped)}

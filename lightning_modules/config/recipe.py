@@ -121,7 +121,10 @@ class TrackingConfig:
 
 @dataclass
 class SynthXMixConfig:
+    # add: synthetic draws on top of every real case per epoch (r = synthetic / real exposures);
+    # displace: each draw synthetic with probability r (lightning_modules/data/mixing.py).
     ratio: float = 0.0
+    mode: str = "add"
     cohort: Optional[str] = None
     generator_run: Optional[str] = None
 
@@ -263,8 +266,10 @@ def check_recipe(config: DictConfig, source: str = "recipe") -> None:
         raise RecipeError(f"{source}: detection.threshold_rule must be fixed, f1 or youden")
     if config.detection.score not in ("volume", "max_prob"):
         raise RecipeError(f"{source}: detection.score must be volume or max_prob")
-    if not 0.0 <= config.synthx.ratio <= 1.0:
-        raise RecipeError(f"{source}: synthx.ratio must be in [0, 1], got {config.synthx.ratio}")
+    if config.synthx.mode not in ("add", "displace"):
+        raise RecipeError(f"{source}: synthx.mode must be add or displace, got {config.synthx.mode!r}")
+    if not 0.0 <= config.synthx.ratio <= (1.0 if config.synthx.mode == "displace" else 10.0):
+        raise RecipeError(f"{source}: synthx.ratio must be in [0, 1] (displace) or [0, 10] (add), got {config.synthx.ratio}")
     try:
         check_backbone_config(
             config.model.backbone,

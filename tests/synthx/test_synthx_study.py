@@ -18,7 +18,7 @@ from conftest import RECIPES, REPO_ROOT, tiny_overrides
 from lightning_modules.data.cohort import CohortError, load_cohort, write_metadata
 from lightning_modules.data.datamodule import CohortDataModule
 from lightning_modules.config.recipe import load_recipe
-from lightning_modules.data.mixing import RatioSampler, mixing_datamodule
+from lightning_modules.data.mixing import MixingSampler, mixing_datamodule
 from lightning_modules.training import train
 
 
@@ -41,7 +41,7 @@ def fake_synthetic_cohort(root, split, out, canvas_split: str = "train", n: int 
 
 
 def test_ratio_sampler_respects_the_ratio_within_sampling_error():
-    sampler = RatioSampler(n_real=200, n_synthetic=40, ratio=0.3, seed=0)
+    sampler = MixingSampler(n_real=200, n_synthetic=40, ratio=0.3, seed=0, mode="displace")
     draws = []
     for epoch in range(25):
         sampler.set_epoch(epoch)
@@ -54,7 +54,7 @@ def test_ratio_sampler_respects_the_ratio_within_sampling_error():
     sampler.set_epoch(3)
     assert list(sampler) == list(sampler), "deterministic for an epoch"
     with pytest.raises(ValueError, match="no cases"):
-        RatioSampler(10, 0, 0.2)
+        MixingSampler(10, 0, 0.2, mode="displace")
 
 
 def test_ratio_zero_is_exactly_the_baseline_data(tiny_phantom, tmp_path):
