@@ -106,6 +106,9 @@ def run_tags(recipe, split_sha256: str, variant: str | None = None) -> dict[str,
         "split_sha256": split_sha256,
         "git_commit": git_commit(),
     }
+    from lightning_modules.models.backbones import backbone_tags  # heavy (MONAI): only when tagging a run
+
+    tags.update(backbone_tags(str(recipe.model.backbone), dict(recipe.model.options)))
     tags.update({str(k): str(v) for k, v in dict(recipe.tracking.tags).items()})
     return tags
 
