@@ -43,6 +43,7 @@ from lightning_modules.data.datamodule import CohortDataModule
 from lightning_modules.data.mixing import log_dataset_inputs, mixing_datamodule
 from lightning_modules.data.splits import load_split, split_sha256
 from lightning_modules.evaluation.callback import SubgroupEvaluation
+from lightning_modules.evaluation.provenance import log_training_cases
 from lightning_modules.models.checkpoints import build_module
 from lightning_modules.models.planning import resolve_planned_recipe
 from lightning_modules.run_folder import (
@@ -262,6 +263,7 @@ def record_run_start(
         client.set_tag(run_id, "leakage_override", "true")
         client.log_text(run_id, "\n".join(start.leakage_overridden), "leakage_override.txt")
     log_dataset_inputs(client, run_id, datamodule, str(recipe.data.split))
+    log_training_cases(client, run_id, datamodule.split)
     if settings.after_run_start is not None:
         settings.after_run_start(logger)
 

@@ -31,6 +31,7 @@ from lightning_modules.models.backbones.mednext import build_mednext, check_medn
 from lightning_modules.models.backbones.nnunet import build_nnunet, build_resenc, check_nnunet_options
 from lightning_modules.models.backbones.swin_unetr import (
     SWIN_DIVISOR,
+    pretrained_tags,
     build_swin_unetr_base,
     build_swin_unetr_small,
     build_swin_unetr_tiny,
@@ -43,6 +44,7 @@ from lightning_modules.models.backbones.universal_model import (
     build_universal_model_a,
     build_universal_model_b,
     check_universal_model_options,
+    class_embedding_tags,
     universal_model_divisor,
 )
 from lightning_modules.models.backbones.vsmtrans import build_vsmtrans, check_vsmtrans_options, vsmtrans_divisor
@@ -60,6 +62,8 @@ class BackboneSpec:
     description: str = ""
     # Further shape/option rules: check(options with defaults, patch_size) raises ValueError.
     check: Callable[[dict, tuple[int, ...]], None] | None = None
+    # Run tags for user-supplied inputs (pre-trained weights, class embeddings): tags(options) -> dict.
+    tags: Callable[[dict], dict[str, str]] | None = None
 
     def divisor_for(self, options: dict) -> int:
         return self.divisor(options) if callable(self.divisor) else int(self.divisor)
@@ -81,18 +85,21 @@ BACKBONES: dict[str, BackboneSpec] = {
         build_swin_unetr_tiny,
         divisor=SWIN_DIVISOR,
         check=check_swin_unetr_options,
+        tags=pretrained_tags,
         description="MONAI SwinUNETR (Tang et al. 2022), feature size 12",
     ),
     "swin_unetr_small": BackboneSpec(
         build_swin_unetr_small,
         divisor=SWIN_DIVISOR,
         check=check_swin_unetr_options,
+        tags=pretrained_tags,
         description="MONAI SwinUNETR (Tang et al. 2022), feature size 24",
     ),
     "swin_unetr_base": BackboneSpec(
         build_swin_unetr_base,
         divisor=SWIN_DIVISOR,
         check=check_swin_unetr_options,
+        tags=pretrained_tags,
         description="MONAI SwinUNETR (Tang et al. 2022), feature size 48",
     ),
     "nnunet": BackboneSpec(
@@ -119,6 +126,7 @@ BACKBONES: dict[str, BackboneSpec] = {
         output="sigmoid",
         divisor=lambda o: universal_model_divisor(o, default_backbone="unet3d"),
         check=check_universal_model_options,
+        tags=class_embedding_tags,
         description="CLIP-Driven Universal Model (Liu et al. 2023), Models Genesis 3D U-Net backbone",
     ),
     "universal_model_b": BackboneSpec(
@@ -126,6 +134,7 @@ BACKBONES: dict[str, BackboneSpec] = {
         output="sigmoid",
         divisor=lambda o: universal_model_divisor(o, default_backbone="swin"),
         check=check_universal_model_options,
+        tags=class_embedding_tags,
         description="CLIP-Driven Universal Model (Liu et al. 2023), SwinUNETR (feature size 48) backbone",
     ),
     "stunet_b": BackboneSpec(
@@ -137,6 +146,7 @@ BACKBONES: dict[str, BackboneSpec] = {
     ),
     "vsmtrans": BackboneSpec(
         build_vsmtrans,
+        deep_supervision=True,
         divisor=vsmtrans_divisor,
         check=check_vsmtrans_options,
         description="VSmTrans (Liu et al. 2024): variable-shape window attention + parallel convolution",
@@ -148,6 +158,12 @@ def get_backbone(name: str) -> BackboneSpec:
     if name not in BACKBONES:
         raise KeyError(f"unknown backbone {name!r}; available: {', '.join(sorted(BACKBONES))}")
     return BACKBONES[name]
+
+
+def backbone_tags(name: str, options: dict) -> dict[str, str]:
+    """Run tags recording the user-supplied inputs of a backbone (pre-trained weights, class embeddings)."""
+    spec = get_backbone(name)
+    return spec.tags(dict(options)) if spec.tags is not None else {}
 
 
 def check_backbone_config(

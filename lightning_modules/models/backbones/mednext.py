@@ -1,9 +1,24 @@
-"""MedNeXt from MONAI (``monai.networks.nets.MedNeXt``; Roy et al., MICCAI 2023), size L, kernel 3.
+"""MedNeXt (Roy et al., MICCAI 2023) size L, kernel 3, as the reference builds it (MIC-DKFZ/MedNeXt,
+``create_mednextv1_large``, Apache-2.0), from MONAI's blocks (``monai.networks.nets.MedNeXt``).
 
-A ConvNeXt-style U-Net. The defaults are MedNeXt-L exactly as MONAI's ``create_mednext("L")``
-builds it (init filters 32, expansion ratios (3, 4, 8, 8) / 8 / (8, 8, 4, 3), blocks (3, 4, 8, 8) /
-8 / (8, 8, 4, 3), residual connections, group norm), with kernel 3 and deep supervision as in
-Touchstone: 61.7 M parameters with 1 input and 3 output channels.
+A ConvNeXt-style U-Net. The defaults are MedNeXt-L (init filters 32, expansion ratios
+(3, 4, 8, 8) / 8 / (8, 8, 4, 3), blocks (3, 4, 8, 8) / 8 / (8, 8, 4, 3), residual connections in the
+blocks and around the up/down blocks, group norm), with kernel 3 and deep supervision as in
+Touchstone: 61.78 M parameters with 1 input and 3 output channels, as the reference.
+
+Deliberate differences from MONAI's ``MedNeXt`` and from the reference:
+
+- Down block i (stage i -> i + 1) expands by stage i + 1's ratio (the bottleneck's for the last),
+  as the reference does; MONAI's port uses stage i's, which makes size L's down blocks narrower
+  (61.73 M). :func:`build_mednext` replaces MONAI's down blocks with MONAI ``MedNeXtDownBlock``\ s
+  of the reference's ratio, so the state-dict layout stays MONAI's.
+- The reference's ``dummy_tensor`` parameter (a work-around for gradient checkpointing, unused in
+  the forward pass) is not built: a never-used parameter breaks DistributedDataParallel.
+- MONAI also computes the deep-supervision heads in eval mode and drops them; the outputs are the same.
+
+The reference's state dict (minus ``dummy_tensor``) loads after renaming keys with
+:func:`reference_key`; ``tests/models/test_reference_outputs.py`` checks the outputs against the
+reference's.
 
 Deep supervision: MONAI returns a tuple (full, 1/2, 1/4, 1/8, 1/16 resolution) in train mode and one
 tensor in eval mode; :class:`~lightning_modules.models.backbones.deep_supervision.DeepSupervisionOutput`
@@ -23,6 +38,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from monai.networks.blocks.mednext_block import MedNeXtDownBlock
 from monai.networks.nets import MedNeXt
 from torch import nn
 
@@ -47,7 +63,10 @@ def build_mednext(
     norm_type: str = "group",
     deep_supervision: bool = True,
 ) -> nn.Module:
-    """Build MONAI's MedNeXt (defaults: size L, kernel 3, deep supervision).
+    """Build MedNeXt as the reference (defaults: size L, kernel 3, deep supervision) from MONAI's blocks.
+
+    Deliberate differences from the reference and from MONAI's port: listed in the module docstring
+    (down-block expansion ratios as the reference, no ``dummy_tensor``).
 
     Args:
         spatial_dims: 3 for CT volumes.
@@ -65,6 +84,9 @@ def build_mednext(
         use_residual_connection: residual connections in the blocks (on in every published size).
         norm_type: ``group`` or ``layer``.
         deep_supervision: heads at 1/2 ... 1/16 resolution in train mode.
+
+    Note: returns the network wrapped in :class:`DeepSupervisionOutput` when ``deep_supervision``
+    (its MedNeXt is ``.network``).
     """
     options = dict(
         encoder_expansion_ratio=encoder_expansion_ratio,
@@ -89,7 +111,57 @@ def build_mednext(
         blocks_up=tuple(blocks_up),
         norm_type=norm_type,
     )
+    _use_reference_down_ratios(network, init_filters, kernel_size, encoder_expansion_ratio,
+                               bottleneck_expansion_ratio, len(blocks_down), use_residual_connection, norm_type)
     return DeepSupervisionOutput(network) if deep_supervision else network
+
+
+def _use_reference_down_ratios(
+    network: MedNeXt,
+    init_filters: int,
+    kernel_size: int,
+    encoder_expansion_ratio: Sequence[int] | int,
+    bottleneck_expansion_ratio: int,
+    n_stages: int,
+    use_residual_connection: bool,
+    norm_type: str,
+) -> None:
+    """Rebuild down block i with stage i + 1's expansion ratio (the bottleneck's for the last), as the reference."""
+    encoder = [encoder_expansion_ratio] * n_stages if isinstance(encoder_expansion_ratio, int) else list(encoder_expansion_ratio)
+    next_stage_ratio = [*encoder[1:], bottleneck_expansion_ratio]
+    network.down_blocks = nn.ModuleList(
+        MedNeXtDownBlock(
+            in_channels=init_filters * 2**i,
+            out_channels=init_filters * 2 ** (i + 1),
+            expansion_ratio=int(next_stage_ratio[i]),
+            kernel_size=kernel_size,
+            use_residual_connection=use_residual_connection,
+            norm_type=norm_type,
+            dim="3d",
+        )
+        for i in range(n_stages)
+    )
+
+
+def reference_key(key: str, n_stages: int = 4) -> str:
+    """A key of the reference's state dict (``enc_block_0.1.conv1.weight``...) renamed to this module's.
+
+    The reference numbers decoder stages by depth (``up_3`` is the first to run); MONAI numbers
+    them in the order they run.
+    """
+    head, _, rest = key.partition(".")
+    kind, _, index = head.rpartition("_")
+    if kind == "enc_block":
+        return f"enc_stages.{index}.{rest}"
+    if kind == "down":
+        return f"down_blocks.{index}.{rest}"
+    if kind == "up":
+        return f"up_blocks.{n_stages - 1 - int(index)}.{rest}"
+    if kind == "dec_block":
+        return f"dec_stages.{n_stages - 1 - int(index)}.{rest}"
+    if kind == "out" and index != "0":
+        return f"out_blocks.{n_stages - int(index)}.{rest}"
+    return key
 
 
 def mednext_divisor(options: dict) -> int:

@@ -1,6 +1,6 @@
 """U-Net from MONAI (``monai.networks.nets.UNet``), the Touchstone/BenchX U-Net setting.
 
-Full size (BenchX table 7 / issue 4): channels (64, 128, 256, 512), strides (2, 2, 2), plain
+Full size (BenchX table 7, docs/design.md "Touchstone hyper-parameters"): channels (64, 128, 256, 512), strides (2, 2, 2), plain
 convolution blocks (``num_res_units=0``), 7.75 M parameters; every patch dimension must be divisible
 by 2**len(strides).
 """

@@ -1,8 +1,8 @@
 """UNETR from MONAI (``monai.networks.nets.UNETR``; Hatamizadeh et al., WACV 2022), the Touchstone setting.
 
 A ViT encoder (12 layers, 16^3-voxel tokens) with a convolutional decoder. Full size (BenchX table 8,
-issue 4): image 96^3, feature size 16, hidden size 768, MLP 3072, 12 heads, instance norm, residual
-blocks: 92.8 M parameters with 1 input and 3 output channels.
+docs/design.md "Touchstone hyper-parameters"): image 96^3, feature size 16, hidden size 768, MLP 3072,
+12 heads, instance norm, residual blocks: 92.8 M parameters with 1 input and 3 output channels.
 
 Shape rules: the ViT's position embeddings are sized for one input shape, so the network's
 ``img_size`` is the training patch (sliding-window inference uses the same window); every patch

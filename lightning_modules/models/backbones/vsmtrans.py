@@ -1,45 +1,50 @@
 """VSmTrans (Liu, Bai, Torigian, Tong, Udupa, Medical Image Analysis 98, 2024, "VSmTrans: A hybrid
 paradigm integrating self-attention and convolution for 3D medical image segmentation"), written
-from the paper.
+from the paper and following the forward computation of its reference code (qingze-bai/VSmTrans,
+``VSmixTUnet``), which is not copied (the repository has no licence).
 
 A Swin-like hierarchical encoder whose blocks mix two paradigms in parallel, and a SwinUNETR-style
 convolutional decoder:
 
-- Variable-shape window self-attention: the channels of the shared q/k/v projection are split into
-  four equal groups, one per window shape: a cube of side ``window_size`` and three stripes that
-  span the whole feature map along one axis (H, W or D) with a cross-section of
-  ``split_sizes[stage]`` x ``split_sizes[stage]`` voxels. Each group runs ``num_heads[stage]`` heads
-  (head width ``C / (4 * num_heads)``), so the receptive field grows to a whole axis at no extra cost.
+- Patch embedding: a stride-2 convolution, then layer normalization over channels.
+- Variable-shape window self-attention: the 3C outputs of the shared q/k/v projection are cut into
+  four contiguous groups (each its own q, k and v of C/4 channels), one per window shape: a cube of
+  side ``window_size`` and three stripes that span the whole feature map along one axis (H, W or D)
+  with a cross-section of ``split_sizes[stage]`` x ``split_sizes[stage]`` voxels. Each group runs
+  ``num_heads[stage]`` heads of width d = C / (4 * num_heads); a head takes every
+  ``num_heads``-th channel of its group (the reference's interleaved layout). Scores are scaled by
+  1 / (2 sqrt(d)) (the reference computes its scale from C / num_heads, four times the head width).
   Odd blocks shift their windows by half a window (Swin), except along an axis a window already spans.
-- Parallel convolution: the same q/k/v features are fused by a linear layer and passed through a
-  3x3x3 convolution, instance normalization and LeakyReLU, giving the local inductive bias.
-- The two are combined as ``alpha * attention + beta * convolution`` with learnable scalars.
+- Parallel convolution on the same q/k/v: GELU -> Linear(3C -> C) -> LayerNorm -> Conv 3^3 ->
+  BatchNorm -> LeakyReLU(0.01).
+- The two are combined as ``alpha * attention + beta * convolution`` with learnable scalars
+  (0.5 each at initialization), then dropout.
+- Skip features: the hidden state of every stage and after the last merge, group-normalized with
+  12 groups and no affine parameters, feed the SwinUNETR-style decoder (residual UNETR blocks on the
+  input and on each stage, the last merged stage feeding the first up-block). Patch merging uses the
+  pre-1.5 MONAI order of sub-voxels (:class:`~lightning_modules.models.backbones.swin_unetr.LegacyPatchMerging`),
+  as the reference does.
+- Dropout, attention dropout and stochastic depth 0.1 (the reference's defaults); deep supervision
+  adds 1x1x1 heads on the decoder stages at 1/2 .. 1/16 (the recipe trains with it, as the reference).
 
 Full size (BenchX/Touchstone): feature size 48, depths (2, 2, 2, 2), heads (3, 6, 12, 24), window 6,
-split sizes (1, 2, 3, 4), patch embedding 2, 128^3 patches; 50.07 M parameters with 1 input channel
-and 3 classes.
+split sizes (1, 2, 3, 4), patch embedding 2, 128^3 patches.
 
-Decisions the paper leaves open (each also an option where it matters):
+Deliberate differences from the reference:
 
-- Stripe length: the stage's extent at the build ``patch_size``; at run time every window is clamped
-  to the feature map (as Swin does), so smaller inputs work and larger ones use stripes of that length.
-- Relative position bias: one learned table per window shape (Swin's parameterization), indexed for
-  the clamped window at run time.
-- Padding: a feature map that the window does not divide is zero-padded after the q/k/v projection;
-  padded tokens are not masked (as in Swin), shifted windows are masked as in Swin.
-- Conv branch: linear 3C -> C, full (not depthwise) 3x3x3 convolution, instance normalization
-  (batch-size independent; BenchX trains one volume per GPU), LeakyReLU.
-- alpha = beta = 0.5 at initialization, so the block starts as the average of both paradigms.
-- Decoder: SwinUNETR's (residual UNETR blocks on the input and on each encoder stage, including the
-  fourth), with the last merged stage (16 C at 1/32) feeding the first up-block directly, without
-  SwinUNETR's extra bottleneck block; the hidden states are layer-normalized without affine
-  parameters (SwinUNETR's ``normalize=True``). Deep supervision (off by default) adds 1x1x1 heads on
-  the decoder stages at 1/2 .. 1/16.
+- Stripe lengths are the stage's extent at the build ``patch_size`` and every window is clamped to
+  the feature map at run time (the reference fixes windows at build time), so inputs other than the
+  build patch also work; at the build patch the windows are the reference's.
+- The reference builds a fifth deep-supervision head (on the last merged stage) that its forward
+  never uses; it is left out (a never-used parameter breaks DistributedDataParallel).
+- Attention runs through ``scaled_dot_product_attention`` with the bias (and shift mask) as an
+  additive mask: the same arithmetic, fused kernels where PyTorch has them.
 
 Shape rules: every patch dimension must be divisible by ``patch_embed_size * 2 ** 4`` (32 at full
 size). Each stage's width ``feature_size * 2 ** i`` must be divisible by ``4 * num_heads[i]`` (four
-window shapes, equal heads); depths, heads and split sizes need one value per stage (four stages);
-window and split sizes must be positive. Violations raise ValueError (RecipeError at recipe load).
+window shapes, equal heads), and ``feature_size`` by 12 (the skip features' group norm); depths,
+heads and split sizes need one value per stage (four stages); window and split sizes must be
+positive. Violations raise ValueError (RecipeError at recipe load).
 
 Example::
 
@@ -57,18 +62,23 @@ import torch.nn.functional as F
 from monai.networks.blocks import MLPBlock, UnetOutBlock, UnetrBasicBlock, UnetrUpBlock
 from monai.networks.blocks.patchembedding import PatchEmbed
 from monai.networks.layers import DropPath, trunc_normal_
-from monai.networks.nets.swin_unetr import PatchMergingV2, compute_mask, window_partition, window_reverse
+from monai.networks.nets.swin_unetr import compute_mask, window_partition, window_reverse
 from torch import nn
+
+from lightning_modules.models.backbones.swin_unetr import LegacyPatchMerging
 
 N_STAGES = 4  # the SwinUNETR-style decoder has one skip per encoder stage
 N_WINDOW_SHAPES = 4  # cube, stripe along H, stripe along W, stripe along D
+SKIP_NORM_GROUPS = 12  # the reference group-normalizes every skip feature with 12 groups
+DROP_RATE = 0.1  # the reference's dropout, attention dropout and stochastic depth
 
 
 def window_shapes(extent: Sequence[int], window_size: int, split_size: int) -> list[tuple[int, int, int]]:
-    """The four nominal window shapes (D, H, W) of a stage whose feature map is ``extent``."""
+    """The four window shapes (D, H, W) of a stage whose feature map is ``extent``, clamped to it (as the reference)."""
     d, h, w = (int(e) for e in extent)
     s = int(split_size)
-    return [(window_size,) * 3, (s, h, s), (s, s, w), (d, s, s)]
+    shapes = [(window_size,) * 3, (s, h, s), (s, s, w), (d, s, s)]
+    return [tuple(min(n, e) for n, e in zip(shape, (d, h, w))) for shape in shapes]
 
 
 @lru_cache(maxsize=256)
@@ -124,7 +134,8 @@ class WindowShapeAttention(nn.Module):
         head_dim = three_c // (3 * self.num_heads)
         windows = window_partition(qkv, window)  # (B * nW, N, 3c)
         n_windows = windows.shape[0] // batch
-        q, k, v = windows.reshape(batch, n_windows, tokens, 3, self.num_heads, head_dim).permute(3, 0, 1, 4, 2, 5)
+        # Head h takes channels h, h + heads, h + 2 heads, ... of q, k and v (the reference's layout).
+        q, k, v = windows.reshape(batch, n_windows, tokens, 3, head_dim, self.num_heads).permute(3, 0, 1, 5, 2, 4)
 
         if window == self.window:
             index = self.relative_position_index
@@ -140,10 +151,11 @@ class WindowShapeAttention(nn.Module):
             q, k, v = (t.flatten(0, 1) for t in (q, k, v))
             attn_mask = bias
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask.to(q.dtype), dropout_p=self.attn_drop if self.training else 0.0
+            q, k, v, attn_mask=attn_mask.to(q.dtype), dropout_p=self.attn_drop if self.training else 0.0,
+            scale=(N_WINDOW_SHAPES * head_dim) ** -0.5,  # the reference's 1 / (2 sqrt(d)) for four shapes
         )
         out = out.reshape(batch, n_windows, self.num_heads, tokens, head_dim)
-        out = out.permute(0, 1, 3, 2, 4).reshape(batch * n_windows, tokens, three_c // 3)
+        out = out.permute(0, 1, 3, 4, 2).reshape(batch * n_windows, tokens, three_c // 3)
         out = window_reverse(out, window, [batch, *padded])
         if any(shift):
             out = torch.roll(out, shifts=shift, dims=(1, 2, 3))
@@ -159,7 +171,7 @@ class VariableShapeMixer(nn.Module):
         windows: the four nominal window shapes.
         qkv_bias: bias of the q/k/v projection.
         attn_drop: dropout on attention weights.
-        drop: dropout on the mixed output.
+        drop: dropout after the attention's projection and on the mixed output.
     """
 
     def __init__(
@@ -175,12 +187,14 @@ class VariableShapeMixer(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.attentions = nn.ModuleList(WindowShapeAttention(num_heads, window, attn_drop) for window in windows)
         self.proj = nn.Linear(dim, dim)
-        self.fuse = nn.Linear(3 * dim, dim)
+        self.proj_drop = nn.Dropout(drop)
+        self.fuse = nn.Sequential(nn.GELU(), nn.Linear(3 * dim, dim), nn.LayerNorm(dim, eps=1e-6))
         self.conv = nn.Sequential(
             nn.Conv3d(dim, dim, kernel_size=3, padding=1),
-            nn.InstanceNorm3d(dim, affine=True),
+            nn.BatchNorm3d(dim),
             nn.LeakyReLU(0.01, inplace=True),
         )
+        nn.init.zeros_(self.conv[0].bias)
         self.alpha = nn.Parameter(torch.tensor(0.5))
         self.beta = nn.Parameter(torch.tensor(0.5))
         self.drop = nn.Dropout(drop)
@@ -188,14 +202,10 @@ class VariableShapeMixer(nn.Module):
     def forward(self, x: torch.Tensor, shifted: bool) -> torch.Tensor:
         """``x``: ``(B, D, H, W, C)`` channels-last."""
         qkv = self.qkv(x)
-        dim = x.shape[-1]
-        group = dim // len(self.attentions)
-        q, k, v = qkv.split(dim, dim=-1)
-        attended = [
-            attention(torch.cat([t[..., g * group : (g + 1) * group] for t in (q, k, v)], dim=-1), shifted)
-            for g, attention in enumerate(self.attentions)
-        ]
-        attended = self.proj(torch.cat(attended, dim=-1))
+        # Group g reads the g-th contiguous quarter of the 3C q/k/v channels as its own q, k, v.
+        groups = qkv.chunk(len(self.attentions), dim=-1)
+        attended = torch.cat([attention(group, shifted) for attention, group in zip(self.attentions, groups)], dim=-1)
+        attended = self.proj_drop(self.proj(attended))
         local = self.conv(self.fuse(qkv).permute(0, 4, 1, 2, 3)).permute(0, 2, 3, 4, 1)
         return self.drop(self.alpha * attended + self.beta * local)
 
@@ -275,15 +285,15 @@ class VSmTrans(nn.Module):
         patch_embed_size: int,
         mlp_ratio: float = 4.0,
         qkv_bias: bool = True,
-        drop_rate: float = 0.0,
-        attn_drop_rate: float = 0.0,
-        drop_path_rate: float = 0.0,
+        drop_rate: float = DROP_RATE,
+        attn_drop_rate: float = DROP_RATE,
+        drop_path_rate: float = DROP_RATE,
         norm: str | tuple = "instance",
-        deep_supervision: bool = False,
+        deep_supervision: bool = True,
     ) -> None:
         super().__init__()
         self.deep_supervision = deep_supervision
-        self.patch_embed = PatchEmbed(patch_embed_size, in_channels, feature_size, norm_layer=None, spatial_dims=3)
+        self.patch_embed = PatchEmbed(patch_embed_size, in_channels, feature_size, norm_layer=nn.LayerNorm, spatial_dims=3)
         self.pos_drop = nn.Dropout(drop_rate)
         rates = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
         self.stages = nn.ModuleList()
@@ -302,7 +312,7 @@ class VSmTrans(nn.Module):
                     for block in range(depth)
                 )
             )
-            self.mergers.append(PatchMergingV2(dim, norm_layer=nn.LayerNorm, spatial_dims=3))
+            self.mergers.append(LegacyPatchMerging(dim, norm_layer=nn.LayerNorm, spatial_dims=3))
             extent = [(e + 1) // 2 for e in extent]
 
         f = feature_size
@@ -327,7 +337,7 @@ class VSmTrans(nn.Module):
             self.deep_heads = nn.ModuleList(UnetOutBlock(3, f * 2**i, out_channels) for i in range(N_STAGES))
 
     def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Layer-normalized hidden states after each stage and after the last merge, channels-first."""
+        """Group-normalized (12 groups, no affine) hidden states after each stage and the last merge, channels-first."""
         x = self.pos_drop(self.patch_embed(x)).permute(0, 2, 3, 4, 1)
         hidden = []
         for blocks, merge in zip(self.stages, self.mergers):
@@ -336,7 +346,7 @@ class VSmTrans(nn.Module):
             hidden.append(x)
             x = merge(x)
         hidden.append(x)
-        return [F.layer_norm(h, h.shape[-1:]).permute(0, 4, 1, 2, 3).contiguous() for h in hidden]
+        return [F.group_norm(h.permute(0, 4, 1, 2, 3), SKIP_NORM_GROUPS) for h in hidden]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
         hidden = self.encode(x)
@@ -375,6 +385,10 @@ def check_vsmtrans_options(options: dict, patch_size: Sequence[int]) -> None:
     if not isinstance(window_size, int) or window_size < 1:
         raise ValueError(f"VSmTrans: window_size must be a positive integer, got {window_size!r}")
     feature_size = int(options["feature_size"])
+    if feature_size % SKIP_NORM_GROUPS:
+        raise ValueError(
+            f"VSmTrans: feature_size must be divisible by {SKIP_NORM_GROUPS} (the skip features' group norm), got {feature_size}"
+        )
     for stage, heads in enumerate(options["num_heads"]):
         dim = feature_size * 2**stage
         if dim % (N_WINDOW_SHAPES * heads):
@@ -402,13 +416,16 @@ def build_vsmtrans(
     patch_embed_size: int = 2,
     mlp_ratio: float = 4.0,
     qkv_bias: bool = True,
-    drop_rate: float = 0.0,
-    attn_drop_rate: float = 0.0,
-    drop_path_rate: float = 0.0,
+    drop_rate: float = DROP_RATE,
+    attn_drop_rate: float = DROP_RATE,
+    drop_path_rate: float = DROP_RATE,
     norm: str | Sequence = "instance",
-    deep_supervision: bool = False,
+    deep_supervision: bool = True,
 ) -> nn.Module:
-    """Build VSmTrans (the BenchX/Touchstone setting by default).
+    """Build VSmTrans (the BenchX/Touchstone setting by default), following the reference's forward pass.
+
+    Deliberate differences from the reference: listed in the module docstring (windows clamped at
+    run time for other input sizes, no unused fifth deep-supervision head, fused attention kernel).
 
     Args:
         spatial_dims: must be 3.

@@ -1,0 +1,150 @@
+"""Benchmark: the training data pipeline, cached against decode-every-time, and how long a CPU step waits for data.
+
+On a phantom cohort written to a temporary folder, in one process:
+
+1. Throughput of training samples (random lesion-weighted crops of the preprocessed volume): the
+   datamodule's ``CacheDataset`` (NIfTI decoding, orientation, resampling, HU windowing and
+   foreground cropping done once per case) against a plain ``Dataset`` with the same transforms
+   that decodes and resamples every time. Target: cached >= 10x.
+2. The share of a CPU-profile training step (the SegmentationModule through Lightning with the
+   datamodule's loader, ``num_workers`` as the profile says) spent waiting for the next batch.
+   Target: <= 5%.
+3. Memory per cached case at Touchstone's 1.5 mm spacing: the bytes per voxel of the cached image
+   and label (measured on the cached tensors), times the voxels of a typical abdominal CT at 1.5 mm
+   (512 x 512 x 300 voxels of 0.78 x 0.78 x 1.5 mm -> 266 x 266 x 300), and the phantom's own cases
+   resampled to 1.5 mm (measured).
+
+Run::
+
+    .venv/bin/python benchmarks/bench_data_pipeline.py
+    .venv/bin/python benchmarks/bench_data_pipeline.py --cases 12 --samples 60
+
+Not collected by pytest (no ``test_`` prefix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning.pytorch as pl  # noqa: E402
+from monai.data import Dataset  # noqa: E402
+
+from lightning_modules.config.recipe import load_recipe  # noqa: E402
+from lightning_modules.data.cohort import load_cohort  # noqa: E402
+from lightning_modules.data.datamodule import (  # noqa: E402
+    CohortDataModule,
+    case_items,
+    preprocessing,
+    seeded_compose,
+    training_transforms,
+)
+from lightning_modules.data.phantom import generate_phantom_cohort  # noqa: E402
+from lightning_modules.data.splits import make_splits, write_split  # noqa: E402
+from lightning_modules.models.checkpoints import build_module  # noqa: E402
+
+TYPICAL_CT_VOXELS_AT_1_5_MM = 266 * 266 * 300
+
+
+def samples_per_second(dataset, n_samples: int) -> float:
+    """Training samples (one item = samples_per_volume crops) drawn per second, cycling over the cases."""
+    started = time.perf_counter()
+    drawn = 0
+    while drawn < n_samples:
+        for index in range(len(dataset)):
+            crops = dataset[index]
+            drawn += len(crops) if isinstance(crops, list) else 1
+            if drawn >= n_samples:
+                break
+    return drawn / (time.perf_counter() - started)
+
+
+class DataWait(pl.Callback):
+    """Time between the end of one training batch and the start of the next (the loader's share)."""
+
+    def __init__(self):
+        self.waits, self.steps, self._ended = [], [], None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        now = time.perf_counter()
+        if self._ended is not None:
+            self.waits.append(now - self._ended)
+        self._started = now
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._ended = time.perf_counter()
+        self.steps.append(self._ended - self._started)
+
+
+def cached_bytes_per_voxel(item: dict) -> tuple[float, int]:
+    image, label = item["image"], item["label"]
+    voxels = int(np.prod(image.shape[1:]))
+    return (image.element_size() * image.numel() + label.element_size() * label.numel()) / voxels, voxels
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="recipes/unet.yaml")
+    parser.add_argument("--cases", type=int, default=12, help="phantom cases to write")
+    parser.add_argument("--samples", type=int, default=60, help="training samples drawn per pipeline")
+    parser.add_argument("--steps", type=int, default=25, help="CPU-profile training steps for the data-wait share")
+    args = parser.parse_args(argv)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+    with tempfile.TemporaryDirectory() as folder:
+        root, split = Path(folder) / "phantom", Path(folder) / "split.csv"
+        generate_phantom_cohort(root, n_cases=args.cases, seed=0)
+        cohort = load_cohort(root)
+        write_split(make_splits(cohort.metadata, seed=0, val_fraction=0.15, test_fraction=0.15), split)
+        overrides = [f"data.root={root}", f"data.split={split}", "data.num_workers=0"]
+        recipe = load_recipe(args.recipe, ["profile=cpu", *overrides])
+        print(f"phantom: {args.cases} cases of {tuple(cohort.metadata.shape)[0]} rows; recipe {recipe.name}, cpu profile, "
+              f"torch threads {torch.get_num_threads()}")
+
+        module = CohortDataModule(recipe)
+        module.setup("fit")
+        cached = module.datasets["train"]
+        items = case_items(cohort, module.case_ids("train"), list(recipe.data.classes))
+        transforms = preprocessing(recipe) + training_transforms(recipe)
+        uncached = Dataset(items, seeded_compose(transforms, int(recipe.seed)))
+        fast = samples_per_second(cached, args.samples)
+        slow = samples_per_second(uncached, max(args.samples // 4, 8))
+        print(f"cached: {fast:.1f} samples/s; decode every time: {slow:.2f} samples/s; ratio {fast / slow:.1f}x (target >= 10x)")
+
+        timer = DataWait()
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+            callbacks=[timer],
+        )
+        trainer.fit(build_module(recipe), train_dataloaders=module.train_dataloader())
+        waits, steps = np.array(timer.waits[1:]), np.array(timer.steps[2:])  # skip the first (warm-up) step
+        share = waits.sum() / (waits.sum() + steps.sum())
+        print(f"CPU-profile step: {steps.mean() * 1000:.0f} ms compute, {waits.mean() * 1000:.1f} ms waiting for data; "
+              f"share waiting {share * 100:.2f}% (target <= 5%)")
+
+        full = load_recipe(args.recipe, overrides)  # full profile: 1.5 mm spacing
+        cached_full = CohortDataModule(full, cohort=cohort)
+        cached_full._load()
+        dataset = cached_full._dataset("train", preprocessing(full), cache=True)
+        per_voxel, voxels = cached_bytes_per_voxel(dataset[0])
+        sizes = [cached_bytes_per_voxel(dataset[i])[1] for i in range(len(dataset))]
+        print(f"cached case at 1.5 mm: {per_voxel:.1f} bytes/voxel (image + label, measured); phantom cases "
+              f"{np.mean(sizes) * per_voxel / 2**20:.1f} MiB each (measured, {np.mean(sizes):,.0f} voxels); a typical "
+              f"CT (266 x 266 x 300 voxels at 1.5 mm) {TYPICAL_CT_VOXELS_AT_1_5_MM * per_voxel / 2**20:.0f} MiB (computed)")
+    return 0 if fast / slow >= 10 and share <= 0.05 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Numerical cross-checks against the reference implementations (MedNeXt, STU-Net: Apache-2.0) and
+the loaders of user-supplied pre-trained weights (SwinUNETR's ``model_swinvit.pt`` format).
+
+The reference outputs are tensors in ``tests/fixtures/`` (how they were made: tests/fixtures/README.md);
+the project's module loads the reference's state dict (keys renamed) and must reproduce its outputs
+in float32 within 1e-5.
+
+Run: ``OMP_NUM_THREADS=1 .venv/bin/pytest tests/models/test_reference_outputs.py -x -q``
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_modules.config.recipe import RecipeError, load_recipe
+from lightning_modules.models.backbones.mednext import build_mednext
+from lightning_modules.models.backbones.mednext import reference_key as mednext_key
+from lightning_modules.models.backbones.stunet import build_stunet
+from lightning_modules.models.backbones.stunet import reference_key as stunet_key
+from lightning_modules.models.backbones.swin_unetr import LEGACY_MERGING_OFFSETS, build_swin_unetr
+from lightning_modules.tracking import run_tags
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def _reproduces(network: torch.nn.Module, reference: dict) -> None:
+    network.train()  # deep supervision on; the reference outputs were taken in training mode
+    with torch.no_grad():
+        outputs = network(reference["input"])
+    assert len(outputs) == len(reference["outputs"])
+    for ours, theirs in zip(outputs, reference["outputs"]):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_mednext_reproduces_the_reference_outputs():
+    reference = torch.load(FIXTURES / "mednext_reference.pt", weights_only=True)
+    wrapped = build_mednext(
+        3, 1, 3, patch_size=(16, 16, 32), init_filters=2, encoder_expansion_ratio=(2, 3, 4, 5),
+        bottleneck_expansion_ratio=6, decoder_expansion_ratio=(5, 4, 3, 2), blocks_down=(1, 1, 2, 1),
+        blocks_bottleneck=1, blocks_up=(1, 2, 1, 1),
+    )
+    wrapped.network.load_state_dict({mednext_key(k): v for k, v in reference["state_dict"].items()}, strict=True)
+    _reproduces(wrapped, reference)
+
+
+def test_mednext_down_blocks_expand_by_the_next_stages_ratio():
+    wrapped = build_mednext(3, 1, 3, patch_size=(128, 128, 128))
+    ratios = [block.conv2.out_channels // block.conv2.in_channels for block in wrapped.network.down_blocks]
+    assert ratios == [4, 8, 8, 8]  # stages 1, 2, 3 and the bottleneck (MONAI's port: 3, 4, 8, 8)
+    assert sum(p.numel() for p in wrapped.parameters()) == 61_782_191  # the reference's, minus dummy_tensor
+
+
+def test_stunet_reproduces_the_reference_outputs():
+    reference = torch.load(FIXTURES / "stunet_reference.pt", weights_only=True)
+    network = build_stunet(3, 1, 3, patch_size=(16, 16, 16), dims=(2, 4, 8, 8), depths=(1, 2, 2, 1))
+    network.load_state_dict({stunet_key(k): v for k, v in reference["state_dict"].items()}, strict=True)
+    _reproduces(network, reference)
+    assert sum(p.numel() for p in build_stunet(3, 1, 3).parameters()) == 58_160_975  # the reference's STU-Net-B
+
+
+def _model_swinvit_file(network, path: Path) -> dict:
+    """A file in model_swinvit.pt's format: 'module.'-prefixed encoder keys, MLP layers named fc1/fc2."""
+    state = {}
+    for key, value in network.swinViT.state_dict().items():
+        key = key.replace("mlp.linear1", "mlp.fc1").replace("mlp.linear2", "mlp.fc2")
+        state[f"module.{key}"] = value.clone()
+    torch.save({"epoch": 100, "state_dict": state}, path)
+    return state
+
+
+def test_swin_unetr_loads_self_supervised_encoder_weights(tmp_path):
+    options = dict(patch_size=(64, 64, 64), feature_size=12, depths=(1, 1, 1, 1), window_size=4)
+    torch.manual_seed(1)
+    pretrained = build_swin_unetr(3, 1, 3, **options)
+    path = tmp_path / "model_swinvit.pt"
+    state = _model_swinvit_file(pretrained, path)
+    assert "module.layers1.0.blocks.0.mlp.fc1.weight" in state and "module.layers4.0.downsample.reduction.weight" in state
+    torch.manual_seed(2)
+    loaded = build_swin_unetr(3, 1, 3, pretrained_weights=str(path), **options)
+    for key, value in pretrained.swinViT.state_dict().items():
+        torch.testing.assert_close(loaded.swinViT.state_dict()[key], value, rtol=0, atol=0)
+    torch.manual_seed(2)
+    scratch = build_swin_unetr(3, 1, 3, **options)
+    assert not torch.equal(scratch.swinViT.patch_embed.proj.weight, loaded.swinViT.patch_embed.proj.weight)
+    torch.testing.assert_close(scratch.out.conv.conv.weight, loaded.out.conv.conv.weight)  # decoder stays random
+
+    recipe = load_recipe(RECIPES / "swin_unetr_tiny.yaml", [f"model.options.pretrained_weights={path}"])
+    assert run_tags(recipe, "sha")["pretrained_weights"].startswith("model_swinvit.pt sha256:")
+    assert run_tags(load_recipe(RECIPES / "swin_unetr_tiny.yaml", []), "sha")["pretrained_weights"].startswith("none")
+
+
+def test_swin_unetr_weights_of_another_size_or_format_are_refused(tmp_path):
+    small = build_swin_unetr(3, 1, 3, patch_size=(64, 64, 64), feature_size=24, depths=(1, 1, 1, 1), window_size=4)
+    path = tmp_path / "model_swinvit.pt"
+    _model_swinvit_file(small, path)
+    with pytest.raises(ValueError, match=r"model_swinvit.pt does not fit this encoder"):
+        build_swin_unetr(3, 1, 3, patch_size=(64, 64, 64), feature_size=12, depths=(1, 1, 1, 1), window_size=4,
+                         pretrained_weights=str(path))
+    torch.save({"model": {}}, path)
+    with pytest.raises(ValueError, match="not in model_swinvit.pt format"):
+        build_swin_unetr(3, 1, 3, patch_size=(64, 64, 64), feature_size=12, pretrained_weights=str(path))
+    with pytest.raises(RecipeError, match="patch_merging: legacy"):
+        load_recipe(RECIPES / "swin_unetr_tiny.yaml",
+                    [f"model.options.pretrained_weights={path}", "model.options.patch_merging=merging"])
+
+
+def test_legacy_patch_merging_uses_monai_before_1_5_sub_voxel_order():
+    network = build_swin_unetr(3, 1, 3, patch_size=(64, 64, 64), feature_size=12)
+    merging = network.swinViT.layers1[0].downsample
+    x = torch.randn(1, 4, 4, 4, 12)
+    parts = [x[:, i::2, j::2, k::2, :] for i, j, k in LEGACY_MERGING_OFFSETS]
+    with torch.no_grad():
+        expected = merging.reduction(merging.norm(torch.cat(parts, -1)))
+        torch.testing.assert_close(merging(x), expected)
+    assert LEGACY_MERGING_OFFSETS.count((0, 1, 0)) == 2 and (1, 1, 0) not in LEGACY_MERGING_OFFSETS
