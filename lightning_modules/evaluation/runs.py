@@ -48,6 +48,7 @@ from lightning_modules.evaluation.thresholds import (
     matched_specificity_point,
     specificity_at,
 )
+from lightning_modules.trainer import build_trainer
 from lightning_modules.tracking import check_run_id, experiment_id, log_metrics, run_tags, tracking_uri
 
 log = logging.getLogger(__name__)
@@ -200,8 +201,9 @@ def evaluate(
     logger = MLFlowLogger(experiment_name=str(recipe.tracking.experiment), tracking_uri=uri,
                           run_name=run_name or f"evaluate-{recipe.name}", tags=tags)
     callback = SubgroupEvaluation.from_recipe(recipe, tables_on_val=True)
-    trainer = pl.Trainer(accelerator=recipe.trainer.accelerator, devices=1, logger=logger, callbacks=[callback],
-                         enable_model_summary=False, enable_progress_bar=False, enable_checkpointing=False)
+    # One process: evaluation under DDP is not supported yet (the records would need a rank-safe run).
+    trainer = build_trainer(recipe.trainer, None, logger=logger, callbacks=[callback], devices=1, strategy="auto",
+                            num_nodes=1, enable_model_summary=False, enable_progress_bar=False)
     try:
         if datamodule.case_ids("val"):
             trainer.validate(module, datamodule=datamodule)

@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.data.cohort import load_cohort
 from lightning_modules.data.splits import load_split, split_sha256
+from lightning_modules.trainer import build_trainer
 from lightning_modules.tracking import experiment_id, flatten, git_commit, tracking_uri
 from synthx.config import recipe_to_yaml
 from synthx.provenance import GeneratorProvenance
@@ -171,25 +172,14 @@ def _trainer(recipe: DictConfig, max_steps: int, folder: Path, logger: MLFlowLog
         every_n_train_steps=max(1, int(recipe.trainer.checkpoint_every_n_steps)),
         enable_version_counter=False,
     )
-    settings = recipe.trainer
-    return pl.Trainer(
-        max_steps=max_steps,
-        accelerator=settings.accelerator,
-        devices=settings.devices,
-        num_nodes=int(settings.num_nodes),
-        strategy=settings.strategy,
-        precision=settings.precision,
-        log_every_n_steps=int(settings.log_every_n_steps),
-        gradient_clip_val=settings.gradient_clip_val,
-        deterministic=bool(settings.deterministic),
-        default_root_dir=str(folder),
+    return build_trainer(
+        recipe.trainer,
+        folder,
         logger=logger,
         callbacks=[run, checkpoints],
+        max_steps=max_steps,
         # Each rank already holds its own share of the cases (TumorPatchDataModule).
         use_distributed_sampler=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_model_summary=False,
         enable_progress_bar=sys.stderr.isatty() if progress is None else progress,
     )
 
