@@ -23,7 +23,7 @@ from pathlib import Path
 import mlflow
 import pandas as pd
 import torch
-from monai.data import CacheDataset, Dataset
+from monai.data import Dataset
 from monai.transforms import Compose
 from mlflow.entities import DatasetInput, InputTag
 from mlflow.tracking import MlflowClient
@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from torch.utils.data import Sampler
 
 from lightning_modules.data.cohort import Cohort, CohortError, load_cohort
-from lightning_modules.data.datamodule import CohortDataModule, case_items, seeded_compose
+from lightning_modules.data.datamodule import CohortDataModule, cached_dataset, case_items, seeded_compose
 
 SYNTHETIC_COHORT_TAG = "synthetic_cohort"
 
@@ -106,8 +106,8 @@ def check_synthetic_cohort(synthetic: Cohort, split: pd.DataFrame, real: Cohort)
 class MixedTrainingSet(Dataset):
     """Real training items followed by synthetic items, with a RatioSampler as ``sampler``."""
 
-    def __init__(self, items: list[dict], transforms: Compose, n_real: int, ratio: float, seed: int, cache: bool):
-        self.inner = CacheDataset(items, transforms, cache_rate=1.0, progress=False, copy_cache=False) if cache else Dataset(items, transforms)
+    def __init__(self, items: list[dict], transforms: Compose, n_real: int, ratio: float, seed: int, recipe: DictConfig):
+        self.inner = cached_dataset(items, transforms, recipe)
         self.n_real = n_real
         self.n_synthetic = len(items) - n_real
         self.sampler = RatioSampler(n_real, self.n_synthetic, ratio, seed)
@@ -136,7 +136,7 @@ def mixing_datamodule(recipe: DictConfig) -> CohortDataModule:
         synth_items = case_items(synthetic, synthetic.case_ids, classes)
         return MixedTrainingSet(
             real_items + synth_items, seeded_compose(transforms, int(recipe.seed)), len(real_items), ratio,
-            int(recipe.seed), bool(recipe.data.cache),
+            int(recipe.seed), recipe,
         )
 
     datamodule = CohortDataModule(recipe, train_dataset_factory=build)
