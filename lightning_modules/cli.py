@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "predict": ("lightning_modules.inference", "main", "segment CT scans; masks written on each scan's own grid and affine"),
     "compare": ("lightning_modules.evaluation.runs", "compare_main", "paired comparison of evaluation runs (BenchX table 6)"),
     "study": ("synthx.study", "main", "the baseline-vs-SynthX study on a cohort (the main job)"),
-    "sweep": ("synthx.sweep", "main", "Optuna sweep over the synthesis ratio"),
+    "sweep": ("synthx.commands.sweep", "main", "Optuna sweep over the synthesis ratio"),
     "synthx-train": ("synthx.training", "main", "train the SynthX tumor generator (conditional 3D diffusion)"),
     "synthesize": ("synthx.generation", "main", "paint conditioned synthetic tumors into healthy training scans (resumable)"),
     "synthx-quality": ("synthx.quality", "main", "synthetic vs real tumors: HU, contrast, phase faithfulness, diversity"),
