@@ -40,7 +40,10 @@ start_postgres() {
   "$PYTHON" -c "import psycopg" 2>/dev/null || die "$PYTHON has no psycopg: pip install -e '.[server]'"
   local port; port="$(free_port)"
   mkdir -p "$DIR/pg"
-  [ "$(id -u)" = 0 ] && chown postgres:postgres "$DIR/pg"
+  if [ "$(id -u)" = 0 ]; then
+    runuser -u postgres -- test -x "$DIR" || die "the postgres user cannot enter $DIR: make it and its parents o+x"
+    chown postgres:postgres "$DIR/pg"
+  fi
   chmod 700 "$DIR/pg"
   as_service_user postgres "$PGBIN/initdb" -D "$DIR/pg/data" -U postgres --auth=trust -E UTF8 --locale=C.UTF-8 >"$DIR/pg/initdb.log"
   as_service_user postgres "$PGBIN/pg_ctl" -D "$DIR/pg/data" -l "$DIR/pg/server.log" -w start \
