@@ -95,6 +95,22 @@ def default_artifact_location(uri: str, experiment: str) -> str | None:
     return None
 
 
+def log_inputs(client: MlflowClient, run_id: str, datasets: list) -> None:
+    """``client.log_inputs`` that survives concurrent runs logging the same dataset.
+
+    MLflow looks a dataset up and inserts it when absent; two processes (sweep workers) doing so at
+    once collide on the (experiment, name, digest) key and one fails. Its retry finds the dataset.
+    """
+    for attempt in range(3):
+        try:
+            client.log_inputs(run_id, datasets=datasets)
+            return
+        except mlflow.exceptions.MlflowException as error:
+            text = str(error).lower()
+            if attempt == 2 or not ("unique" in text or "duplicate" in text):
+                raise
+
+
 def run_tags(recipe, split_sha256: str, variant: str | None = None) -> dict[str, str]:
     """The standard tags of DESIGN.md section 6 for a training or evaluation run."""
     ratio = float(recipe.synthx.ratio)

@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 from torch.utils.data import Sampler
 
 from lightning_modules.data.cohort import Cohort, CohortError, load_cohort
+from lightning_modules.tracking import log_inputs
 from lightning_modules.data.datamodule import CohortDataModule, cached_dataset, case_items, seeded_compose
 
 SYNTHETIC_COHORT_TAG = "synthetic_cohort"
@@ -163,4 +164,4 @@ def log_dataset_inputs(client: MlflowClient, run_id: str, datamodule: CohortData
         if generators:
             client.set_tag(run_id, "generator_run_ids", ",".join(generators))
         client.set_tag(run_id, SYNTHETIC_COHORT_TAG, str(synthetic.root))
-    client.log_inputs(run_id, datasets=inputs)
+    log_inputs(client, run_id, inputs)  # concurrent workers may log the same dataset

@@ -51,7 +51,7 @@ def test_sbatch_job_is_requeued_on_sigusr1_and_resumes(services, tiny_phantom, t
     out = tmp_path / "run"
     script = tmp_path / "job.sbatch"  # the users' template, sized for this 2-CPU node without GPUs
     script.write_text(SBATCH_TEMPLATE.read_text().replace("#SBATCH --gpus-per-node=8\n", ""))
-    overrides = [*tiny_overrides(root, split, tmp_path, steps=400), "trainer.val_every_n_steps=200", "trainer.checkpoint_every_n_steps=5"]
+    overrides = [*tiny_overrides(root, split, tmp_path, steps=100), "trainer.checkpoint_every_n_steps=5"]
     environment = {**_environment(services), "BENCHX_OUT": str(out), "BENCHX_STRATEGY": "auto"}
     submitted = subprocess.run(
         ["sbatch", "--parsable", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=15", f"--output={tmp_path}/job.log",
@@ -78,4 +78,4 @@ def test_sbatch_job_is_requeued_on_sigusr1_and_resumes(services, tiny_phantom, t
     run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id)
     assert run.data.tags.get("resumed") == "true" and run.info.status == "FINISHED"
     steps = [m.step for m in MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(run_id, "train/loss")]
-    assert max(steps) >= 390
+    assert max(steps) >= 90

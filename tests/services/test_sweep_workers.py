@@ -51,10 +51,12 @@ def _wait_for_running_trial(storage, number: int, timeout: float = 600) -> int:
     raise AssertionError(f"trial {number} never started")
 
 
-def test_three_workers_one_killed_mid_trial(postgres_database, tiny_phantom, tmp_path):
+def test_three_workers_one_killed_mid_trial(services, postgres_database, tiny_phantom, tmp_path):
     storage = postgres_database
+    uri = services["MLFLOW_TRACKING_URI"]  # the shared server, as workers on several machines would use
     arguments = _arguments(tiny_phantom, tmp_path, storage, "--objective", "worst_sensitivity", "--trials", "4",
                            "--heartbeat-interval", "1", "--ratio-max", "0.5")
+    arguments += [f"tracking.uri={uri}", f"tracking.experiment=workers-{Path(storage).name}"]
     assert sweep_main([*arguments, "--create-only"]) == 0
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     command = [sys.executable, "-m", "lightning_modules.cli", "sweep", *arguments]
@@ -76,7 +78,6 @@ def test_three_workers_one_killed_mid_trial(postgres_database, tiny_phantom, tmp
     run_ids = [t.user_attrs["mlflow_run_id"] for t in trials.values()]
     assert len(set(run_ids)) == len(run_ids), "every trial trained its own run: none ran twice"
 
-    uri = load_recipe(RECIPES / "unet.yaml", tiny_overrides(*tiny_phantom, tmp_path)).tracking.uri
     client = MlflowClient(uri)
     parent = study.user_attrs[PARENT_ATTR]
     children = client.search_runs([client.get_run(parent).info.experiment_id], f"tags.mlflow.parentRunId = '{parent}'")
