@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
+import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -35,7 +38,7 @@ def read_env(folder: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def services(tmp_path_factory) -> dict[str, str]:
+def services() -> dict[str, str]:
     """Addresses of the running services: BENCHX_POSTGRES_URL, MLFLOW_TRACKING_URI (the server), SLURM_CONF."""
     given = os.environ.get("BENCHX_TEST_SERVICES")
     if given:
@@ -45,8 +48,11 @@ def services(tmp_path_factory) -> dict[str, str]:
             pytest.fail(f"BENCHX_TEST_SERVICES={given}: env.sh lacks {', '.join(missing)} (scripts/services.sh start {given})")
         yield values
         return
-    folder = tmp_path_factory.mktemp("services")
-    environment = {**os.environ, "PYTHON": os.environ.get("PYTHON", __import__("sys").executable)}
+    # Not under pytest's temporary folder: its parents are private, and PostgreSQL and munged run as
+    # their own users, who must enter the folder.
+    folder = Path(tempfile.mkdtemp(prefix="benchx-services-"))
+    folder.chmod(0o755)
+    environment = {**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable)}
     started = subprocess.run(["bash", str(SCRIPT), "start", str(folder)], env=environment, capture_output=True, text=True)
     try:
         if started.returncode != 0:
@@ -55,6 +61,7 @@ def services(tmp_path_factory) -> dict[str, str]:
         yield read_env(folder)
     finally:
         subprocess.run(["bash", str(SCRIPT), "stop", str(folder)], capture_output=True, text=True)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
