@@ -367,6 +367,13 @@ def sweep(settings: SweepSettings) -> optuna.Study:
     """Create the study (once) and, unless ``create_only``, work on it as one worker; returns the study."""
     recipe = settings.recipe
     enqueue = list(settings.enqueue)
+    shared = not settings.storage.startswith("sqlite:")
+    if shared and not settings.create_only and settings.study_name not in optuna.get_all_study_names(make_storage(settings.storage)):
+        # Workers started together would each create the study's MLflow parent run.
+        raise RuntimeError(
+            f"study {settings.study_name!r} does not exist in {safe_url(settings.storage)}: create it once with "
+            "--create-only (same arguments), then start the workers"
+        )
     study = create_sweep(recipe, settings.study_name, settings.storage, settings.objective, enqueue, settings.heartbeat_interval)
     if settings.create_only:
         return study

@@ -137,3 +137,9 @@ def test_optuna_dashboard_reads_the_sweep_storage(postgres_database, tiny_phanto
     finally:
         dashboard.terminate()
         dashboard.wait(30)
+
+
+def test_worker_refuses_a_shared_study_that_was_not_created(tiny_phantom, tmp_path, capsys):
+    storage = f"journal:{tmp_path / 'journal.log'}"
+    assert sweep_main(_arguments(tiny_phantom, tmp_path, storage)) == 1
+    assert "create it once with --create-only" in capsys.readouterr().err
