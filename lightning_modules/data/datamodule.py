@@ -39,6 +39,7 @@ import torch
 from monai.data import CacheDataset, Dataset, MetaTensor, PersistentDataset, list_data_collate
 from monai.data.utils import pickle_hashing
 from monai.transforms import (
+    CastToTyped,
     ClassesToIndicesd,
     Compose,
     DeleteItemsd,
@@ -134,7 +135,7 @@ def preprocessing(recipe: DictConfig, with_label: bool = True) -> list:
     load = [LoadImaged(keys=["image"], ensure_channel_first=True, image_only=True)]
     if with_label:
         load.append(LoadLabelMapd(classes=list(data.classes)))
-    return load + [
+    transforms = load + [
         EnsureTyped(keys=keys, dtype=(torch.float32, torch.uint8)[: len(keys)], track_meta=True),
         Orientationd(keys=keys, axcodes="RAS", labels=None),
         Spacingd(keys=keys, pixdim=tuple(float(s) for s in data.spacing), mode=("bilinear", "nearest")[: len(keys)]),
@@ -142,6 +143,11 @@ def preprocessing(recipe: DictConfig, with_label: bool = True) -> list:
         CropForegroundd(keys=keys, source_key="image", allow_smaller=True),
         SpatialPadd(keys=keys, spatial_size=tuple(int(p) for p in data.patch_size)),
     ]
+    if with_label:
+        # Resampling returns float32 labels; back to uint8 (nearest neighbour keeps them exact), so a
+        # cached case costs 1 byte per voxel for its label, not 4.
+        transforms.append(CastToTyped(keys="label", dtype=torch.uint8))
+    return transforms
 
 
 def training_transforms(recipe: DictConfig) -> list:

@@ -51,7 +51,11 @@ def test_sbatch_job_is_requeued_on_sigusr1_and_resumes(services, tiny_phantom, t
     out = tmp_path / "run"
     script = tmp_path / "job.sbatch"  # the users' template, sized for this 2-CPU node without GPUs
     script.write_text(SBATCH_TEMPLATE.read_text().replace("#SBATCH --gpus-per-node=8\n", ""))
-    overrides = [*tiny_overrides(root, split, tmp_path, steps=100), "trainer.checkpoint_every_n_steps=5"]
+    # Tracking on the server, as the template says: Lightning's SIGUSR1 handler ends the MLflow run
+    # from inside the signal handler, which can find a SQLite store locked by the interrupted write.
+    server = services["MLFLOW_TRACKING_URI"]
+    overrides = [*tiny_overrides(root, split, tmp_path, steps=100), "trainer.checkpoint_every_n_steps=5",
+                 f"tracking.uri={server}", f"tracking.experiment=requeue-{tmp_path.name}"]
     environment = {**_environment(services), "BENCHX_OUT": str(out), "BENCHX_STRATEGY": "auto"}
     submitted = subprocess.run(
         ["sbatch", "--parsable", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=15", f"--output={tmp_path}/job.log",
@@ -75,7 +79,8 @@ def test_sbatch_job_is_requeued_on_sigusr1_and_resumes(services, tiny_phantom, t
     assert list(out.glob("hpc_ckpt_*.ckpt")), "Lightning saved its requeue checkpoint"
     assert "Restoring states from the checkpoint path" in log, "the restarted job resumed from a checkpoint"
     run_id = (out / "mlflow_run_id.txt").read_text().strip()
-    run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id)
+    client = MlflowClient(server)
+    run = client.get_run(run_id)
     assert run.data.tags.get("resumed") == "true" and run.info.status == "FINISHED"
-    steps = [m.step for m in MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(run_id, "train/loss")]
+    steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
     assert max(steps) >= 90
