@@ -2,7 +2,7 @@
 
 Each subcommand is a module-level ``main(argv) -> int`` with its own argparse parser, so
 ``benchx train --help`` imports only what training needs. Loading by name keeps the dependency
-direction of DESIGN.md section 0: the base package never imports :mod:`synthx`.
+direction of ``docs/design.md "Layering"``: the base package never imports :mod:`synthx`.
 
 Example::
 
@@ -18,11 +18,11 @@ import sys
 # name -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "phantom": ("lightning_modules.data.phantom", "main", "write the embedded phantom cohort (layout A + metadata.csv)"),
-    "import": ("lightning_modules.data.importers", "main", "import TotalSegmentator / nnU-Net / MSD / DICOM data into layout A"),
-    "fetch-example": ("lightning_modules.data.example_ct", "main", "fetch the real TotalSegmentator example CT as case TS_EXAMPLE"),
-    "validate": ("lightning_modules.data.validation", "main", "check a cohort and list every problem at once"),
-    "make-splits": ("lightning_modules.data.splits", "main", "write a patient-grouped, stratified split CSV"),
-    "audit": ("lightning_modules.data.audit", "main", "leakage audit: duplicates, patient overlap, header cues (exit 1 on leakage)"),
+    "import": ("lightning_modules.commands.import_cohort", "main", "import TotalSegmentator / nnU-Net / MSD / DICOM data into layout A"),
+    "fetch-example": ("lightning_modules.commands.fetch_example", "main", "fetch the real TotalSegmentator example CT as case TS_EXAMPLE"),
+    "validate": ("lightning_modules.commands.validate", "main", "check a cohort and list every problem at once"),
+    "make-splits": ("lightning_modules.commands.make_splits", "main", "write a patient-grouped, stratified split CSV"),
+    "audit": ("lightning_modules.commands.audit", "main", "leakage audit: duplicates, patient overlap, header cues (exit 1 on leakage)"),
     "train": ("lightning_modules.training", "main", "train a backbone from a recipe (+ key=value overrides)"),
     "evaluate": ("lightning_modules.evaluation.runs", "evaluate_main", "subgroup evaluation of a trained model into a new MLflow run"),
     "predict": ("lightning_modules.inference", "main", "segment CT scans; masks written on each scan's own grid and affine"),

@@ -153,9 +153,9 @@ def train(
     # (deterministic, so a resumed run plans the same network).
     split_table = datamodule.split if datamodule is not None and datamodule.split is not None else None
     if split_table is None:
-        from lightning_modules.data.splits import read_split_table
+        from lightning_modules.data.splits import load_split
 
-        split_table = read_split_table(recipe.data.split)
+        split_table = load_split(recipe.data.split)
     recipe, plan = resolve_planned_recipe(recipe, case_ids=list(split_table.loc[split_table["split"] == "train", "case_id"]))
     if datamodule is not None:
         datamodule.recipe = recipe

@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse
 
+from lightning_modules.data.lesions import PANCREAS_LOCATIONS, SMALL_TUMOR_MM, TUMOR_SIZE_GROUPS, tumor_size_group
 from lightning_modules.data.metadata import AGE_BAND_NAMES, PHASES, SEXES, UNKNOWN
 
 ATTRIBUTES = ("age", "sex", "race", "phase", "tumor_size", "tumor_location", "cohort")
@@ -41,8 +42,8 @@ ATTRIBUTE_COLUMNS = {
     "tumor_location": "tumor_location",
     "cohort": "cohort",
 }
-TUMOR_SIZES = ("small", "large")
-TUMOR_LOCATIONS = ("head", "body", "tail")
+TUMOR_SIZES = TUMOR_SIZE_GROUPS
+TUMOR_LOCATIONS = PANCREAS_LOCATIONS
 # Attributes with a closed vocabulary: every group gets a row (an empty one reports n=0), and any
 # other value is an error rather than a silently new group.
 CLOSED_GROUPS: dict[str, tuple[str, ...]] = {
@@ -203,22 +204,19 @@ def labels(records: pd.DataFrame) -> np.ndarray:
     return values == 1.0
 
 
-def tumor_size_groups(diameters_mm, labels_, small_tumor_mm: float = 20.0) -> np.ndarray:
-    """The ``tumor_size`` attribute: ``small`` (largest diameter <= small_tumor_mm), ``large``,
-    ``Unknown`` for a positive without a diameter, and ``''`` for negatives (DESIGN.md section 4).
+def tumor_size_groups(diameters_mm, labels_, small_tumor_mm: float = SMALL_TUMOR_MM) -> np.ndarray:
+    """The ``tumor_size`` attribute per case, by :func:`lightning_modules.data.lesions.tumor_size_group`:
+    ``small`` (largest extent <= small_tumor_mm), ``large``, ``Unknown`` for a positive without a
+    diameter, and ``''`` for negatives (``docs/design.md "Lesion size and location"``).
 
     Args:
-        diameters_mm: largest tumor diameter per case (NaN when unknown).
+        diameters_mm: largest tumor extent per case (NaN when unknown).
         labels_: true scan-level labels (0/1).
         small_tumor_mm: the recipe's ``detection.small_tumor_mm`` (BenchX: 20 mm).
     """
     diameters = np.asarray(diameters_mm, dtype=float)
-    positive = np.asarray(labels_).astype(bool)
-    groups = np.full(diameters.shape, "", dtype=object)
-    groups[positive & np.isnan(diameters)] = UNKNOWN
-    groups[positive & (diameters <= small_tumor_mm)] = "small"
-    groups[positive & (diameters > small_tumor_mm)] = "large"
-    return groups
+    positive = np.asarray(labels_).astype(int)
+    return np.array([tumor_size_group(d, t, small_tumor_mm) for d, t in zip(diameters, positive)], dtype=object)
 
 
 # ------------------------------------------------------------------------------------------------
