@@ -106,7 +106,7 @@ def test_disk_cache_keys_change_with_preprocessing(tiny_phantom, tmp_path):
     assert len(list(cache_dir.rglob("*.pt"))) == 2
 
 
-def test_class_indices_are_capped_per_class(tiny_phantom, tmp_path, monkeypatch):
+def test_class_indices_are_capped_per_class_and_labels_stay_uint8(tiny_phantom, tmp_path, monkeypatch):
     monkeypatch.setattr(dm, "CLASS_INDICES_PER_CLASS", 100)
     recipe = _recipe(tiny_phantom, tmp_path)
     transforms = dm.preprocessing(recipe) + dm.training_transforms(recipe)[:1]
@@ -117,6 +117,7 @@ def test_class_indices_are_capped_per_class(tiny_phantom, tmp_path, monkeypatch)
     assert max(sizes) == 100, sizes
     background = int((item["label"] == 0).sum())
     assert background > 100, "the background is larger than the cap"
+    assert item["label"].dtype == torch.uint8, "a cached label costs 1 byte per voxel"
 
 
 def test_unknown_cache_mode_is_refused(tiny_phantom, tmp_path):

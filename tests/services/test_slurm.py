@@ -65,12 +65,12 @@ def test_sbatch_job_is_requeued_on_sigusr1_and_resumes(services, tiny_phantom, t
     job_id = submitted.stdout.strip().split(";")[0]
     deadline = time.time() + 600
     while not (out / "checkpoints" / "last.ckpt").exists():  # training is under way
-        assert time.time() < deadline and _job(job_id, environment).get("JobState") in ("PENDING", "RUNNING"), (tmp_path / "job.log").read_text()[-3000:]
+        state = _job(job_id, environment).get("JobState")
+        assert time.time() < deadline and state in ("PENDING", "RUNNING"), f"job {state}: " + (tmp_path / "job.log").read_text()[-3000:]
         time.sleep(1)
     # The signal Slurm sends `--signal` seconds before the time limit, sent now to the job's steps.
     subprocess.run(["scancel", "--signal=USR1", job_id], env=environment, check=True)
-    while _job(job_id, environment).get("JobState") != "COMPLETED":
-        state = _job(job_id, environment).get("JobState")
+    while (state := _job(job_id, environment).get("JobState")) != "COMPLETED":
         assert time.time() < deadline and state in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING"), f"job {state}: " + (tmp_path / "job.log").read_text()[-3000:]
         time.sleep(2)
     job = _job(job_id, environment)
