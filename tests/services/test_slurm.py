@@ -32,6 +32,13 @@ def _job(job_id: str, environment) -> dict[str, str]:
     return dict(field.split("=", 1) for field in text.split() if "=" in field)
 
 
+def _only_run(client: MlflowClient, experiment: str):
+    """The one run of an experiment: a training whose ranks each opened a run would show several."""
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert len(runs) == 1, [(r.info.run_id, r.info.status) for r in runs]
+    return runs[0]
+
+
 def test_srun_two_tasks_ddp_training_finishes(services, tiny_phantom, tmp_path):
     root, split = tiny_phantom
     out = tmp_path / "run"
@@ -40,8 +47,7 @@ def test_srun_two_tasks_ddp_training_finishes(services, tiny_phantom, tmp_path):
                "trainer.devices=2", "trainer.strategy=ddp", "trainer.accelerator=cpu"]
     done = subprocess.run(command, cwd=tmp_path, env=_environment(services), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    run_id = (out / "mlflow_run_id.txt").read_text().strip()
-    run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id)
+    run = _only_run(MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}"), "benchx")
     assert run.info.status == "FINISHED"
     assert "val/dice/pancreatic_lesion" in run.data.metrics
 
@@ -78,9 +84,9 @@ def test_sbatch_job_is_requeued_on_sigusr1_and_resumes(services, tiny_phantom, t
     assert job["Restarts"] == "1" and "(restart 1)" in log, log[-3000:]
     assert list(out.glob("hpc_ckpt_*.ckpt")), "Lightning saved its requeue checkpoint"
     assert "Restoring states from the checkpoint path" in log, "the restarted job resumed from a checkpoint"
-    run_id = (out / "mlflow_run_id.txt").read_text().strip()
     client = MlflowClient(server)
-    run = client.get_run(run_id)
+    run = _only_run(client, f"requeue-{tmp_path.name}")
+    run_id = run.info.run_id
     assert run.data.tags.get("resumed") == "true" and run.info.status == "FINISHED"
     steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
     assert max(steps) >= 90
