@@ -1,25 +1,25 @@
-"""``benchx predict``: segment CT scans with a trained model and write the masks on each scan's own grid.
+"""Segment CT scans with a trained model and write the masks on each scan's own grid (``benchx predict``).
 
 The scan goes through the same preprocessing as training (orientation RAS, resampling, HU window,
 foreground crop, padding), is segmented by sliding-window inference, and the label map is mapped
 back through the inverse of every preprocessing step (MONAI ``Invertd``), so the written masks have
 the CT's exact shape and affine. For each scan it writes ``<out>/<case_id>/prediction.nii.gz``
 (integer labels in recipe class order) and ``<out>/<case_id>/segmentations/<class>.nii.gz``, and
-prints the predicted tumor volume in mm^3 (the BenchX scan-level score).
+reports the predicted tumor volume in mm^3, the scan-level score of
+docs/design.md "Scan-level detection". A file that cannot be read (e.g. a truncated ``.nii.gz``) is named, skipped and listed
+in the summary; the other scans are still predicted.
 
 Example::
 
-    benchx predict --run-id <training run> --input data/example_ct --out predictions/
-    benchx predict --checkpoint best.ckpt --recipe recipes/unet.yaml --input scan.nii.gz --out predictions/
+    summary = predict_cases(module, recipe, input_cases(Path("data/example_ct")), Path("predictions"))
+    print(summary.skipped)
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import nibabel as nib
 import numpy as np
@@ -30,7 +30,6 @@ from omegaconf import DictConfig
 
 from lightning_modules.data.cohort import CT_FILE, atomic_save_nifti, load_cohort
 from lightning_modules.data.datamodule import preprocessing
-from lightning_modules.config.recipe import load_recipe
 from lightning_modules.models.segmentation_module import SegmentationModule
 from lightning_modules.models.tumor_outputs import predicted_labels
 
@@ -66,8 +65,9 @@ def write_prediction(out_dir: Path, labels: np.ndarray, affine: np.ndarray, clas
     return out_dir / "prediction.nii.gz"
 
 
-def _inputs(path: Path) -> list[tuple[str, Path]]:
+def input_cases(path: Path) -> list[tuple[str, Path]]:
     """(case id, CT path) pairs from a CT file, a cohort folder, or a folder of CT files."""
+    path = Path(path)
     if path.is_file():
         name = path.name[: -len(".nii.gz")] if path.name.endswith(".nii.gz") else path.stem
         return [(name, path)]
@@ -80,30 +80,63 @@ def _inputs(path: Path) -> list[tuple[str, Path]]:
     return [((f.parent.name if f.name == CT_FILE else f.name[: -len(".nii.gz")]), f) for f in files]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from lightning_modules.commands.common import add_model_source_arguments, add_overrides_argument, split_overrides
-    from lightning_modules.models.checkpoints import ModelSourceError, load_module_from_checkpoint, resolve_model_source
-
-    parser = argparse.ArgumentParser(prog="benchx predict", description=__doc__.split("\n\n")[0])
-    add_model_source_arguments(parser)
-    parser.add_argument("--input", required=True, help="a CT .nii.gz, a cohort folder, or a folder of CTs")
-    parser.add_argument("--out", required=True)
-    add_overrides_argument(parser)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+def unreadable_reason(ct_path: Path) -> str | None:
+    """Why a CT file cannot be read as an image (None when nibabel reads all of its voxels)."""
     try:
-        with tempfile.TemporaryDirectory() as folder:
-            recipe, checkpoint = resolve_model_source(
-                Path(folder), args.run_id, args.checkpoint, args.recipe, split_overrides(args.overrides)
-            )
-            module = load_module_from_checkpoint(recipe, checkpoint)
-        voxel = None
-        for case_id, ct_path in _inputs(Path(args.input)):
+        image = nib.load(str(ct_path))
+        np.asarray(image.dataobj)
+    except Exception as error:  # nibabel, gzip and zlib raise many types for a damaged file
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+@dataclass
+class PredictionSummary:
+    """What a prediction run wrote and skipped.
+
+    Attributes:
+        written: (case id, output folder, predicted tumor volume in mm^3) per predicted scan.
+        skipped: (CT path, reason) per file that could not be read.
+    """
+
+    written: list[tuple[str, Path, float]] = field(default_factory=list)
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+
+
+def predict_cases(
+    module: SegmentationModule,
+    recipe: DictConfig,
+    cases: Sequence[tuple[str, Path]],
+    out: Path,
+    report: Callable[[str], None] = lambda line: None,
+) -> PredictionSummary:
+    """Predict every case and write its masks under ``out/<case id>``; unreadable files are skipped.
+
+    A scan whose prediction fails is checked with :func:`unreadable_reason`: when the file itself
+    cannot be read it is skipped (named, with the reason) and the next scan is predicted; any other
+    error is raised, as it is a fault of the model or the code, not of that file.
+
+    Args:
+        module: the trained module.
+        recipe: its recipe (preprocessing, classes).
+        cases: (case id, CT path) pairs, e.g. from :func:`input_cases`.
+        out: output folder.
+        report: called with one line per scan written or skipped (e.g. ``print``).
+    """
+    summary = PredictionSummary()
+    for case_id, ct_path in cases:
+        try:
             labels, affine = predict_scan(module, recipe, ct_path)
-            write_prediction(Path(args.out) / case_id, labels, affine, list(recipe.data.classes))
-            voxel = float(abs(np.linalg.det(affine[:3, :3])))
-            tumor = int((labels == module.tumor_label).sum())
-            print(f"{case_id}: predicted {recipe.data.tumor_class} volume {tumor * voxel:.1f} mm^3 -> {Path(args.out) / case_id}")
-    except (ModelSourceError, FileNotFoundError) as error:
-        print(f"benchx predict: {error}", file=sys.stderr)
-        return 1
-    return 0
+        except Exception:
+            reason = unreadable_reason(Path(ct_path))
+            if reason is None:
+                raise
+            summary.skipped.append((Path(ct_path), reason))
+            report(f"{case_id}: skipped, cannot read {ct_path}: {reason}")
+            continue
+        write_prediction(Path(out) / case_id, labels, affine, list(recipe.data.classes))
+        voxel = float(abs(np.linalg.det(affine[:3, :3])))
+        volume = int((labels == module.tumor_label).sum()) * voxel
+        summary.written.append((case_id, Path(out) / case_id, volume))
+        report(f"{case_id}: predicted {recipe.data.tumor_class} volume {volume:.1f} mm^3 -> {Path(out) / case_id}")
+    return summary
