@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
@@ -60,8 +61,9 @@ def test_sbatch_job_is_requeued_on_sigusr1_and_resumes(services, tiny_phantom, t
     # Tracking on the server, as the template says: Lightning's SIGUSR1 handler ends the MLflow run
     # from inside the signal handler, which can find a SQLite store locked by the interrupted write.
     server = services["MLFLOW_TRACKING_URI"]
+    experiment = f"requeue-{uuid.uuid4().hex[:8]}"  # the server outlives the test: a new experiment
     overrides = [*tiny_overrides(root, split, tmp_path, steps=100), "trainer.checkpoint_every_n_steps=5",
-                 f"tracking.uri={server}", f"tracking.experiment=requeue-{tmp_path.name}"]
+                 f"tracking.uri={server}", f"tracking.experiment={experiment}"]
     environment = {**_environment(services), "BENCHX_OUT": str(out), "BENCHX_STRATEGY": "auto"}
     submitted = subprocess.run(
         ["sbatch", "--parsable", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=15", f"--output={tmp_path}/job.log",
@@ -85,7 +87,7 @@ def test_sbatch_job_is_requeued_on_sigusr1_and_resumes(services, tiny_phantom, t
     assert list(out.glob("hpc_ckpt_*.ckpt")), "Lightning saved its requeue checkpoint"
     assert "Restoring states from the checkpoint path" in log, "the restarted job resumed from a checkpoint"
     client = MlflowClient(server)
-    run = _only_run(client, f"requeue-{tmp_path.name}")
+    run = _only_run(client, experiment)
     run_id = run.info.run_id
     assert run.data.tags.get("resumed") == "true" and run.info.status == "FINISHED"
     steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
