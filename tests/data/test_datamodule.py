@@ -77,14 +77,15 @@ def test_disk_cache_filled_by_two_processes_equals_memory_cache(tiny_phantom, tm
     cache_dir = tmp_path / "cache"
     root, split = tiny_phantom
     overrides = tiny_overrides(root, split, tmp_path) + ["data.cache=disk", f"data.cache_dir={cache_dir}"]
-    context = multiprocessing.get_context("fork")  # fork: no second import of torch (tens of seconds here)
+    # spawn, as DDP ranks are separate processes (a fork after earlier tests ran torch threads can hang)
+    context = multiprocessing.get_context("spawn")
     start = context.Event()
     ranks = [context.Process(target=_fill_disk_cache, args=(overrides, start)) for _ in range(2)]
     for rank in ranks:
         rank.start()
     start.set()
     for rank in ranks:
-        rank.join(300)
+        rank.join(600)
         assert rank.exitcode == 0, "a process filling the disk cache failed"
 
     files = list(cache_dir.rglob("*.pt"))
