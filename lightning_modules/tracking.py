@@ -1,4 +1,4 @@
-"""MLflow helpers shared by training, evaluation, SynthX and the sweeps (DESIGN.md section 6).
+"""MLflow helpers shared by training, evaluation, SynthX and the sweeps (docs/design.md "MLflow runs and keys").
 
 Tracking URI: the recipe's ``tracking.uri`` when it sets one; otherwise ``MLFLOW_TRACKING_URI`` (what
 ``mlflow run`` passes to its entry points); otherwise ``sqlite:///mlflow.db`` (MLflow's own default;
@@ -137,7 +137,7 @@ def log_inputs(client: MlflowClient, run_id: str, datasets: list) -> None:
 
 
 def run_tags(recipe, split_sha256: str, variant: str | None = None) -> dict[str, str]:
-    """The standard tags of DESIGN.md section 6 for a training or evaluation run."""
+    """The standard tags (docs/design.md "MLflow runs and keys") for a training or evaluation run."""
     ratio = float(recipe.synthx.ratio)
     tags = {
         "backbone": str(recipe.model.backbone),
