@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "predict": ("lightning_modules.commands.predict", "main", "segment CT scans; masks written on each scan's own grid and affine"),
     "compare": ("lightning_modules.commands.compare", "main", "paired comparison of evaluation runs (BenchX table 6)"),
     "study": ("synthx.commands.study", "main", "the baseline-vs-SynthX study on a cohort (the main job)"),
-    "sweep": ("synthx.sweep", "main", "Optuna sweep over the synthesis ratio"),
+    "sweep": ("synthx.commands.sweep", "main", "Optuna sweep over the synthesis ratio"),
     "synthx-train": ("synthx.commands.synthx_train", "main", "train the SynthX tumor generator (conditional 3D diffusion)"),
     "synthesize": ("synthx.commands.synthesize", "main", "paint conditioned synthetic tumors into healthy training scans (resumable)"),
     "synthx-quality": ("synthx.commands.synthx_quality", "main", "synthetic vs real tumors: HU, contrast, phase faithfulness, diversity"),

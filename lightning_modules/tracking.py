@@ -62,9 +62,29 @@ def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float], st
         client.log_batch(run_id, metrics=entries[start : start + 1000])
 
 
+# Where a direct database store (postgresql://, mysql://, mssql://) puts artifacts: this folder or
+# URI (s3://...) if set, else ~/mlartifacts; one sub-folder per experiment. Several machines writing
+# to one database need a shared place, or the tracking server (scripts/services.sh, README "Scaling").
+ARTIFACT_ROOT_VARIABLE = "BENCHX_ARTIFACT_ROOT"
+DATABASE_SCHEMES = ("postgresql", "mysql", "mssql")
+
+
 def tracking_uri(recipe_uri: str | None = None) -> str:
     """The tracking URI in force: the recipe's if set, else ``MLFLOW_TRACKING_URI``, else the default."""
-    return recipe_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    return database_url(recipe_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI)
+
+
+def database_url(url: str) -> str:
+    """``postgresql://`` as ``postgresql+psycopg://`` when only psycopg 3 (the ``server`` extra) is installed.
+
+    SQLAlchemy's plain ``postgresql://`` means psycopg2; MLflow and Optuna both open URLs through it.
+    """
+    if url.startswith("postgresql://"):
+        import importlib.util
+
+        if importlib.util.find_spec("psycopg2") is None and importlib.util.find_spec("psycopg") is not None:
+            return "postgresql+psycopg://" + url[len("postgresql://") :]
+    return url
 
 
 def git_commit(path: str | Path | None = None) -> str:
@@ -124,14 +144,36 @@ def experiment_id(name: str, uri: str) -> str:
 
 
 def default_artifact_location(uri: str, experiment: str) -> str | None:
-    """For a SQLite store, artifacts beside the database (``<db folder>/mlartifacts/<experiment>``)
-    instead of MLflow's ``./mlruns`` in whatever folder the process started; None otherwise (the
-    server's or store's own default)."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    database = Path(uri[len("sqlite:///") :])
+    """Where a new experiment's artifacts go, instead of MLflow's ``./mlruns`` in whatever folder the
+    process started: for SQLite beside the database (``<db folder>/mlartifacts/<experiment>``); for
+    another database (PostgreSQL) under ``$BENCHX_ARTIFACT_ROOT`` (default ``~/mlartifacts``); None
+    for a tracking server (its ``--artifacts-destination`` decides)."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in experiment)
-    return (database.resolve().parent / "mlartifacts" / safe).as_uri()
+    if uri.startswith("sqlite:///"):
+        database = Path(uri[len("sqlite:///") :])
+        return (database.resolve().parent / "mlartifacts" / safe).as_uri()
+    if uri.split(":", 1)[0].split("+", 1)[0] in DATABASE_SCHEMES:
+        root = os.environ.get(ARTIFACT_ROOT_VARIABLE) or str(Path.home() / "mlartifacts")
+        if "://" in root:
+            return f"{root.rstrip('/')}/{safe}"
+        return (Path(root).expanduser().resolve() / safe).as_uri()
+    return None
+
+
+def log_inputs(client: MlflowClient, run_id: str, datasets: list) -> None:
+    """``client.log_inputs`` that survives concurrent runs logging the same dataset.
+
+    MLflow looks a dataset up and inserts it when absent; two processes (sweep workers) doing so at
+    once collide on the (experiment, name, digest) key and one fails. Its retry finds the dataset.
+    """
+    for attempt in range(3):
+        try:
+            client.log_inputs(run_id, datasets=datasets)
+            return
+        except mlflow.exceptions.MlflowException as error:
+            text = str(error).lower()
+            if attempt == 2 or not ("unique" in text or "duplicate" in text):
+                raise
 
 
 def run_tags(recipe, split_sha256: str, variant: str | None = None) -> dict[str, str]:

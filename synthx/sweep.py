@@ -9,31 +9,38 @@ of the synthetic cohort) and is scored on the validation split by the chosen obj
 - ``both``: a multi-objective study of the two (the Pareto front of average versus worst group;
   Optuna does not prune multi-objective studies).
 
-Storage: a SQLite file by default (``sqlite:///optuna.db``), any RDB URL (PostgreSQL), or a
-journal file (``journal:<path>``). The study is created (with its MLflow parent run) before any
-worker starts (``--create-only``), so concurrent workers never race on creating it; then each
-worker loads it and runs trials until the study holds ``--trials`` finished trials. A rerun after
-an interruption resumes: finished trials are never repeated (a trial left RUNNING by a killed
-worker is marked FAILED and its slot is run again). Each trial is an MLflow run whose parent is the
-sweep's run (``mlflow.parentRunId``, set explicitly: ``nested=True`` loses the parent across
-processes), tagged with its trial number and ratio. ``optuna-dashboard <storage>`` works on the
-same storage.
+Storage: a SQLite file by default (``sqlite:///optuna.db``, one worker at a time), PostgreSQL
+(``postgresql://...``, many workers on many machines; ``scripts/services.sh start`` runs one here)
+or a journal file (``journal:<path>``, workers on one file system). The study is created (with its
+MLflow parent run) once, before any worker starts (``--create-only``), so concurrent workers never
+race on creating it; then each worker loads it and runs trials until the study holds ``--trials``
+finished trials. On an RDB storage every running trial sends a heartbeat; a trial whose worker died
+(no heartbeat for the grace period) is marked FAILED by the next worker that starts a trial, its
+MLflow run is ended FAILED, and the trial is queued again with the same parameters (Optuna's
+``RetryHeartbeatStaleTrialCallback``; the enqueued ratio-0 baseline included), so finished trials
+are never repeated. Pruned trials end their MLflow run KILLED with the tag ``optuna_state=PRUNED``.
+Each trial is an MLflow run whose parent is the sweep's run (``mlflow.parentRunId``, set
+explicitly: ``nested=True`` loses the parent across processes), tagged with its trial number and
+ratio. ``optuna-dashboard <storage>`` (the ``server`` extra) shows the same storage.
 
 Example::
 
     benchx sweep --recipe recipes/unet.yaml --trials 8 --objective both profile=cpu synthx.cohort=data/synthetic
-    benchx sweep --recipe recipes/unet.yaml --create-only ...        # then start workers:
-    benchx sweep --recipe recipes/unet.yaml --trials 8 ... &  benchx sweep --recipe recipes/unet.yaml --trials 8 ...
+    benchx sweep --recipe recipes/unet.yaml --storage postgresql://postgres@db:5432/optuna --create-only ...
+    benchx sweep --recipe recipes/unet.yaml --storage postgresql://postgres@db:5432/optuna --trials 8 ...   # on each worker
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import fcntl
 import math
-import sys
+import os
+import socket
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import mlflow
 import optuna
@@ -43,9 +50,7 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from lightning_modules.commands.common import split_overrides
-from lightning_modules.config.recipe import load_recipe
-from lightning_modules.tracking import experiment_id, git_commit, tracking_uri
+from lightning_modules.tracking import database_url, experiment_id, git_commit, tracking_uri
 from lightning_modules.training import train
 
 PARENT_ATTR = "mlflow_parent_run_id"
@@ -53,18 +58,110 @@ OBJECTIVES = {"f1": ["maximize"], "worst_sensitivity": ["maximize"], "both": ["m
 DEFAULT_STORAGE = "sqlite:///optuna.db"
 
 
-def make_storage(url: str):
-    """An Optuna storage from a URL: ``journal:<file>`` for a journal file, anything else as an RDB URL."""
+# Heartbeats: a worker's running trial is stale after GRACE_PERIODS heartbeat intervals of silence.
+DEFAULT_HEARTBEAT_S = 60
+GRACE_PERIODS = 3
+MAX_RETRY = 2  # a trial whose worker died is queued again at most this often
+
+
+@dataclass
+class SweepSettings:
+    """What ``benchx sweep`` does; see :func:`sweep`.
+
+    Args:
+        recipe: the loaded recipe every trial trains.
+        study_name / storage: the Optuna study and its storage URL.
+        objective: a key of OBJECTIVES.
+        trials: finished (complete or pruned) trials the study should hold, over all workers.
+        ratio_range: the sampled ``synthx.ratio`` interval.
+        enqueue: ratios tried first (0 = the baseline as reference).
+        attributes: the subgroup attributes of the worst-group objective.
+        targeting: optional targeting rule -> synthetic cohort folder, swept as a parameter.
+        heartbeat_interval: seconds between a running trial's heartbeats (RDB storage).
+        create_only: create the study and its MLflow parent run, run no trial.
+    """
+
+    recipe: DictConfig
+    study_name: str = "synthx-ratio"
+    storage: str = DEFAULT_STORAGE
+    objective: str = "f1"
+    trials: int = 8
+    ratio_range: tuple[float, float] = (0.0, 0.8)
+    enqueue: Sequence[float] = (0.0,)
+    attributes: Sequence[str] = ("age", "sex", "phase")
+    targeting: dict[str, str] = field(default_factory=dict)
+    heartbeat_interval: int = DEFAULT_HEARTBEAT_S
+    create_only: bool = False
+
+
+class RetryStaleTrial(optuna.storages.RetryHeartbeatStaleTrialCallback):
+    """Optuna's retry of a trial whose worker died, which also ends that trial's MLflow run FAILED."""
+
+    def __init__(self, mlflow_uri: str | None, max_retry: int = MAX_RETRY):
+        super().__init__(max_retry=max_retry)
+        self.mlflow_uri = mlflow_uri
+
+    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        run_id = trial.user_attrs.get("mlflow_run_id")
+        if run_id and self.mlflow_uri:
+            client = MlflowClient(tracking_uri=self.mlflow_uri)
+            client.set_tag(run_id, "optuna_state", "FAIL (worker stopped sending heartbeats)")
+            client.set_terminated(run_id, "FAILED")
+        super().__call__(study, trial)
+
+
+def make_storage(url: str, heartbeat_interval: int = DEFAULT_HEARTBEAT_S, mlflow_uri: str | None = None):
+    """An Optuna storage from a URL: ``journal:<file>`` for a journal file, anything else as an RDB
+    URL with heartbeats and the retry of trials whose worker died (:class:`RetryStaleTrial`)."""
     if url.startswith("journal:"):
         return JournalStorage(JournalFileBackend(url[len("journal:") :]))
-    return optuna.storages.RDBStorage(url, heartbeat_interval=60, grace_period=180)
+    return optuna.storages.RDBStorage(
+        database_url(url),
+        heartbeat_interval=heartbeat_interval,
+        grace_period=GRACE_PERIODS * heartbeat_interval,
+        heartbeat_stale_trial_callback=RetryStaleTrial(mlflow_uri),
+    )
+
+
+@contextlib.contextmanager
+def sqlite_worker_slot(url: str) -> Iterator[None]:
+    """Hold the only worker slot of a SQLite storage (a lock file beside it); refuse a second worker.
+
+    Concurrent writers on one SQLite file fail in table setup and on locks; parallel workers need
+    PostgreSQL (or a journal file).
+    """
+    if not url.startswith("sqlite:///"):
+        yield
+        return
+    lock_path = Path(url[len("sqlite:///") :]).resolve().with_suffix(".sweep-worker.lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            raise RuntimeError(
+                f"another sweep worker ({lock.read().strip() or 'unknown'}) is using {url}: SQLite takes one "
+                "worker at a time. For parallel workers use PostgreSQL (--storage postgresql://...; "
+                "scripts/services.sh starts one) or a journal file (--storage journal:<file>)."
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        lock.flush()
+        yield
 
 
 def create_sweep(
-    recipe: DictConfig, study_name: str, storage_url: str, objective: str, ratios: Sequence[float] | None = None
+    recipe: DictConfig,
+    study_name: str,
+    storage_url: str,
+    objective: str,
+    ratios: Sequence[float] | None = None,
+    heartbeat_interval: int = DEFAULT_HEARTBEAT_S,
 ) -> optuna.Study:
     """Create (or load) the study and its MLflow parent run; call once before starting workers."""
-    storage = make_storage(storage_url)
+    storage = make_storage(storage_url, heartbeat_interval, tracking_uri(recipe.tracking.uri))
     study = optuna.create_study(
         study_name=study_name,
         storage=storage,
@@ -81,7 +178,7 @@ def create_sweep(
         run = client.create_run(
             experiment_id(str(recipe.tracking.experiment), uri),
             run_name=f"sweep-{study_name}",
-            tags={"stage": "sweep", "optuna_study": study_name, "optuna_storage": _safe_url(storage_url),
+            tags={"stage": "sweep", "optuna_study": study_name, "optuna_storage": safe_url(storage_url),
                   "backbone": str(recipe.model.backbone), "recipe": str(recipe.name), "git_commit": git_commit()},
         )
         client.log_param(run.info.run_id, "objective", objective)
@@ -94,7 +191,7 @@ def create_sweep(
     return study
 
 
-def _safe_url(url: str) -> str:
+def safe_url(url: str) -> str:
     """A storage URL without its password, for tags."""
     if "@" in url and "://" in url:
         scheme, rest = url.split("://", 1)
@@ -139,21 +236,26 @@ def make_objective(
 
         evaluation = SubgroupEvaluation.from_recipe(trial_recipe)
         folder = (output_root or Path(trial_recipe.tracking.output_dir)) / f"sweep-{study_name}" / f"trial-{trial.number}"
-        result = train(
-            trial_recipe,
-            output_dir=folder,
-            callbacks=[*callbacks, evaluation],
-            evaluation=False,
-            resume=False,
-            variant="synthx" if ratio > 0 else "baseline",
-            after_run_start=lambda logger: trial.set_user_attr("mlflow_run_id", logger.run_id),
-            extra_tags={
-                "mlflow.parentRunId": parent_run_id,
-                "optuna_study": study_name,
-                "optuna_trial": str(trial.number),
-                "synthx_ratio": f"{ratio:g}",
-            },
-        )
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+        try:
+            result = train(
+                trial_recipe,
+                output_dir=folder,
+                callbacks=[*callbacks, evaluation],
+                evaluation=False,
+                resume=False,
+                variant="synthx" if ratio > 0 else "baseline",
+                after_run_start=lambda logger: trial.set_user_attr("mlflow_run_id", logger.run_id),
+                extra_tags={
+                    "mlflow.parentRunId": parent_run_id,
+                    "optuna_study": study_name,
+                    "optuna_trial": str(trial.number),
+                    "synthx_ratio": f"{ratio:g}",
+                },
+            )
+        except optuna.TrialPruned:
+            end_pruned_run(trial, tracking_uri(recipe.tracking.uri))
+            raise
         trial.set_user_attr("mlflow_run_id", result.run_id)
         table = evaluation.results.get("val")
         if table is None:
@@ -172,23 +274,29 @@ def make_objective(
     return run_trial
 
 
+def end_pruned_run(trial: optuna.Trial, uri: str) -> None:
+    """A pruned trial's MLflow run ends KILLED (Lightning ended it FAILED), tagged ``optuna_state=PRUNED``."""
+    run_id = trial.user_attrs.get("mlflow_run_id")
+    if run_id:
+        client = MlflowClient(tracking_uri=uri)
+        client.set_tag(run_id, "optuna_state", "PRUNED")
+        client.set_terminated(run_id, "KILLED")
+
+
 def _finite(value: float) -> float:
     """Undefined metrics score as 0 for the optimizer only (they are logged as undefined elsewhere)."""
     return 0.0 if value is None or math.isnan(value) else float(value)
 
 
-def fail_stale_trials(study: optuna.Study) -> None:
-    """Mark trials left RUNNING by a killed worker as FAILED, so their slot is run again."""
-    storage = study._storage
-    if isinstance(storage, optuna.storages.RDBStorage) and storage.heartbeat_interval:
-        optuna.storages.fail_stale_trials(study)
-
-
 def run_worker(study: optuna.Study, objective_fn, n_trials: int) -> None:
-    """Run trials until the study holds ``n_trials`` complete or pruned trials (shared across workers)."""
+    """Run trials until the study holds ``n_trials`` complete or pruned trials (shared across workers).
+
+    On an RDB storage Optuna first fails the trials of dead workers (no heartbeat for the grace
+    period) and queues their retries, at the start of every trial of every worker.
+    """
     from optuna.study import MaxTrialsCallback
 
-    fail_stale_trials(study)
+    optuna.storages.fail_stale_trials(study)
     done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
     if done >= n_trials:
         return
@@ -255,38 +363,25 @@ def log_sweep_summary(study: optuna.Study, recipe: DictConfig) -> None:
         plt.close(axes.figure)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchx sweep", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--recipe", required=True)
-    parser.add_argument("--study-name", default="synthx-ratio")
-    parser.add_argument("--storage", default=DEFAULT_STORAGE, help="sqlite:///file.db, postgresql://..., or journal:<file>")
-    parser.add_argument("--objective", choices=sorted(OBJECTIVES), default="f1")
-    parser.add_argument("--trials", type=int, default=8, help="finished trials the study should hold (across workers)")
-    parser.add_argument("--ratio-min", type=float, default=0.0)
-    parser.add_argument("--ratio-max", type=float, default=0.8)
-    parser.add_argument("--enqueue", type=float, action="append", default=None, metavar="RATIO",
-                        help="a ratio tried first (repeatable; default 0 = the baseline as reference)")
-    parser.add_argument("--no-enqueue", action="store_true", help="let the sampler choose every ratio")
-    parser.add_argument("--attributes", nargs="+", default=["age", "sex", "phase"], help="for the worst-group objective")
-    parser.add_argument("--targeting", nargs="*", default=[], metavar="RULE=COHORT",
-                        help="optional targeting rules to sweep, each with its synthetic cohort folder")
-    parser.add_argument("--create-only", action="store_true", help="create the study and its MLflow run, then exit")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    overrides = split_overrides(args.overrides)
-    recipe = load_recipe(args.recipe, overrides)
-    cohorts = dict(item.split("=", 1) for item in args.targeting)
-    enqueue = [] if args.no_enqueue else (args.enqueue if args.enqueue is not None else [0.0])
-    study = create_sweep(recipe, args.study_name, args.storage, args.objective, enqueue)
-    if args.create_only:
-        print(f"study {args.study_name} ready in {_safe_url(args.storage)}; MLflow parent run {study.user_attrs[PARENT_ATTR]}")
-        return 0
-    objective = make_objective(
-        recipe, args.objective, study.user_attrs[PARENT_ATTR], args.study_name, args.attributes,
-        (args.ratio_min, args.ratio_max), list(cohorts), cohorts,
-    )
-    run_worker(study, objective, args.trials)
+def sweep(settings: SweepSettings) -> optuna.Study:
+    """Create the study (once) and, unless ``create_only``, work on it as one worker; returns the study."""
+    recipe = settings.recipe
+    enqueue = list(settings.enqueue)
+    shared = not settings.storage.startswith("sqlite:")
+    if shared and not settings.create_only and settings.study_name not in optuna.get_all_study_names(make_storage(settings.storage)):
+        # Workers started together would each create the study's MLflow parent run.
+        raise RuntimeError(
+            f"study {settings.study_name!r} does not exist in {safe_url(settings.storage)}: create it once with "
+            "--create-only (same arguments), then start the workers"
+        )
+    study = create_sweep(recipe, settings.study_name, settings.storage, settings.objective, enqueue, settings.heartbeat_interval)
+    if settings.create_only:
+        return study
+    with sqlite_worker_slot(settings.storage):
+        objective = make_objective(
+            recipe, settings.objective, study.user_attrs[PARENT_ATTR], settings.study_name, settings.attributes,
+            settings.ratio_range, list(settings.targeting), settings.targeting,
+        )
+        run_worker(study, objective, settings.trials)
     log_sweep_summary(study, recipe)
-    for trial in study.best_trials:
-        print(f"trial {trial.number}: ratio={trial.params.get('ratio'):.3f} values={trial.values} run={trial.user_attrs.get('mlflow_run_id')}")
-    return 0
+    return study

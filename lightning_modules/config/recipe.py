@@ -42,7 +42,10 @@ class DataConfig:
     neg: float = 1.0
     lesion_ratio: float = 2.0
     augment: bool = True
-    cache: bool = True
+    # memory (CacheDataset) | disk (PersistentDataset in cache_dir, shared by ranks) | none.
+    cache: str = "memory"
+    # Folder of the disk cache; empty = <tracking.output_dir>/data-cache.
+    cache_dir: str = ""
     num_workers: int = 0
     # The checks of `validate` run before training; a broken cohort is refused.
     validate: bool = True

@@ -4,8 +4,12 @@ Touchstone-style preprocessing (shared by training, validation and inference): o
 resampling to the recipe's spacing, HU clipped to the recipe's window and scaled to [0, 1],
 foreground (body) crop. Training adds patch sampling weighted toward lesions
 (``RandCropByLabelClassesd``: background, organ and lesion centres in the recipe's ratios) and light
-intensity augmentation. The deterministic part is cached (``CacheDataset``), so NIfTI files are
-decoded once, not every epoch.
+intensity augmentation. The deterministic part is cached as ``data.cache`` says, so NIfTI files
+are decoded once, not every epoch: ``memory`` (``CacheDataset``, each process holds its cases),
+``disk`` (``PersistentDataset`` files in ``data.cache_dir``, filled safely by several ranks at once
+and reused by later runs) or ``none``. The class indices for lesion-weighted patch sampling are
+capped per class (``CLASS_INDICES_PER_CLASS``), so a cached case costs about its image (float32)
+and label (uint8), not 8 more bytes for every voxel.
 
 Per-case metadata (case id, patient id, subgroup attributes) travels with each validation/test
 item, so the evaluation callback can build one record per case.
@@ -19,7 +23,11 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
+import socket
 from pathlib import Path
 from typing import Sequence
 
@@ -28,8 +36,10 @@ import nibabel as nib
 import numpy as np
 import pandas as pd
 import torch
-from monai.data import CacheDataset, Dataset, MetaTensor, list_data_collate
+from monai.data import CacheDataset, Dataset, MetaTensor, PersistentDataset, list_data_collate
+from monai.data.utils import pickle_hashing
 from monai.transforms import (
+    CastToTyped,
     ClassesToIndicesd,
     Compose,
     DeleteItemsd,
@@ -49,9 +59,17 @@ from monai.transforms import (
 )
 from omegaconf import DictConfig
 from monai.data import DataLoader
+from monai.utils import convert_to_tensor
 
 from lightning_modules.data.cohort import Cohort, is_lesion_class, load_cohort
 from lightning_modules.data.metadata import RECORD_COLUMNS
+
+CACHE_MODES = ("memory", "disk", "none")
+# Patch-centre candidates kept per class (evenly spaced in raster order, MONAI's
+# ``max_samples_per_class``): a lesion smaller than this keeps every voxel, the background and
+# large organs keep an even spread. Storing every voxel's index as int64 would cost 8 bytes per
+# voxel (about 100 MB per case at 1.5 mm).
+CLASS_INDICES_PER_CLASS = 20_000
 
 
 class LoadLabelMapd(MapTransform):
@@ -60,7 +78,7 @@ class LoadLabelMapd(MapTransform):
     Label k is the k-th recipe class; classes later in the list override earlier ones, and lesion
     classes are applied after organs, so a lesion inside its organ keeps its lesion label. A
     missing lesion file means "no lesion"; a missing organ file is an error naming the case and file.
-    The label map gets the image's affine (masks live on the CT grid, DESIGN.md section 1).
+    The label map gets the image's affine (masks live on the CT grid, docs/design.md "Cohorts on disk").
     """
 
     def __init__(self, classes: Sequence[str], image_key: str = "image", label_key: str = "label"):
@@ -104,7 +122,7 @@ def preprocessing(recipe: DictConfig, with_label: bool = True) -> list:
     load = [LoadImaged(keys=["image"], ensure_channel_first=True, image_only=True)]
     if with_label:
         load.append(LoadLabelMapd(classes=list(data.classes)))
-    return load + [
+    transforms = load + [
         EnsureTyped(keys=keys, dtype=(torch.float32, torch.uint8)[: len(keys)], track_meta=True),
         Orientationd(keys=keys, axcodes="RAS", labels=None),
         Spacingd(keys=keys, pixdim=tuple(float(s) for s in data.spacing), mode=("bilinear", "nearest")[: len(keys)]),
@@ -112,6 +130,11 @@ def preprocessing(recipe: DictConfig, with_label: bool = True) -> list:
         CropForegroundd(keys=keys, source_key="image", allow_smaller=True),
         SpatialPadd(keys=keys, spatial_size=tuple(int(p) for p in data.patch_size)),
     ]
+    if with_label:
+        # Resampling returns float32 labels; back to uint8 (nearest neighbour keeps them exact), so a
+        # cached case costs 1 byte per voxel for its label, not 4.
+        transforms.append(CastToTyped(keys="label", dtype=torch.uint8))
+    return transforms
 
 
 def training_transforms(recipe: DictConfig) -> list:
@@ -122,9 +145,12 @@ def training_transforms(recipe: DictConfig) -> list:
         float(data.pos) * (float(data.lesion_ratio) if is_lesion_class(name) else 1.0) for name in data.classes
     ]
     transforms = [
-        # Deterministic, so CacheDataset caches it: the voxel indices of each class are computed
-        # once per volume instead of on every random crop.
-        ClassesToIndicesd(keys="label", num_classes=len(data.classes) + 1, indices_postfix="_cls_indices"),
+        # Deterministic, so the cache keeps it: the voxel indices of each class are computed once
+        # per volume instead of on every random crop, capped per class.
+        ClassesToIndicesd(
+            keys="label", num_classes=len(data.classes) + 1, indices_postfix="_cls_indices",
+            max_samples_per_class=CLASS_INDICES_PER_CLASS,
+        ),
         RandCropByLabelClassesd(
             keys=["image", "label"],
             label_key="label",
@@ -156,6 +182,69 @@ def seeded_compose(transforms: list, seed: int) -> Compose:
     compose = Compose(transforms)
     compose.set_random_state(seed=seed)
     return compose
+
+
+class SharedPersistentDataset(PersistentDataset):
+    """A ``PersistentDataset`` whose cache files appear atomically, so several ranks may fill one folder.
+
+    MONAI writes each file in the system temporary folder and moves it into the cache; when the
+    two are on different file systems (a node's /tmp, a shared cache) the move is a copy, and
+    another rank can read a half-copied file. Here the file is written next to its final name
+    (unique per host and process) and renamed with ``os.replace``, atomic on one file system.
+    """
+
+    def _cachecheck(self, item_transformed):
+        hashfile = self.cache_dir / f"{self.hash_func(item_transformed).decode('utf-8')}{self.transform_hash}.pt"
+        if hashfile.is_file():
+            return torch.load(hashfile, weights_only=self.weights_only)
+        item = self._pre_transform(dict(item_transformed))
+        partial = hashfile.with_name(f".{hashfile.name}.{socket.gethostname()}.{os.getpid()}.partial")
+        torch.save(convert_to_tensor(item, convert_numeric=False, track_meta=self.track_meta), partial)
+        os.replace(partial, hashfile)
+        return item
+
+
+def cache_mode(recipe: DictConfig) -> str:
+    """``data.cache``, checked: memory, disk or none."""
+    mode = str(recipe.data.cache)
+    if mode not in CACHE_MODES:
+        raise ValueError(f"data.cache must be one of {', '.join(CACHE_MODES)} (got {mode!r})")
+    return mode
+
+
+def disk_cache_folder(recipe: DictConfig) -> Path:
+    """``data.cache_dir`` (default ``<tracking.output_dir>/data-cache``), one sub-folder per cohort root."""
+    root = Path(recipe.data.cache_dir or Path(recipe.tracking.output_dir) / "data-cache")
+    cohort = hashlib.sha256(str(Path(recipe.data.root).resolve()).encode()).hexdigest()[:12]
+    return root / f"{Path(recipe.data.root).name}-{cohort}"
+
+
+def cached_dataset(items: list[dict], compose: Compose, recipe: DictConfig, cache: bool = True) -> Dataset:
+    """A dataset over ``items`` that caches the deterministic part of ``compose`` as ``data.cache`` says.
+
+    Args:
+        items: one dict per case (``case_items``).
+        compose: the transforms (deterministic preprocessing first, random ones after).
+        recipe: the loaded recipe (``data.cache``, ``data.cache_dir``).
+        cache: False forces no caching (e.g. the test split, read once).
+
+    The disk cache's file names hash each item and the deterministic transforms with their
+    settings (MONAI's ``hash_transform``), so a changed spacing or window never reuses old files.
+    """
+    mode = cache_mode(recipe)
+    if not cache or mode == "none":
+        return Dataset(items, compose)
+    if mode == "memory":
+        return CacheDataset(items, compose, cache_rate=1.0, num_workers=None, progress=False, copy_cache=False)
+    folder = disk_cache_folder(recipe)
+    folder.mkdir(parents=True, exist_ok=True)
+    dataset = SharedPersistentDataset(
+        items, compose, cache_dir=folder, hash_transform=pickle_hashing, track_meta=True, weights_only=False
+    )
+    # Hashing the transforms builds a flattened Compose, and a new Compose re-seeds the transforms
+    # it holds: seed them again, so the patches are the recipe seed's, as with the other modes.
+    compose.set_random_state(seed=int(recipe.seed))
+    return dataset
 
 
 def case_items(cohort: Cohort, case_ids: Sequence[str], classes: Sequence[str]) -> list[dict]:
@@ -226,10 +315,7 @@ class CohortDataModule(pl.LightningDataModule):
         items = case_items(self.cohort, self.case_ids(stage), list(self.recipe.data.classes))
         if not items:
             raise ValueError(f"split {self.recipe.data.split} has no {stage} cases")
-        compose = seeded_compose(transforms, int(self.recipe.seed))
-        if cache and self.recipe.data.cache:
-            return CacheDataset(items, compose, cache_rate=1.0, num_workers=None, progress=False, copy_cache=False)
-        return Dataset(items, compose)
+        return cached_dataset(items, seeded_compose(transforms, int(self.recipe.seed)), self.recipe, cache)
 
     def setup(self, stage: str | None = None) -> None:
         self._load()

@@ -32,7 +32,7 @@ from pathlib import Path
 import mlflow
 import pandas as pd
 import torch
-from monai.data import CacheDataset, Dataset
+from monai.data import Dataset
 from monai.transforms import Compose
 from mlflow.entities import DatasetInput, InputTag
 from mlflow.tracking import MlflowClient
@@ -40,7 +40,8 @@ from omegaconf import DictConfig
 from torch.utils.data import Sampler
 
 from lightning_modules.data.cohort import Cohort, CohortError, load_cohort
-from lightning_modules.data.datamodule import CohortDataModule, case_items, seeded_compose
+from lightning_modules.tracking import log_inputs
+from lightning_modules.data.datamodule import CohortDataModule, cached_dataset, case_items, seeded_compose
 
 SYNTHETIC_COHORT_TAG = "synthetic_cohort"
 
@@ -145,9 +146,10 @@ class MixedTrainingSet(Dataset):
     """Real training items followed by synthetic items, with a :class:`MixingSampler` as ``sampler``."""
 
     def __init__(
-        self, items: list[dict], transforms: Compose, n_real: int, ratio: float, seed: int, cache: bool, mode: str = "add", report=None
+        self, items: list[dict], transforms: Compose, n_real: int, ratio: float, seed: int, recipe: DictConfig,
+        mode: str = "add", report=None,
     ):
-        self.inner = CacheDataset(items, transforms, cache_rate=1.0, progress=False, copy_cache=False) if cache else Dataset(items, transforms)
+        self.inner = cached_dataset(items, transforms, recipe)
         self.n_real = n_real
         self.n_synthetic = len(items) - n_real
         self.sampler = MixingSampler(n_real, self.n_synthetic, ratio, seed, mode, report)
@@ -176,7 +178,7 @@ def mixing_datamodule(recipe: DictConfig) -> CohortDataModule:
         synth_items = case_items(synthetic, synthetic.case_ids, classes)
         return MixedTrainingSet(
             real_items + synth_items, seeded_compose(transforms, int(recipe.seed)), len(real_items), ratio,
-            int(recipe.seed), bool(recipe.data.cache), str(recipe.synthx.mode), exposure_logger(datamodule),
+            int(recipe.seed), recipe, str(recipe.synthx.mode), exposure_logger(datamodule),
         )
 
     datamodule = CohortDataModule(recipe, train_dataset_factory=build)
@@ -216,4 +218,4 @@ def log_dataset_inputs(client: MlflowClient, run_id: str, datamodule: CohortData
         if generators:
             client.set_tag(run_id, "generator_run_ids", ",".join(generators))
         client.set_tag(run_id, SYNTHETIC_COHORT_TAG, str(synthetic.root))
-    client.log_inputs(run_id, datasets=inputs)
+    log_inputs(client, run_id, inputs)  # concurrent workers may log the same dataset

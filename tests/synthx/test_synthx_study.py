@@ -216,7 +216,8 @@ def _sweep_recipe_args(root, split, tmp_path, synthetic):
 
 
 def test_three_trial_sweep_links_trials_to_the_sweep_run(tiny_phantom, tmp_path):
-    from synthx.sweep import PARENT_ATTR, main as sweep_main
+    from synthx.commands.sweep import main as sweep_main
+    from synthx.sweep import PARENT_ATTR
 
     root, split = tiny_phantom
     synthetic = fake_synthetic_cohort(root, split, tmp_path / "synthetic")
@@ -242,7 +243,7 @@ def test_three_trial_sweep_links_trials_to_the_sweep_run(tiny_phantom, tmp_path)
 
 
 def test_two_concurrent_workers_share_one_journal_study(tiny_phantom, tmp_path):
-    from synthx.sweep import main as sweep_main
+    from synthx.commands.sweep import main as sweep_main
 
     root, split = tiny_phantom
     synthetic = fake_synthetic_cohort(root, split, tmp_path / "synthetic")

@@ -1,0 +1,126 @@
+"""The data cache: ``data.cache`` = memory | disk | none give the same items; the disk cache is safe
+when several processes (DDP ranks) fill one folder at once; class indices are capped per class.
+
+Run: ``python -m pytest -q tests/data/test_datamodule.py``
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import numpy as np
+import pytest
+import torch
+from monai.data import MetaTensor
+
+from conftest import RECIPES, tiny_overrides
+from lightning_modules.config.recipe import load_recipe
+from lightning_modules.data import datamodule as dm
+
+
+def _recipe(tiny_phantom, tmp_path, *extra):
+    root, split = tiny_phantom
+    return load_recipe(RECIPES / "unet.yaml", tiny_overrides(root, split, tmp_path) + list(extra))
+
+
+N_CASES = 4  # cases per stage read in the cache tests (the tiny phantom's first training/validation cases)
+
+
+def _datasets(recipe) -> dict:
+    """The training (patch sampling) and validation (whole volume) datasets over N_CASES cases each."""
+    module = dm.CohortDataModule(recipe)
+    module._load()
+    chains = {"train": dm.preprocessing(recipe) + dm.training_transforms(recipe), "val": dm.preprocessing(recipe)}
+    return {
+        stage: dm.cached_dataset(
+            dm.case_items(module.cohort, module.case_ids(stage)[:N_CASES], list(recipe.data.classes)),
+            dm.seeded_compose(chain, int(recipe.seed)),
+            recipe,
+        )
+        for stage, chain in chains.items()
+    }
+
+
+def _items(recipe) -> dict:
+    return {stage: [dataset[i] for i in range(len(dataset))] for stage, dataset in _datasets(recipe).items()}
+
+
+def _fill_disk_cache(overrides: list[str], start) -> None:
+    """One 'rank': wait for the start signal, then read every item (filling the disk cache)."""
+    recipe = load_recipe(RECIPES / "unet.yaml", overrides)
+    datasets = _datasets(recipe)
+    start.wait(120)
+    for dataset in datasets.values():
+        for i in range(len(dataset)):
+            dataset[i]
+
+
+def _assert_same(a, b, where: str) -> None:
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (torch.Tensor, np.ndarray)):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), where
+        if where.endswith((".image", ".label")):  # the metadata that inverts a prediction onto the scan
+            assert isinstance(a, MetaTensor) and isinstance(b, MetaTensor), where
+            assert torch.equal(a.affine, b.affine) and a.meta["filename_or_obj"] == b.meta["filename_or_obj"], where
+    else:
+        assert a == b, where
+
+
+def test_disk_cache_filled_by_two_processes_equals_memory_cache(tiny_phantom, tmp_path):
+    cache_dir = tmp_path / "cache"
+    root, split = tiny_phantom
+    overrides = tiny_overrides(root, split, tmp_path) + ["data.cache=disk", f"data.cache_dir={cache_dir}"]
+    # spawn, as DDP ranks are separate processes (a fork after earlier tests ran torch threads can hang)
+    context = multiprocessing.get_context("spawn")
+    start = context.Event()
+    ranks = [context.Process(target=_fill_disk_cache, args=(overrides, start)) for _ in range(2)]
+    for rank in ranks:
+        rank.start()
+    start.set()
+    for rank in ranks:
+        rank.join(600)
+        assert rank.exitcode == 0, "a process filling the disk cache failed"
+
+    files = list(cache_dir.rglob("*.pt"))
+    assert len(files) == 2 * N_CASES, "one cache file per case and transform chain"
+    assert not list(cache_dir.rglob(".*.partial")), "no partial file is left behind"
+
+    memory = _items(_recipe(tiny_phantom, tmp_path, "data.cache=memory"))
+    _assert_same(_items(load_recipe(RECIPES / "unet.yaml", overrides)), memory, "disk")
+    assert len(list(cache_dir.rglob("*.pt"))) == len(files), "a later run reads the cache and writes nothing"
+    _assert_same(_items(_recipe(tiny_phantom, tmp_path, "data.cache=none")), memory, "none")
+
+
+def test_disk_cache_keys_change_with_preprocessing(tiny_phantom, tmp_path):
+    """A different spacing must not reuse files cached for another one."""
+    cache_dir = tmp_path / "cache"
+    for spacing in ("[2.5,2.5,3.0]", "[3.0,3.0,3.0]", "[2.5,2.5,3.0]"):
+        recipe = _recipe(tiny_phantom, tmp_path, "data.cache=disk", f"data.cache_dir={cache_dir}", f"data.spacing={spacing}")
+        _datasets(recipe)["val"][0]
+    assert len(list(cache_dir.rglob("*.pt"))) == 2
+
+
+def test_class_indices_are_capped_per_class_and_labels_stay_uint8(tiny_phantom, tmp_path, monkeypatch):
+    monkeypatch.setattr(dm, "CLASS_INDICES_PER_CLASS", 100)
+    recipe = _recipe(tiny_phantom, tmp_path)
+    transforms = dm.preprocessing(recipe) + dm.training_transforms(recipe)[:1]
+    cohort = dm.load_cohort(recipe.data.root)
+    case_id = cohort.case_ids[0]
+    item = dm.seeded_compose(transforms, 0)(dm.case_items(cohort, [case_id], list(recipe.data.classes))[0])
+    sizes = [len(indices) for indices in item["label_cls_indices"]]
+    assert max(sizes) == 100, sizes
+    background = int((item["label"] == 0).sum())
+    assert background > 100, "the background is larger than the cap"
+    assert item["label"].dtype == torch.uint8, "a cached label costs 1 byte per voxel"
+
+
+def test_unknown_cache_mode_is_refused(tiny_phantom, tmp_path):
+    with pytest.raises(ValueError, match="data.cache must be one of memory, disk, none"):
+        _datasets(_recipe(tiny_phantom, tmp_path, "data.cache=True"))
