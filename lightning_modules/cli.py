@@ -130,13 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"benchx: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return EXIT_USAGE
+    from lightning_modules.commands.common import command_help
     from lightning_modules.warnings_filter import install
 
     install()
     module_name, function, _ = COMMANDS[name]
     try:
         module = importlib.import_module(module_name)
-        result = getattr(module, function)(rest)
+        with command_help(name, module.__doc__):
+            result = getattr(module, function)(rest)
     except Exception as error:
         if debug or not expected_error(error):
             raise

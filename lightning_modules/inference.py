@@ -10,6 +10,7 @@ prints the predicted tumor volume in mm^3 (the BenchX scan-level score).
 Example::
 
     benchx predict --run-id <training run> --input data/example_ct --out predictions/
+    benchx predict --model-uri models:/benchx-unet@baseline --input scan.nii.gz --out predictions/
     benchx predict --checkpoint best.ckpt --recipe recipes/unet.yaml --input scan.nii.gz --out predictions/
 """
 
@@ -82,7 +83,7 @@ def _inputs(path: Path) -> list[tuple[str, Path]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from lightning_modules.commands.common import add_model_source_arguments, add_overrides_argument, split_overrides
-    from lightning_modules.models.checkpoints import ModelSourceError, load_module_from_checkpoint, resolve_model_source
+    from lightning_modules.models.checkpoints import load_module_from_checkpoint, resolve_model_source
 
     parser = argparse.ArgumentParser(prog="benchx predict", description=__doc__.split("\n\n")[0])
     add_model_source_arguments(parser)
@@ -90,20 +91,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     add_overrides_argument(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        with tempfile.TemporaryDirectory() as folder:
-            recipe, checkpoint = resolve_model_source(
-                Path(folder), args.run_id, args.checkpoint, args.recipe, split_overrides(args.overrides)
-            )
-            module = load_module_from_checkpoint(recipe, checkpoint)
-        voxel = None
-        for case_id, ct_path in _inputs(Path(args.input)):
-            labels, affine = predict_scan(module, recipe, ct_path)
-            write_prediction(Path(args.out) / case_id, labels, affine, list(recipe.data.classes))
-            voxel = float(abs(np.linalg.det(affine[:3, :3])))
-            tumor = int((labels == module.tumor_label).sum())
-            print(f"{case_id}: predicted {recipe.data.tumor_class} volume {tumor * voxel:.1f} mm^3 -> {Path(args.out) / case_id}")
-    except (ModelSourceError, FileNotFoundError) as error:
-        print(f"benchx predict: {error}", file=sys.stderr)
-        return 1
+    from tqdm import tqdm
+
+    with tempfile.TemporaryDirectory() as folder:
+        recipe, checkpoint = resolve_model_source(
+            Path(folder), args.run_id, args.checkpoint, args.recipe, split_overrides(args.overrides)
+        )
+        module = load_module_from_checkpoint(recipe, checkpoint)
+    # Errors (no such run or model, no CT) go to the dispatcher, which prints them without a traceback.
+    for case_id, ct_path in tqdm(_inputs(Path(args.input)), desc="predict", unit="scan", disable=None):
+        labels, affine = predict_scan(module, recipe, ct_path)
+        write_prediction(Path(args.out) / case_id, labels, affine, list(recipe.data.classes))
+        voxel = float(abs(np.linalg.det(affine[:3, :3])))
+        tumor = int((labels == module.tumor_label).sum())
+        tqdm.write(f"{case_id}: predicted {recipe.data.tumor_class} volume {tumor * voxel:.1f} mm^3 -> {Path(args.out) / case_id}")
     return 0

@@ -38,7 +38,6 @@ from lightning_modules.data.mixing import log_dataset_inputs, mixing_datamodule
 from lightning_modules.config.recipe import load_recipe, recipe_to_yaml
 from lightning_modules.models.segmentation_module import SegmentationModule
 from lightning_modules.models.checkpoints import build_module
-from lightning_modules.models.pyfunc import log_segmentation_model
 from lightning_modules.tracking import experiment_id, flatten, run_tags, tracking_uri
 
 RUN_ID_FILE = "mlflow_run_id.txt"
@@ -251,6 +250,8 @@ def train(
             client.log_artifact(run_id, str(best_path), "checkpoints")
         if last.exists():
             client.log_artifact(run_id, str(last), "checkpoints")
+        from lightning_modules.models.pyfunc import log_segmentation_model
+
         log_segmentation_model(run_id, uri, recipe, best_path if best_path and best_path.exists() else last, recipe_to_yaml(recipe))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
     return TrainResult(run_id, output_dir, best_path, last, metrics, trainer.global_step)

@@ -2,18 +2,48 @@
 
 Commands only parse and call the library; these helpers keep the parsing rules identical across
 commands, so ``key=value`` overrides and ``--run-id | --checkpoint`` mean the same thing everywhere,
-and every ``--help`` shows its defaults and an example the same way (:func:`command_parser`).
+and every ``--help`` shows its defaults and an example the same way (:func:`command_help`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 from typing import Iterable
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown after each option's help; description and example printed as written."""
+    """Defaults shown after each option's help; reStructuredText quoting removed; description and
+    example printed as written.
+
+    An empty default (None, False, an empty list or string) is not shown: "(default: None)" says nothing.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = plain_text(action.help or "")
+        if not _shown(action.default) or "%(default)" in text or "(default:" in text:
+            return text
+        action_help, action.help = action.help, text
+        try:
+            return super()._get_help_string(action)
+        finally:
+            action.help = action_help
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and action.help is not argparse.SUPPRESS and _shown(action.default):
+            action.help = "default: %(default)s"
+        return super()._format_action(action)
+
+    def _format_text(self, text: str) -> str:
+        # "``benchx train``: train a backbone ..." -> "Train a backbone ...": the usage line names the command.
+        text = re.sub(r"^\s*``benchx [^`]*``\s*(\([^)]*\))?:\s*(\w)", lambda m: m.group(2).upper(), text)
+        return super()._format_text(plain_text(text))
+
+
+def _shown(default) -> bool:
+    """Whether a default says something (None, False, an empty list or string, SUPPRESS do not)."""
+    return default is not argparse.SUPPRESS and default not in (None, False, [], "")
 
 
 def plain_text(text: str) -> str:
@@ -22,38 +52,39 @@ def plain_text(text: str) -> str:
     return text.replace("``", "'").replace("`", "'")
 
 
-def doc_parts(doc: str | None) -> tuple[str, str]:
-    """(first paragraph, the ``Example::`` block) of a module docstring, as plain text."""
-    doc = (doc or "").strip()
-    description = plain_text(doc.split("\n\n")[0].strip())
-    example = ""
-    match = re.search(r"Examples?::\s*\n((?:\s*\n|[ \t]+.*\n?)+)", doc + "\n")
-    if match:
-        lines = [line.strip() for line in match.group(1).splitlines() if line.strip()]
-        example = "\n".join(f"  {line}" for line in lines)
-    return description, example
+def doc_example(doc: str | None) -> str:
+    """The ``Example::`` block of a module docstring, one indented command per line ('' if none)."""
+    match = re.search(r"(?:Examples?|Run|Usage)::\s*\n((?:\s*\n|[ \t]+.*\n?)+)", (doc or "") + "\n")
+    if not match:
+        return ""
+    return "\n".join(f"  {line.strip()}" for line in match.group(1).splitlines() if line.strip())
 
 
-def command_parser(
-    name: str, doc: str | None, description: str | None = None, example: str | None = None
-) -> argparse.ArgumentParser:
-    """The parser of ``benchx <name>``: defaults in the help, and the example from the module docstring.
+@contextlib.contextmanager
+def command_help(command: str, doc: str | None):
+    """While a ``benchx`` command parses its arguments, every parser it builds uses :class:`HelpFormatter`,
+    and its top-level parser (``prog`` "benchx <command>") gets the module docstring's example as epilog.
 
-    Args:
-        name: the subcommand (``train``, ``recipe show``, ...).
-        doc: the command module's docstring: its first paragraph is the description and its
-            ``Example::`` block the example, unless given explicitly.
-        description: replaces the docstring's first paragraph.
-        example: replaces the docstring's example (one command per line).
+    Applied once, by the dispatcher (``lightning_modules.cli``), so every command's ``--help`` looks
+    the same without each command repeating it.
     """
-    doc_description, doc_example = doc_parts(doc)
-    example = doc_example if example is None else "\n".join(f"  {line}" for line in example.splitlines())
-    return argparse.ArgumentParser(
-        prog=f"benchx {name}",
-        description=plain_text(description) if description else doc_description,
-        epilog=f"example:\n{example}" if example else None,
-        formatter_class=HelpFormatter,
-    )
+    original = argparse.ArgumentParser.__init__
+    example = doc_example(doc)
+
+    def init(self, *args, **kwargs):
+        if kwargs.get("formatter_class", argparse.HelpFormatter) in (
+            argparse.HelpFormatter, argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter
+        ):
+            kwargs["formatter_class"] = HelpFormatter
+        if example and not kwargs.get("epilog") and str(kwargs.get("prog", "")).startswith(f"benchx {command}"):
+            kwargs["epilog"] = f"example:\n{example}"
+        original(self, *args, **kwargs)
+
+    argparse.ArgumentParser.__init__ = init
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.__init__ = original
 
 
 def split_overrides(values: Iterable[str]) -> list[str]:
@@ -78,6 +109,6 @@ def add_model_source_arguments(parser: argparse.ArgumentParser, recipe_help: str
         help="MLflow training run (its recipe.yaml and best checkpoint are used), or a registered model "
         "URI such as models:/benchx-unet@baseline",
     )
-    source.add_argument("--model-uri", dest="run_id", help="same as --run-id, e.g. models:/benchx-unet/3")
+    source.add_argument("--model-uri", dest="run_id", metavar="URI", help="same as --run-id, e.g. models:/benchx-unet/3")
     source.add_argument("--checkpoint", help="a checkpoint file (needs --recipe)")
     parser.add_argument("--recipe", help=recipe_help or "recipe for --checkpoint, or one that replaces the run's recipe")

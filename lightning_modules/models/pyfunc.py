@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import mlflow.pyfunc
+import pandas as pd
 
 from lightning_modules.models.checkpoints import CHECKPOINT_ARTIFACT, RECIPE_ARTIFACT
 
@@ -94,9 +95,7 @@ class SegmentationModel(mlflow.pyfunc.PythonModel):
         self.module = load_module_from_checkpoint(self.recipe, context.artifacts[CHECKPOINT_ARTIFACT])
         self.module.eval()
 
-    def predict(self, context, model_input, params: dict[str, Any] | None = None):
-        import pandas as pd
-
+    def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
         rows = [self._predict_row(index, row) for index, row in frame.iterrows()]
         return pd.DataFrame(rows, columns=["case_id", "mask", "tumor_volume_mm3", "tumor_detected"])
