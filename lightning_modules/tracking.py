@@ -1,4 +1,4 @@
-"""MLflow helpers shared by training, evaluation, SynthX and the sweeps (DESIGN.md section 6).
+"""MLflow helpers shared by training, evaluation, SynthX and the sweeps (docs/design.md "MLflow runs and keys").
 
 Tracking URI: the recipe's ``tracking.uri`` when it sets one; otherwise ``MLFLOW_TRACKING_URI`` (what
 ``mlflow run`` passes to its entry points); otherwise ``sqlite:///mlflow.db`` (MLflow's own default;
@@ -59,18 +59,20 @@ def experiment_id(name: str, uri: str) -> str:
 
 
 def default_artifact_location(uri: str, experiment: str) -> str | None:
-    """For a SQLite store, artifacts beside the database (``<db folder>/mlartifacts/<experiment>``)
-    instead of MLflow's ``./mlruns`` in whatever folder the process started; None otherwise (the
-    server's or store's own default)."""
+    """For a SQLite store, artifacts beside the database (``<db folder>/mlruns/<experiment>``)
+    instead of ``./mlruns`` in whatever folder the process started; None otherwise (the server's or
+    store's own default). The folder is MLflow's own ``mlruns``, so an experiment that ``mlflow run``
+    created (``<working folder>/mlruns/<id>``, the database's folder when the default URI is used)
+    keeps its artifacts in the same place as one that benchx created."""
     if not uri.startswith("sqlite:///"):
         return None
     database = Path(uri[len("sqlite:///") :])
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in experiment)
-    return (database.resolve().parent / "mlartifacts" / safe).as_uri()
+    return (database.resolve().parent / "mlruns" / safe).as_uri()
 
 
 def run_tags(recipe, split_sha256: str, variant: str | None = None) -> dict[str, str]:
-    """The standard tags of DESIGN.md section 6 for a training or evaluation run."""
+    """The standard tags of docs/design.md "MLflow runs and keys" for a training or evaluation run."""
     ratio = float(recipe.synthx.ratio)
     tags = {
         "backbone": str(recipe.model.backbone),

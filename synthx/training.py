@@ -676,6 +676,9 @@ def train_synthx(
         pipeline = module.pipeline(str(recipe.sampling.scheduler))
         pipeline.save_pretrained(str(pipeline_dir))
         client.log_artifacts(run_id, str(pipeline_dir), artifact_path="pipeline")
+        from synthx.pyfunc import log_generator_model
+
+        log_generator_model(run_id, tracking_uri(recipe.tracking.uri), pipeline_dir)
     # The first steps include one-off setup; the steady-state time is what a user plans with.
     steady = module.step_seconds[min(5, len(module.step_seconds) - 1) :] if module.step_seconds else [math.nan]
     mean_step = float(np.mean(steady))

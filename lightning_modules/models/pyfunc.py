@@ -64,12 +64,12 @@ def signature():
     return ModelSignature(inputs=inputs, outputs=outputs)
 
 
-def pip_requirements() -> list[str]:
-    """The installed versions of what the model imports (no inference subprocess at log time)."""
+def pip_requirements(names=REQUIREMENTS) -> list[str]:
+    """The installed versions of what a model imports (no inference subprocess at log time)."""
     from importlib.metadata import PackageNotFoundError, version
 
     pins = []
-    for name in REQUIREMENTS:
+    for name in names:
         try:
             pins.append(f"{name}=={version(name)}")
         except PackageNotFoundError:
@@ -156,7 +156,7 @@ def log_segmentation_model(run_id: str, uri: str, recipe, checkpoint: str | Path
     with tempfile.TemporaryDirectory() as folder:
         recipe_path = Path(folder) / "recipe.yaml"
         recipe_path.write_text(recipe_yaml)
-        with _active_run(run_id, uri), warnings.catch_warnings():
+        with logging_into(run_id, uri), warnings.catch_warnings():
             # No input example: it would be a whole CT volume stored with every model version.
             warnings.filterwarnings("ignore", message=".*input example was not provided", category=UserWarning)
             info = mlflow.pyfunc.log_model(
@@ -179,7 +179,7 @@ def log_segmentation_model(run_id: str, uri: str, recipe, checkpoint: str | Path
     return None if version is None else str(version)
 
 
-class _active_run:
+class logging_into:
     """``mlflow.start_run(run_id)`` on the given store, restoring the fluent state afterwards.
 
     The run's status is left as it was (a finished training run stays finished, a running one running).
