@@ -97,3 +97,23 @@ def flatten(mapping, prefix: str = "") -> dict[str, str]:
         else:
             flat[name] = str(value)[:6000]
     return flat
+
+
+def log_dataset_input(client: MlflowClient, run_id: str, frame, source: str, name: str, context: str) -> None:
+    """Log a metadata table as an MLflow dataset input of a run (``mlflow.data`` public API), with
+    its ``mlflow.data.context`` tag (e.g. ``evaluation-test``)."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    dataset = mlflow.data.from_pandas(frame.astype(str), source=source, name=name)
+    client.log_inputs(run_id, datasets=[DatasetInput(Dataset(**dataset.to_dict()), [InputTag("mlflow.data.context", context)])])
+
+
+def log_evaluation_inputs(client: MlflowClient, run_id: str, datamodule, stages) -> None:
+    """The cases an evaluation run scored, one dataset input per stage (``evaluation-val``, ``evaluation-test``)."""
+    datamodule._load()
+    source = str(Path(datamodule.cohort.root).resolve())
+    for stage in stages:
+        cases = datamodule.case_ids(stage)
+        if cases:
+            frame = datamodule.cohort.subset(cases)
+            log_dataset_input(client, run_id, frame, source, f"{stage}:{Path(str(datamodule.recipe.data.split)).name}", f"evaluation-{stage}")

@@ -38,6 +38,7 @@ from lightning_modules.data.mixing import log_dataset_inputs, mixing_datamodule
 from lightning_modules.config.recipe import load_recipe, recipe_to_yaml
 from lightning_modules.models.segmentation_module import SegmentationModule
 from lightning_modules.models.checkpoints import build_module
+from lightning_modules.monitoring import system_callbacks
 from lightning_modules.tracking import experiment_id, flatten, run_tags, tracking_uri
 
 RUN_ID_FILE = "mlflow_run_id.txt"
@@ -174,7 +175,7 @@ def train(
     logger = MLFlowLogger(
         experiment_name=experiment,
         tracking_uri=uri,
-        run_name=recipe.tracking.run_name or f"train-{recipe.name}",
+        run_name=recipe.tracking.run_name or f"train-{recipe.name}-{tags['variant']}",
         run_id=run_id,
         tags=tags if run_id is None else None,
         log_model=False,
@@ -236,7 +237,7 @@ def train(
         deterministic=bool(recipe.trainer.deterministic),
         default_root_dir=str(output_dir),
         logger=logger,
-        callbacks=[best, periodic, LearningRateMonitor(logging_interval="step"), *callbacks],
+        callbacks=[best, periodic, LearningRateMonitor(logging_interval="step"), *system_callbacks(recipe.trainer.accelerator), *callbacks],
         enable_model_summary=False,
         enable_progress_bar=bool(recipe.trainer.progress_bar) and sys.stderr.isatty(),
     )

@@ -86,6 +86,7 @@ class StudyRunner:
         if parent_run_id:
             self.client.set_tag(parent_run_id, "stage", "study")
             self.client.set_tag(parent_run_id, "git_commit", code_version)
+            self.client.set_tag(parent_run_id, "mlflow.runName", parent_name)
         self.outputs: dict[str, dict] = {}
 
     def key(self, name: str, params: dict) -> str:
@@ -161,7 +162,7 @@ def run_study(settings: StudySettings) -> pd.DataFrame:
         opened = MlflowClient(tracking_uri=uri).get_run(parent_run_id)
         settings.experiment = MlflowClient(tracking_uri=uri).get_experiment(opened.info.experiment_id).name
         base = _segmentation_recipe(settings)
-    runner = StudyRunner(uri, settings.experiment, git_commit(), parent_run_id=parent_run_id)
+    runner = StudyRunner(uri, settings.experiment, git_commit(), parent_name=f"study-{base.name}", parent_run_id=parent_run_id)
     client = runner.client
     root, split = Path(base.data.root), Path(base.data.split)
     output_dir = Path(settings.output_dir)
@@ -233,7 +234,7 @@ def run_study(settings: StudySettings) -> pd.DataFrame:
         def evaluate_action(recipe, trained: dict, variant: str):
             def action(tags):
                 run_id, _ = evaluate(recipe, trained["checkpoint"], ("val", "test"), training_run_id=trained["run_id"],
-                                     run_name=f"evaluate-{variant}", extra_tags={**tags, "variant": variant})
+                                     run_name=f"evaluate-{recipe.name}-{variant}-test", extra_tags={**tags, "variant": variant})
                 return {"run_id": run_id}
 
             return action
@@ -261,6 +262,9 @@ def run_study(settings: StudySettings) -> pd.DataFrame:
         client.log_text(runner.parent_id, text, "comparison/test_comparison.txt")
         client.set_tag(runner.parent_id, "comparison_run_id", comparison["run_id"])
         print(text)
+        from synthx.report import publish_study
+
+        print(f"[study] report: {publish_study(uri, runner.parent_id, output_dir)}")
     except BaseException:
         runner.finish("FAILED")
         raise

@@ -51,6 +51,7 @@ from scipy import ndimage
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_modules.data.cohort import Cohort, file_sha256, load_cohort
+from lightning_modules.monitoring import system_callbacks
 from lightning_modules.tracking import experiment_id, flatten, git_commit, tracking_uri
 from synthx.config import load_synthx_recipe, recipe_to_yaml
 from synthx.model import (
@@ -498,7 +499,6 @@ class SynthXTrainingModule(pl.LightningModule):
             self.ema.step(self.denoiser.parameters())
         seconds = time.perf_counter() - self._step_started
         self.step_seconds.append(seconds)
-        self.log("perf/step_seconds", seconds, batch_size=batch["image"].shape[0])
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.denoiser.parameters(), lr=self.lr, weight_decay=self.weight_decay)
@@ -639,7 +639,7 @@ def _trainer(
         deterministic=bool(recipe.trainer.deterministic),
         default_root_dir=str(output_dir),
         logger=logger,
-        callbacks=[checkpoints],
+        callbacks=[checkpoints, *system_callbacks(recipe.trainer.accelerator)],
         limit_val_batches=0,
         num_sanity_val_steps=0,
         enable_model_summary=False,

@@ -36,7 +36,8 @@ from lightning_modules.evaluation.bootstrap import evaluation_set_hash, paired_d
 from lightning_modules.data.datamodule import CohortDataModule
 from lightning_modules.evaluation.callback import RECORDS_ARTIFACT, SubgroupEvaluation, subgroup_figure
 from lightning_modules.config.recipe import load_recipe
-from lightning_modules.tracking import experiment_id, run_tags, tracking_uri
+from lightning_modules.models.pyfunc import model_version_tags
+from lightning_modules.tracking import experiment_id, log_evaluation_inputs, run_tags, tracking_uri
 from lightning_modules.models.checkpoints import ModelSourceError, load_module_from_checkpoint
 
 
@@ -67,6 +68,7 @@ def evaluate(
     if training_run_id:
         tags["training_run_id"] = training_run_id
     tags.update(extra_tags or {})
+    tags.update(model_version_tags(training_run_id, uri))
     logger = MLFlowLogger(
         experiment_name=str(recipe.tracking.experiment),
         tracking_uri=uri,
@@ -89,6 +91,7 @@ def evaluate(
         trainer.validate(module, datamodule=datamodule)
     if "test" in stages:
         trainer.test(module, datamodule=datamodule)
+    log_evaluation_inputs(logger.experiment, logger.run_id, datamodule, stages)
     logger.experiment.set_terminated(logger.run_id, "FINISHED")
     return logger.run_id, dict(callback.results)
 

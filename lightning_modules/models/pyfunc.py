@@ -214,11 +214,12 @@ def model_versions_of_run(run_id: str, uri: str) -> list:
     return list(MlflowClient(tracking_uri=uri).search_model_versions(f"run_id = '{run_id}'"))
 
 
-def set_aliases(training_run_id: str, uri: str, aliases: list[str]) -> str | None:
-    """Point ``aliases`` at the registered version of a training run; returns ``name/version`` or None."""
+def set_aliases(training_run_id: str, uri: str, aliases: list[str], prefix: str = REGISTERED_PREFIX) -> str | None:
+    """Point ``aliases`` at the registered version of a training run (the newest of the models whose
+    name starts with ``prefix``); returns ``name/version``, or None when the run registered none."""
     from mlflow.tracking import MlflowClient
 
-    versions = [v for v in model_versions_of_run(training_run_id, uri) if v.name.startswith(REGISTERED_PREFIX)]
+    versions = [v for v in model_versions_of_run(training_run_id, uri) if v.name.startswith(prefix)]
     if not versions:
         return None
     latest = max(versions, key=lambda v: int(v.version))
