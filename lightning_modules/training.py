@@ -277,13 +277,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args, unknown = parse_args(sys.argv[1:] if argv is None else argv)
     overrides = split_overrides([*args.overrides, *unknown])
-    try:
-        recipe = load_recipe(args.recipe, overrides)
-        # Under `mlflow run`, log into the run it opened (Lightning would otherwise start another).
-        result = train(recipe, output_dir=args.out, resume=not args.fresh, run_id=os.environ.get("MLFLOW_RUN_ID"))
-    except CohortError as error:
-        print(f"benchx train: {error}", file=sys.stderr)
-        return 1
+    # A RecipeError or CohortError goes to the dispatcher (lightning_modules.cli): a short message, exit 2.
+    recipe = load_recipe(args.recipe, overrides)
+    # Under `mlflow run`, log into the run it opened (Lightning would otherwise start another).
+    result = train(recipe, output_dir=args.out, resume=not args.fresh, run_id=os.environ.get("MLFLOW_RUN_ID"))
     print(f"run {result.run_id}: {result.global_step} steps, best checkpoint {result.best_checkpoint}")
     for key in sorted(result.metrics):
         if key.startswith("val/"):

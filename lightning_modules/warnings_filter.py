@@ -24,6 +24,12 @@ WARNING_FILTERS: tuple[tuple[str, type[Warning], str, str], ...] = (
         "raised inside Lightning's own pytree helper on torch >= 2.10; nothing in this project to change",
     ),
     (
+        r"NvImgCodecPydicomReader: nvImageCodec decoder plugin did not register",
+        UserWarning,
+        r"monai\..*",
+        "an optional GPU DICOM decoder; MONAI falls back to pydicom's own decoders, which read every scan",
+    ),
+    (
         r"The specified dataset source can be interpreted in multiple ways",
         UserWarning,
         r"mlflow\..*",

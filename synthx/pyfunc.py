@@ -117,7 +117,7 @@ def log_generator_model(run_id: str, uri: str, pipeline_dir: str | Path) -> str 
         warnings.filterwarnings("ignore", message=".*input example was not provided", category=UserWarning)
         info = mlflow.pyfunc.log_model(
             name=MODEL_NAME,
-            python_model=GeneratorModel(),
+            python_model=str(Path(__file__).with_name("pyfunc_code.py")),
             artifacts={PIPELINE_ARTIFACT: str(pipeline_dir)},
             code_paths=[package_dir("synthx"), package_dir("lightning_modules")],
             signature=signature(),

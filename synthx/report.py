@@ -354,7 +354,7 @@ def render(study: StudyRuns) -> str:
     experiment = study.client.get_experiment(parent.info.experiment_id).name
     body = [f"<h1>Study report: {html.escape(name)}</h1>",
             f"<p>Experiment <b>{html.escape(experiment)}</b>, parent run <code>{parent.info.run_id}</code>, "
-            f"status {parent.info.status}. Steps: {', '.join(html.escape(s) for s in study.steps)}.</p>"]
+            f"Steps: {', '.join(html.escape(s) for s in study.steps)}.</p>"]
     for title, build in report_sections(study):
         body.append(f"<h2>{html.escape(title)}</h2>{_section_body(build)}")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(name)} report</title>"

@@ -38,7 +38,7 @@ from lightning_modules.evaluation.callback import RECORDS_ARTIFACT, SubgroupEval
 from lightning_modules.config.recipe import load_recipe
 from lightning_modules.models.pyfunc import model_version_tags
 from lightning_modules.tracking import experiment_id, log_evaluation_inputs, run_tags, tracking_uri
-from lightning_modules.models.checkpoints import ModelSourceError, load_module_from_checkpoint
+from lightning_modules.models.checkpoints import load_module_from_checkpoint
 
 
 class EvaluationError(ValueError):
@@ -238,15 +238,12 @@ def evaluate_main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated, from val and test (one value, so key=value overrides may follow)")
     add_overrides_argument(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        with tempfile.TemporaryDirectory() as folder:
-            recipe, checkpoint = resolve_model_source(
-                Path(folder), args.run_id, args.checkpoint, args.recipe, split_overrides(args.overrides)
-            )
-            run_id, results = evaluate(recipe, checkpoint, args.stages, training_run_id=args.run_id)
-    except (EvaluationError, ModelSourceError, FileNotFoundError) as error:
-        print(f"benchx evaluate: {error}", file=sys.stderr)
-        return 1
+    # Expected errors go to the dispatcher (lightning_modules.cli): a short message, exit 2.
+    with tempfile.TemporaryDirectory() as folder:
+        recipe, checkpoint = resolve_model_source(
+            Path(folder), args.run_id, args.checkpoint, args.recipe, split_overrides(args.overrides)
+        )
+        run_id, results = evaluate(recipe, checkpoint, args.stages, training_run_id=args.run_id)
     print(f"evaluation run {run_id}")
     for stage, table in results.items():
         overall = table[table["attribute"] == "overall"].iloc[0]
@@ -264,11 +261,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--experiment", default="benchx", help="experiment to log the comparison run in ('' to skip)")
     parser.add_argument("--resamples", type=int, default=2000)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        table, run_id = compare(args.run_ids, args.stage, experiment=args.experiment or None, n_resamples=args.resamples)
-    except EvaluationError as error:
-        print(f"benchx compare: {error}", file=sys.stderr)
-        return 1
+    table, run_id = compare(args.run_ids, args.stage, experiment=args.experiment or None, n_resamples=args.resamples)
     print(format_comparison(table))
     if run_id:
         print(f"comparison logged to run {run_id}")

@@ -161,7 +161,7 @@ def log_segmentation_model(run_id: str, uri: str, recipe, checkpoint: str | Path
             warnings.filterwarnings("ignore", message=".*input example was not provided", category=UserWarning)
             info = mlflow.pyfunc.log_model(
                 name=MODEL_NAME,
-                python_model=SegmentationModel(),
+                python_model=str(Path(__file__).with_name("pyfunc_code.py")),
                 artifacts={CHECKPOINT_ARTIFACT: str(checkpoint), RECIPE_ARTIFACT: str(recipe_path)},
                 code_paths=[package_dir("lightning_modules")],
                 signature=signature(),
