@@ -237,7 +237,7 @@ def train(
         deterministic=bool(recipe.trainer.deterministic),
         default_root_dir=str(output_dir),
         logger=logger,
-        callbacks=[best, periodic, LearningRateMonitor(logging_interval="step"), *system_callbacks(recipe.trainer.accelerator), *callbacks],
+        callbacks=[best, periodic, LearningRateMonitor(logging_interval="step"), *system_callbacks(recipe.trainer.accelerator, 10 * int(recipe.trainer.log_every_n_steps)), *callbacks],
         enable_model_summary=False,
         enable_progress_bar=bool(recipe.trainer.progress_bar) and sys.stderr.isatty(),
     )

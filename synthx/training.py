@@ -639,7 +639,7 @@ def _trainer(
         deterministic=bool(recipe.trainer.deterministic),
         default_root_dir=str(output_dir),
         logger=logger,
-        callbacks=[checkpoints, *system_callbacks(recipe.trainer.accelerator)],
+        callbacks=[checkpoints, *system_callbacks(recipe.trainer.accelerator, 10 * int(recipe.trainer.log_every_n_steps))],
         limit_val_batches=0,
         num_sanity_val_steps=0,
         enable_model_summary=False,

@@ -82,7 +82,7 @@ def evaluate(
         logger=logger,
         callbacks=[callback],
         enable_model_summary=False,
-        enable_progress_bar=False,
+        enable_progress_bar=sys.stderr.isatty(),
         enable_checkpointing=False,
     )
     datamodule = CohortDataModule(recipe)

@@ -86,11 +86,13 @@ def test_a_missing_item_is_reported_as_not_available(finished_study, tmp_path):
     settings, uri, parent_id = finished_study
     client = MlflowClient(uri)
     # A copy of the parent that names no synthesis step and a compare run without its table.
-    experiment = client.get_run(parent_id).info.experiment_id
+    experiment = client.create_experiment("report-partial")  # not beside the study's runs in the UI
     tags = {k: v for k, v in client.get_run(parent_id).data.tags.items() if k.startswith("step.") and k != "step.synthesize"}
     empty = client.create_run(experiment, run_name="compare-empty").info.run_id
     tags["step.compare"] = empty
     partial = client.create_run(experiment, run_name="study-partial", tags=tags).info.run_id
+    client.set_terminated(empty)
+    client.set_terminated(partial)
     from synthx.report import build_report
 
     text = build_report(partial, uri, tmp_path / "partial.html", log=False).read_text()
@@ -105,4 +107,5 @@ def test_report_of_a_run_that_is_not_a_study_exits_2(finished_study, capsys):
     from lightning_modules.cli import main
 
     assert main(["report", "--run-id", other, "--tracking-uri", uri, "--no-log"]) == 2
-    assert "not a" in capsys.readouterr().err or "names no study steps" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "names no study steps" in err and "parent run" in err and "Traceback" not in err
