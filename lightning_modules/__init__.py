@@ -1,7 +1,10 @@
-"""BenchX base package: cohorts, splits, backbones, the segmentation module, evaluation, tracking.
+"""BenchX base package: recipes, data, models, evaluation, tracking, training and the commands.
 
-The base never imports :mod:`synthx` (DESIGN.md section 0): a synthetic cohort is just a cohort on
-disk with ``synthetic=1`` rows.
+Subpackages: ``config`` (layered recipes), ``data`` (cohorts, splits, datamodule, phantom, importers,
+audit), ``models`` (backbones, SegmentationModule, checkpoints), ``evaluation`` (detection, subgroups,
+bootstrap, evaluate/compare) and ``commands`` (argparse for ``benchx``). The base never imports
+:mod:`synthx` (docs/design.md "Layering"): a synthetic cohort is just a cohort on disk with
+``synthetic=1`` rows.
 """
 
 __version__ = "0.1.0"

@@ -1,0 +1,123 @@
+"""The layout's rules, checked on the source: no import cycles (imports inside functions count), the
+base package never imports synthx, and code cites only documents that ship with the repository."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT
+
+PACKAGES = ("lightning_modules", "synthx")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _sources() -> dict[str, Path]:
+    return {_module_name(p): p for package in PACKAGES for p in sorted((REPO_ROOT / package).rglob("*.py"))}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project's modules it imports anywhere in its body (functions included)."""
+    sources = _sources()
+    graph: dict[str, set[str]] = {}
+    for name, path in sources.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                candidates = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                candidates = [alias.name for alias in node.names]
+            else:
+                continue
+            targets.update(c for c in candidates if c in sources and c != name)
+        graph[name] = targets
+    return graph
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm: the groups of modules that import each other, directly or not."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return groups
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert strongly_connected(graph) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles_among_the_projects_modules():
+    cycles = strongly_connected(import_graph())
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(group) for group in cycles)
+
+
+def test_base_package_never_imports_synthx():
+    offenders = sorted(
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        if module.startswith("lightning_modules")
+        for target in targets
+        if target.startswith("synthx")
+    )
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize("pattern", [r"DESIGN\.md", r"\bissue \d+\b", r"\bissues? #\d+"])
+def test_code_cites_only_what_ships_with_it(pattern):
+    files = [p for package in PACKAGES for p in (REPO_ROOT / package).rglob("*.py")]
+    files += list((REPO_ROOT / "recipes").rglob("*.yaml")) + [REPO_ROOT / "MLproject"]
+    hits = [
+        f"{path.relative_to(REPO_ROOT)}:{number}"
+        for path in files
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if re.search(pattern, line, flags=re.IGNORECASE)
+    ]
+    assert not hits, f"{pattern} cited in: {hits}"
+
+
+def test_cited_design_sections_exist():
+    design = (REPO_ROOT / "docs" / "design.md").read_text()
+    sections = set(re.findall(r"^## (.+)$", design, flags=re.MULTILINE))
+    files = [p for package in PACKAGES for p in (REPO_ROOT / package).rglob("*.py")]
+    cited = {
+        (path.relative_to(REPO_ROOT), title)
+        for path in files
+        for title in re.findall(r'docs/design\.md[,:]? "([^"]+)"', path.read_text())
+    }
+    missing = sorted(f"{path}: {title!r}" for path, title in cited if title not in sections)
+    assert not missing, f"citations of sections docs/design.md does not have: {missing}"
