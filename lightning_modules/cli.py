@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "recipe": ("lightning_modules.commands.recipe", "main", "print a resolved recipe (recipe show RECIPE [key=value ...])"),
     "train": ("lightning_modules.training", "main", "train a backbone from a recipe (+ key=value overrides)"),
     "evaluate": ("lightning_modules.evaluation.runs", "evaluate_main", "subgroup evaluation of a trained model into a new MLflow run"),
-    "predict": ("lightning_modules.inference", "main", "segment CT scans; masks written on each scan's own grid and affine"),
+    "predict": ("lightning_modules.commands.predict", "main", "segment CT scans; masks written on each scan's own grid and affine"),
     "compare": ("lightning_modules.evaluation.runs", "compare_main", "paired comparison of evaluation runs (BenchX table 6)"),
     "study": ("synthx.study", "main", "the baseline-vs-SynthX study on a cohort (the main job)"),
     "report": ("synthx.commands.report", "main", "rebuild a study's HTML report from MLflow"),

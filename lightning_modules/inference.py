@@ -7,6 +7,8 @@ the CT's exact shape and affine. For each scan it writes ``<out>/<case_id>/predi
 (integer labels in recipe class order) and ``<out>/<case_id>/segmentations/<class>.nii.gz``, and
 prints the predicted tumor volume in mm^3 (the BenchX scan-level score).
 
+The command line is :mod:`lightning_modules.commands.predict`.
+
 Example::
 
     benchx predict --run-id <training run> --input data/example_ct --out predictions/
@@ -16,11 +18,8 @@ Example::
 
 from __future__ import annotations
 
-import argparse
-import sys
-import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import nibabel as nib
 import numpy as np
@@ -31,7 +30,6 @@ from omegaconf import DictConfig
 
 from lightning_modules.data.cohort import CT_FILE, atomic_save_nifti, load_cohort
 from lightning_modules.data.datamodule import preprocessing
-from lightning_modules.config.recipe import load_recipe
 from lightning_modules.models.segmentation_module import SegmentationModule
 from lightning_modules.models.tumor_outputs import predicted_labels
 
@@ -67,7 +65,7 @@ def write_prediction(out_dir: Path, labels: np.ndarray, affine: np.ndarray, clas
     return out_dir / "prediction.nii.gz"
 
 
-def _inputs(path: Path) -> list[tuple[str, Path]]:
+def scan_inputs(path: Path) -> list[tuple[str, Path]]:
     """(case id, CT path) pairs from a CT file, a cohort folder, or a folder of CT files."""
     if path.is_file():
         name = path.name[: -len(".nii.gz")] if path.name.endswith(".nii.gz") else path.stem
@@ -81,28 +79,13 @@ def _inputs(path: Path) -> list[tuple[str, Path]]:
     return [((f.parent.name if f.name == CT_FILE else f.name[: -len(".nii.gz")]), f) for f in files]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from lightning_modules.commands.common import add_model_source_arguments, add_overrides_argument, split_overrides
-    from lightning_modules.models.checkpoints import load_module_from_checkpoint, resolve_model_source
-
-    parser = argparse.ArgumentParser(prog="benchx predict", description=__doc__.split("\n\n")[0])
-    add_model_source_arguments(parser)
-    parser.add_argument("--input", required=True, help="a CT .nii.gz, a cohort folder, or a folder of CTs")
-    parser.add_argument("--out", required=True)
-    add_overrides_argument(parser)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+def predict_inputs(module: SegmentationModule, recipe: DictConfig, source: Path, out: Path) -> Iterator[tuple[str, float, Path]]:
+    """Segment every scan of ``source`` (see :func:`scan_inputs`) into ``out/<case_id>``, with a
+    progress bar; yields (case id, predicted tumor volume in mm^3, output folder) per scan."""
     from tqdm import tqdm
 
-    with tempfile.TemporaryDirectory() as folder:
-        recipe, checkpoint = resolve_model_source(
-            Path(folder), args.run_id, args.checkpoint, args.recipe, split_overrides(args.overrides)
-        )
-        module = load_module_from_checkpoint(recipe, checkpoint)
-    # Errors (no such run or model, no CT) go to the dispatcher, which prints them without a traceback.
-    for case_id, ct_path in tqdm(_inputs(Path(args.input)), desc="predict", unit="scan", disable=None):
+    for case_id, ct_path in tqdm(scan_inputs(Path(source)), desc="predict", unit="scan", disable=None):
         labels, affine = predict_scan(module, recipe, ct_path)
-        write_prediction(Path(args.out) / case_id, labels, affine, list(recipe.data.classes))
+        write_prediction(Path(out) / case_id, labels, affine, list(recipe.data.classes))
         voxel = float(abs(np.linalg.det(affine[:3, :3])))
-        tumor = int((labels == module.tumor_label).sum())
-        tqdm.write(f"{case_id}: predicted {recipe.data.tumor_class} volume {tumor * voxel:.1f} mm^3 -> {Path(args.out) / case_id}")
-    return 0
+        yield case_id, float((labels == module.tumor_label).sum()) * voxel, Path(out) / case_id

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import RECIPES, tiny_overrides
 from lightning_modules.data.cohort import load_cohort, write_metadata
-from lightning_modules.inference import main as predict_main
+from lightning_modules.commands.predict import main as predict_main
 from lightning_modules.inference import predict_scan
 from lightning_modules.config.recipe import load_recipe
 from lightning_modules.models.checkpoints import load_module_from_checkpoint
