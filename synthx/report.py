@@ -353,7 +353,7 @@ def render(study: StudyRuns) -> str:
     name = parent.info.run_name or parent.info.run_id
     experiment = study.client.get_experiment(parent.info.experiment_id).name
     body = [f"<h1>Study report: {html.escape(name)}</h1>",
-            f"<p>Experiment <b>{html.escape(experiment)}</b>, parent run <code>{parent.info.run_id}</code>, "
+            f"<p>Experiment <b>{html.escape(experiment)}</b>, parent run <code>{parent.info.run_id}</code>. "
             f"Steps: {', '.join(html.escape(s) for s in study.steps)}.</p>"]
     for title, build in report_sections(study):
         body.append(f"<h2>{html.escape(title)}</h2>{_section_body(build)}")
