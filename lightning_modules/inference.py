@@ -1,25 +1,25 @@
-"""``benchx predict``: segment CT scans with a trained model and write the masks on each scan's own grid.
+"""Segment CT scans with a trained model and write the masks on each scan's own grid (``benchx predict``).
 
 The scan goes through the same preprocessing as training (orientation RAS, resampling, HU window,
 foreground crop, padding), is segmented by sliding-window inference, and the label map is mapped
 back through the inverse of every preprocessing step (MONAI ``Invertd``), so the written masks have
 the CT's exact shape and affine. For each scan it writes ``<out>/<case_id>/prediction.nii.gz``
 (integer labels in recipe class order) and ``<out>/<case_id>/segmentations/<class>.nii.gz``, and
-prints the predicted tumor volume in mm^3 (the BenchX scan-level score).
-
-The command line is :mod:`lightning_modules.commands.predict`.
+reports the predicted tumor volume in mm^3, the scan-level score of
+docs/design.md "Scan-level detection". A file that cannot be read (e.g. a truncated ``.nii.gz``) is named, skipped and listed
+in the summary; the other scans are still predicted.
 
 Example::
 
-    benchx predict --run-id <training run> --input data/example_ct --out predictions/
-    benchx predict --model-uri models:/benchx-unet@baseline --input scan.nii.gz --out predictions/
-    benchx predict --checkpoint best.ckpt --recipe recipes/unet.yaml --input scan.nii.gz --out predictions/
+    summary = predict_cases(module, recipe, input_cases(Path("data/example_ct")), Path("predictions"))
+    print(summary.skipped)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Sequence
 
 import nibabel as nib
 import numpy as np
@@ -65,8 +65,9 @@ def write_prediction(out_dir: Path, labels: np.ndarray, affine: np.ndarray, clas
     return out_dir / "prediction.nii.gz"
 
 
-def scan_inputs(path: Path) -> list[tuple[str, Path]]:
+def input_cases(path: Path) -> list[tuple[str, Path]]:
     """(case id, CT path) pairs from a CT file, a cohort folder, or a folder of CT files."""
+    path = Path(path)
     if path.is_file():
         name = path.name[: -len(".nii.gz")] if path.name.endswith(".nii.gz") else path.stem
         return [(name, path)]
@@ -79,13 +80,63 @@ def scan_inputs(path: Path) -> list[tuple[str, Path]]:
     return [((f.parent.name if f.name == CT_FILE else f.name[: -len(".nii.gz")]), f) for f in files]
 
 
-def predict_inputs(module: SegmentationModule, recipe: DictConfig, source: Path, out: Path) -> Iterator[tuple[str, float, Path]]:
-    """Segment every scan of ``source`` (see :func:`scan_inputs`) into ``out/<case_id>``, with a
-    progress bar; yields (case id, predicted tumor volume in mm^3, output folder) per scan."""
-    from tqdm import tqdm
+def unreadable_reason(ct_path: Path) -> str | None:
+    """Why a CT file cannot be read as an image (None when nibabel reads all of its voxels)."""
+    try:
+        image = nib.load(str(ct_path))
+        np.asarray(image.dataobj)
+    except Exception as error:  # nibabel, gzip and zlib raise many types for a damaged file
+        return f"{type(error).__name__}: {error}"
+    return None
 
-    for case_id, ct_path in tqdm(scan_inputs(Path(source)), desc="predict", unit="scan", disable=None):
-        labels, affine = predict_scan(module, recipe, ct_path)
+
+@dataclass
+class PredictionSummary:
+    """What a prediction run wrote and skipped.
+
+    Attributes:
+        written: (case id, output folder, predicted tumor volume in mm^3) per predicted scan.
+        skipped: (CT path, reason) per file that could not be read.
+    """
+
+    written: list[tuple[str, Path, float]] = field(default_factory=list)
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+
+
+def predict_cases(
+    module: SegmentationModule,
+    recipe: DictConfig,
+    cases: Sequence[tuple[str, Path]],
+    out: Path,
+    report: Callable[[str], None] = lambda line: None,
+) -> PredictionSummary:
+    """Predict every case and write its masks under ``out/<case id>``; unreadable files are skipped.
+
+    A scan whose prediction fails is checked with :func:`unreadable_reason`: when the file itself
+    cannot be read it is skipped (named, with the reason) and the next scan is predicted; any other
+    error is raised, as it is a fault of the model or the code, not of that file.
+
+    Args:
+        module: the trained module.
+        recipe: its recipe (preprocessing, classes).
+        cases: (case id, CT path) pairs, e.g. from :func:`input_cases`.
+        out: output folder.
+        report: called with one line per scan written or skipped (e.g. ``print``).
+    """
+    summary = PredictionSummary()
+    for case_id, ct_path in cases:
+        try:
+            labels, affine = predict_scan(module, recipe, ct_path)
+        except Exception:
+            reason = unreadable_reason(Path(ct_path))
+            if reason is None:
+                raise
+            summary.skipped.append((Path(ct_path), reason))
+            report(f"{case_id}: skipped, cannot read {ct_path}: {reason}")
+            continue
         write_prediction(Path(out) / case_id, labels, affine, list(recipe.data.classes))
         voxel = float(abs(np.linalg.det(affine[:3, :3])))
-        yield case_id, float((labels == module.tumor_label).sum()) * voxel, Path(out) / case_id
+        volume = int((labels == module.tumor_label).sum()) * voxel
+        summary.written.append((case_id, Path(out) / case_id, volume))
+        report(f"{case_id}: predicted {recipe.data.tumor_class} volume {volume:.1f} mm^3 -> {Path(out) / case_id}")
+    return summary

@@ -11,13 +11,38 @@ Tags on every run: ``backbone``, ``recipe``, ``variant``, ``synthx_ratio``, ``sp
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import time
 from pathlib import Path
 
 import mlflow
 from mlflow.tracking import MlflowClient
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def check_run_id(run_id: str) -> str:
+    """An MLflow run id (32 lowercase hexadecimal characters), checked for shape before any look-up.
+
+    Raises:
+        ValueError: anything else, e.g. ``../../etc``.
+    """
+    text = str(run_id).strip()
+    if not _RUN_ID.fullmatch(text):
+        raise ValueError(f"{run_id!r} is not an MLflow run id (32 hexadecimal characters)")
+    return text
+
+
+def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    """Log many metrics in batches of 1,000 (MLflow's limit per call) instead of one call each."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    entries = [Metric(key, float(value), now, step) for key, value in metrics.items()]
+    for start in range(0, len(entries), 1000):
+        client.log_batch(run_id, metrics=entries[start : start + 1000])
 
 
 def tracking_uri(recipe_uri: str | None = None) -> str:

@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_modules.data.cohort import CohortError
 from lightning_modules.data.datamodule import CohortDataModule
 from lightning_modules.evaluation.callback import SubgroupEvaluation
+from lightning_modules.evaluation.provenance import log_training_cases
 from lightning_modules.data.mixing import log_dataset_inputs, mixing_datamodule
 from lightning_modules.config.recipe import load_recipe, recipe_to_yaml
 from lightning_modules.models.segmentation_module import SegmentationModule
@@ -154,9 +155,9 @@ def train(
     # (deterministic, so a resumed run plans the same network).
     split_table = datamodule.split if datamodule is not None and datamodule.split is not None else None
     if split_table is None:
-        from lightning_modules.data.splits import read_split_table
+        from lightning_modules.data.splits import load_split
 
-        split_table = read_split_table(recipe.data.split)
+        split_table = load_split(recipe.data.split)
     recipe, plan = resolve_planned_recipe(recipe, case_ids=list(split_table.loc[split_table["split"] == "train", "case_id"]))
     if datamodule is not None:
         datamodule.recipe = recipe
@@ -196,6 +197,7 @@ def train(
             client.set_tag(run_id, "leakage_override", "true")
             client.log_text(run_id, "\n".join(overridden), "leakage_override.txt")
         log_dataset_inputs(client, run_id, datamodule, str(recipe.data.split))
+        log_training_cases(client, run_id, datamodule.split)
         if after_run_start is not None:
             after_run_start(logger)
     else:

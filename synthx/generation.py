@@ -23,7 +23,7 @@ Metadata of a synthetic case: ``synthetic=1``, ``tumor=1``, ``source_case_id`` (
 of the canvas, ``sex`` = the requested sex, ``age`` = the canvas' age when it lies in the requested
 band, else the band's representative age (:data:`REPRESENTATIVE_AGE`; the generator itself is
 conditioned on the band), ``tumor_diameter_mm``, ``tumor_location`` (pancreas head/body/tail, see
-:func:`pancreas_location`), ``generator_run_id`` (the MLflow run that trained the generator, when
+:func:`lightning_modules.data.lesions.pancreas_location`), ``generator_run_id`` (the MLflow run that trained the generator, when
 known) and ``synthesis_run_id`` (the MLflow run of this generation).
 
 Synthetic cases are training data only. The output cohort gets no split file: splits hold real
@@ -89,7 +89,8 @@ from lightning_modules.data.metadata import (
 )
 from lightning_modules.data.splits import load_split
 from synthx.config import SAMPLING_SCHEDULERS
-from synthx.mask_prior import SIZE_CLASS_NAMES, TumorDoesNotFitError, largest_diameter_mm, sample_tumor_mask
+from lightning_modules.data.lesions import SIZE_CLASS_NAMES, largest_extent_mm, pancreas_location
+from synthx.mask_prior import TumorDoesNotFitError, sample_tumor_mask
 from synthx.targeting import (
     CELL_COLUMNS,
     compute_targets,
@@ -300,22 +301,6 @@ def choose_canvas(canvases: pd.DataFrame, request: SynthesisRequest, rng: np.ran
     return pool.iloc[int(rng.integers(len(pool)))].to_dict(), bool(len(exact))
 
 
-def pancreas_location(tumor: np.ndarray, pancreas: np.ndarray, affine: np.ndarray) -> str:
-    """``head``, ``body`` or ``tail``: where the tumor's centre lies along the pancreas' right-left extent.
-
-    The pancreas is cut into thirds of its extent along the patient's left-right axis in world (RAS+)
-    coordinates; the head is the patient's right third (largest x), the tail the left third. This
-    is a geometric stand-in for the anatomical landmarks (the SMV and the aorta), which the masks lack.
-    """
-    organ_points = nib.affines.apply_affine(affine, np.argwhere(pancreas))
-    centre = nib.affines.apply_affine(affine, np.argwhere(tumor).mean(axis=0))
-    low, high = organ_points[:, 0].min(), organ_points[:, 0].max()
-    if high <= low:
-        return "body"
-    fraction = (centre[0] - low) / (high - low)
-    return "tail" if fraction < 1 / 3 else ("body" if fraction < 2 / 3 else "head")
-
-
 # ----------------------------------------------------------------------------------------------
 # One case.
 
@@ -365,7 +350,7 @@ def generate_case(
         raise GenerationError(f"canvas {canvas_id}: {case.mask_path(LESION_CLASS)} has voxels but the case is recorded healthy")
 
     tumor, size_class = _draw_tumor(masks[ORGAN_CLASS], canvas_spacing, rng, size_classes, erosion_mm, canvas_id)
-    diameter_mm = largest_diameter_mm(tumor, canvas_spacing)
+    diameter_mm = largest_extent_mm(tumor, canvas_spacing)
 
     config = pipeline.unet.config
     model_spacing = np.array([float(s) for s in config.spacing])
@@ -450,7 +435,7 @@ def generate_case(
         "synthetic": 1,
         "source_case_id": canvas_id,
         "tumor_diameter_mm": round(diameter_mm, 2),
-        "tumor_location": pancreas_location(tumor, new_masks[ORGAN_CLASS], image.affine),
+        "tumor_location": pancreas_location(new_masks[ORGAN_CLASS], tumor, image.affine),
         "spacing": "x".join(f"{s:g}" for s in canvas_spacing),
         "canvas_sex": str(canvas.get("sex", UNKNOWN)),
         "canvas_age": canvas_age,

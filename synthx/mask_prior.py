@@ -6,14 +6,9 @@ random axes within a size class, randomly rotated, elastically deformed (a smoot
 displacement field: Gaussian-filtered noise), clipped to the organ eroded by ``erosion_mm``, and
 centred at a random organ location where it fits.
 
-Size classes are ranges of the largest diameter in mm (lower bound exclusive, upper inclusive, like
-the age bands of DESIGN.md section 4). DESIGN.md's evaluation subgroup ``small`` (<= 20 mm) is
-``tiny`` + ``small`` here::
-
-    tiny (2, 10]   small (10, 20]   medium (20, 40]   large (40, 60]
-
-The largest diameter is the largest distance between the centres of two mask voxels, in mm
-(:func:`largest_diameter_mm`); every returned mask has it inside its class.
+Size classes are ranges of the largest 3D extent in mm, and the extent is measured by
+:func:`lightning_modules.data.lesions.largest_extent_mm`, the one size rule of the project (see
+``docs/design.md "Lesion size and location"``); every returned mask has it inside its class.
 
 Example::
 
@@ -28,18 +23,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 from scipy import ndimage
-from scipy.spatial import ConvexHull, QhullError
-from scipy.spatial.distance import pdist
 from scipy.spatial.transform import Rotation
 
-# name -> (lower bound exclusive, upper bound inclusive) of the largest diameter in mm.
-SIZE_CLASSES: dict[str, tuple[float, float]] = {
-    "tiny": (2.0, 10.0),
-    "small": (10.0, 20.0),
-    "medium": (20.0, 40.0),
-    "large": (40.0, 60.0),
-}
-SIZE_CLASS_NAMES = tuple(SIZE_CLASSES)
+from lightning_modules.data.lesions import SIZE_CLASS_NAMES, SIZE_CLASSES, largest_extent_mm
 
 # Shortest semi-axis as a fraction of the longest: real lesions are roundish, rarely needle-like.
 _MIN_AXIS_RATIO = 0.6
@@ -51,27 +37,6 @@ _DEFORMATION_SMOOTHNESS = 0.25
 
 class TumorDoesNotFitError(ValueError):
     """The organ (after erosion) is too small or too thin for a tumor of the requested size class."""
-
-
-def largest_diameter_mm(mask: np.ndarray, spacing: Sequence[float]) -> float:
-    """The largest distance between the centres of two voxels of ``mask``, in mm (0 for one voxel).
-
-    The farthest pair lies on the convex hull of the voxel centres, so only hull vertices are compared.
-
-    Args:
-        mask: a 3D boolean mask.
-        spacing: voxel size in mm along each array axis.
-    """
-    points = np.argwhere(np.asarray(mask, dtype=bool)).astype(np.float64) * np.asarray(spacing, dtype=np.float64)
-    if len(points) < 2:
-        return 0.0
-    if len(points) > 4:
-        try:
-            points = points[ConvexHull(points).vertices]
-        except QhullError:
-            # Flat or collinear sets have no 3D hull; they are small enough to compare directly.
-            pass
-    return float(pdist(points).max())
 
 
 def sample_size_classes(counts: Mapping[str, int], rng: np.random.Generator | int | None = None) -> list[str]:
@@ -155,7 +120,7 @@ def sample_tumor_mask(
             f"{where}: no organ voxel is farther than {erosion_mm} mm from the organ's border "
             f"({int(organ.sum())} organ voxels); cannot place a {size_class} tumor"
         )
-    organ_extent = largest_diameter_mm(allowed, spacing)
+    organ_extent = largest_extent_mm(allowed, spacing)
     if organ_extent <= low:
         raise TumorDoesNotFitError(
             f"{where}: the organ eroded by {erosion_mm} mm spans {organ_extent:.1f} mm, too small for a "
@@ -174,7 +139,7 @@ def sample_tumor_mask(
         best_fraction = max(best_fraction, inside_fraction)
         if inside_fraction < min_inside_fraction:
             continue
-        diameter = largest_diameter_mm(clipped, spacing)
+        diameter = largest_extent_mm(clipped, spacing)
         if low < diameter <= high:
             tumor = np.zeros(organ.shape, dtype=bool)
             tumor[box] = clipped
@@ -228,14 +193,3 @@ def _largest_component(mask: np.ndarray) -> np.ndarray:
         return ndimage.binary_fill_holes(mask)
     sizes = ndimage.sum_labels(mask, labels, index=np.arange(1, count + 1))
     return ndimage.binary_fill_holes(labels == (int(np.argmax(sizes)) + 1))
-
-
-def size_class_of(diameter_mm: float) -> str:
-    """The size class whose range holds ``diameter_mm``; ValueError outside every class."""
-    for name, (low, high) in SIZE_CLASSES.items():
-        if low < diameter_mm <= high:
-            return name
-    raise ValueError(
-        f"diameter {diameter_mm:.1f} mm is outside every size class "
-        f"({', '.join(f'{n} {lo:g}-{hi:g}' for n, (lo, hi) in SIZE_CLASSES.items())})"
-    )

@@ -51,6 +51,7 @@ from scipy import ndimage
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_modules.data.cohort import Cohort, file_sha256, load_cohort
+from lightning_modules.data.splits import load_split
 from lightning_modules.monitoring import system_callbacks
 from lightning_modules.tracking import experiment_id, flatten, git_commit, tracking_uri
 from synthx.config import load_synthx_recipe, recipe_to_yaml
@@ -73,13 +74,6 @@ PAD_HU = -1024.0
 
 # ----------------------------------------------------------------------------------------------
 # Cases and data
-
-
-def read_split(path: str | Path, cohort: Cohort) -> pd.DataFrame:
-    """The checked split table (``case_id, patient_id, split``) of ``cohort``."""
-    from lightning_modules.data.splits import load_split
-
-    return load_split(path, cohort)
 
 
 def training_tumor_cases(
@@ -572,7 +566,7 @@ def build_dataset(recipe: DictConfig, cohort: Cohort, split: pd.DataFrame) -> Tu
 
 def _training_data(recipe: DictConfig) -> tuple[TumorPatchDataset, DataLoader]:
     cohort = load_cohort(recipe.data.root)
-    split = read_split(recipe.data.split, cohort)
+    split = load_split(recipe.data.split, cohort)
     dataset = build_dataset(recipe, cohort, split)
     loader = DataLoader(
         dataset,

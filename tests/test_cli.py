@@ -47,9 +47,9 @@ def test_recipe_show_prints_the_resolved_recipe(capsys):
 
 
 def test_a_missing_run_or_model_is_named_with_exit_2(tmp_path, mlflow_uri, capsys):
-    code = main(["predict", "--run-id", "0123456789abcdef", "--input", str(tmp_path), "--out", str(tmp_path / "out")])
+    code = main(["predict", "--run-id", "0123456789abcdef0123456789abcdef", "--input", str(tmp_path), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert code == EXIT_USAGE and "0123456789abcdef" in err and "Traceback" not in err
+    assert code == EXIT_USAGE and "0123456789abcdef0123456789abcdef" in err and "Traceback" not in err
     code = main(["predict", "--model-uri", "models:/benchx-unet@nothing", "--input", str(tmp_path), "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == EXIT_USAGE and "models:/benchx-unet@nothing" in err

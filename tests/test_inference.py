@@ -9,6 +9,7 @@ import pytest
 
 from conftest import RECIPES, tiny_overrides
 from lightning_modules.data.cohort import load_cohort, write_metadata
+from lightning_modules.commands.predict import EXIT_SKIPPED
 from lightning_modules.commands.predict import main as predict_main
 from lightning_modules.inference import predict_scan
 from lightning_modules.config.recipe import load_recipe
@@ -73,3 +74,36 @@ def test_real_ct_validate_train_step_and_prediction_on_its_own_grid(tiny_phantom
     ct = nib.load(load_cohort(cohort).case(EXAMPLE_CASE_ID).ct_path)
     labels, affine = predict_scan(module, recipe, load_cohort(cohort).case(EXAMPLE_CASE_ID).ct_path)
     assert labels.shape == ct.shape and np.allclose(affine, ct.affine)
+
+
+def test_a_truncated_scan_is_named_skipped_and_listed_while_the_others_are_predicted(tiny_phantom, tmp_path, capsys):
+    import shutil
+
+    root, split = tiny_phantom
+    overrides = tiny_overrides(root, split, tmp_path, steps=1)
+    result = train(load_recipe(RECIPES / "unet.yaml", overrides))
+    cases = list(load_cohort(root).cases())[:3]
+    folder = tmp_path / "scans"
+    folder.mkdir()
+    for case in cases:
+        shutil.copy(case.ct_path, folder / f"{case.case_id}.nii.gz")
+    # The middle scan loses the second half of its bytes, as an interrupted copy would leave it.
+    broken = folder / f"{cases[1].case_id}.nii.gz"
+    broken.write_bytes(broken.read_bytes()[: broken.stat().st_size // 2])
+    out = tmp_path / "predictions"
+    code = predict_main(["--checkpoint", str(result.last_checkpoint), "--recipe", str(RECIPES / "unet.yaml"),
+                         "--input", str(folder), "--out", str(out), *overrides])
+    captured = capsys.readouterr()
+    assert code == EXIT_SKIPPED
+    assert f"{cases[1].case_id}: skipped, cannot read {broken}" in captured.out
+    assert "1 file(s) skipped" in captured.err and str(broken) in captured.err.splitlines()[-1]
+    for case in (cases[0], cases[2]):
+        assert (out / case.case_id / "prediction.nii.gz").exists(), "the scans after the broken one are predicted too"
+    assert not (out / cases[1].case_id).exists()
+
+
+def test_predict_refuses_a_run_id_of_the_wrong_shape(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        predict_main(["--run-id", "../../etc", "--input", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert "not an MLflow run id" in capsys.readouterr().err

@@ -123,55 +123,6 @@ def test_killed_training_resumes_with_the_same_step_count(tiny_phantom, tmp_path
     assert MlflowClient(recipe.tracking.uri).get_run(run_id).info.status == "FINISHED"
 
 
-def test_evaluate_and_compare_two_runs(tiny_phantom, tmp_path, capsys, monkeypatch):
-    from lightning_modules.evaluation.runs import EvaluationError, compare, evaluate, evaluate_main, format_comparison
-
-    root, split = tiny_phantom
-    results = []
-    for seed in (0, 1):
-        recipe = load_recipe(RECIPES / "unet.yaml", [*tiny_overrides(root, split, tmp_path, steps=2), f"seed={seed}"])
-        results.append((recipe, train(recipe)))
-    evaluation_runs = []
-    for recipe, result in results:
-        run_id, tables = evaluate(recipe, result.best_checkpoint, ("val", "test"), training_run_id=result.run_id)
-        evaluation_runs.append(run_id)
-        assert set(tables) == {"val", "test"}
-        overall = tables["test"][tables["test"]["attribute"] == "overall"].iloc[0]
-        assert overall["n"] == (pd.read_csv(split)["split"] == "test").sum()
-    client = MlflowClient(recipe.tracking.uri)
-    run = client.get_run(evaluation_runs[0])
-    assert run.data.tags["training_run_id"] == results[0][1].run_id
-    assert "test/f1/overall" in run.data.metrics or "test/n/overall" in run.data.metrics
-    artifacts = {a.path for a in client.list_artifacts(evaluation_runs[0], "evaluation")}
-    assert {"evaluation/test_records.csv", "evaluation/test_subgroups.csv", "evaluation/test_subgroups.png"} <= artifacts
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", recipe.tracking.uri)
-    # As under `mlflow run`: another run in MLFLOW_RUN_ID must not receive the comparison.
-    monkeypatch.setenv("MLFLOW_RUN_ID", results[0][1].run_id)
-    table, compare_run = compare(evaluation_runs, "test", experiment="benchx", n_resamples=50)
-    monkeypatch.delenv("MLFLOW_RUN_ID")
-    assert compare_run not in {results[0][1].run_id, *evaluation_runs}, "the comparison has its own run"
-    assert {"attribute", "group", "metric", "a", "b", "delta", "ci_low", "ci_high", "significant"} <= set(table.columns)
-    text = format_comparison(table)
-    assert "phase:" in text and "overall" in text
-    assert {a.path for a in client.list_artifacts(compare_run, "comparison")} >= {"comparison/test_comparison.csv"}
-    # An evaluation on another set is refused.
-    other_split = tmp_path / "other.csv"
-    frame = pd.read_csv(split)
-    frame.loc[frame["split"] == "test", "split"] = "val"
-    frame.loc[frame.index[:4], "split"] = "test"
-    frame.to_csv(other_split, index=False)
-    recipe_other = load_recipe(RECIPES / "unet.yaml", [*tiny_overrides(root, other_split, tmp_path, steps=2)])
-    other_run, _ = evaluate(recipe_other, results[0][1].best_checkpoint, ("test",))
-    with pytest.raises(EvaluationError, match="different sets"):
-        compare([evaluation_runs[0], other_run], "test", experiment=None, n_resamples=50)
-    # The command line: evaluate an MLflow training run by id.
-    assert evaluate_main(["--run-id", results[0][1].run_id, "--stages", "test"]) == 0
-    assert "evaluation run" in capsys.readouterr().out
-    # Overrides after --stages are overrides, not stages.
-    assert evaluate_main(["--run-id", results[0][1].run_id, "--stages", "val,test", "detection.threshold_mm3=10"]) == 0
-    assert "  test: n=" in capsys.readouterr().out
-
-
 class RecordsToDisk(pl.Callback):
     """Writes the gathered validation records (rank 0) so the test can read them back from spawned processes."""
 

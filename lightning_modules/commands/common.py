@@ -101,14 +101,28 @@ def add_overrides_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="key=value recipe overrides, e.g. profile=cpu trainer.max_steps=100")
 
 
+def run_id(text: str) -> str:
+    """argparse type of an MLflow run id: its shape is checked before any look-up (``../../etc`` is refused).
+    A registered model URI (``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``) passes unchanged."""
+    from lightning_modules.tracking import check_run_id
+
+    if text.startswith("models:/"):
+        return text
+    try:
+        return check_run_id(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
 def add_model_source_arguments(parser: argparse.ArgumentParser, recipe_help: str | None = None) -> None:
     """``--run-id RUN`` (or ``models:/NAME@ALIAS``) or ``--checkpoint FILE --recipe YAML``: the trained model a command uses."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--run-id",
+        type=run_id,
         help="MLflow training run (its recipe.yaml and best checkpoint are used), or a registered model "
         "URI such as models:/benchx-unet@baseline",
     )
-    source.add_argument("--model-uri", dest="run_id", metavar="URI", help="same as --run-id, e.g. models:/benchx-unet/3")
+    source.add_argument("--model-uri", dest="run_id", type=run_id, metavar="URI", help="same as --run-id, e.g. models:/benchx-unet/3")
     source.add_argument("--checkpoint", help="a checkpoint file (needs --recipe)")
     parser.add_argument("--recipe", help=recipe_help or "recipe for --checkpoint, or one that replaces the run's recipe")

@@ -1,4 +1,6 @@
-"""A cohort on disk in AbdomenAtlas layout (DESIGN.md section 1): reading both layouts, writing layout A.
+"""A cohort on disk in AbdomenAtlas layout: reading both layouts, writing layout A.
+
+See ``docs/design.md "Cohorts on disk"``.
 
 Layout A (AbdomenAtlas 1.x): ``<root>/<case_id>/ct.nii.gz`` and ``<root>/<case_id>/segmentations/<class>.nii.gz``.
 Layout B (2.0 / 3.0): ``<root>/{ct|image_only}/<case_id>/ct.nii.gz`` and
@@ -28,9 +30,10 @@ import nibabel as nib
 import numpy as np
 import pandas as pd
 
-from lightning_modules.data.metadata import MetadataProblem, normalize_metadata
+from lightning_modules.data.metadata import METADATA_FILE, normalize_metadata
+from lightning_modules.data.problems import Problem
 
-# DESIGN.md section 1: the AbdomenAtlas organ classes this framework knows.
+# The AbdomenAtlas organ classes this framework knows (docs/design.md "Cohorts on disk").
 ORGAN_CLASSES = (
     "aorta",
     "gall_bladder",
@@ -50,7 +53,6 @@ LESION_CLASSES = (
     "esophagus_tumor",
     "endometrioma_tumor",
 )
-METADATA_FILE = "metadata.csv"
 CT_FILE = "ct.nii.gz"
 SEGMENTATION_DIR = "segmentations"
 _LAYOUT_B_IMAGE_DIRS = ("ct", "image_only")
@@ -84,6 +86,15 @@ class Case:
     def mask_path(self, class_name: str) -> Path:
         return self.segmentation_dir / f"{class_name}.nii.gz"
 
+    def tumor_label(self, lesion_class: str = "pancreatic_lesion") -> int:
+        """The scan-level tumor label: the ``tumor`` column, or (when not recorded, -1) whether the
+        lesion mask has any non-zero voxel (a missing lesion file means no lesion)."""
+        value = int(self.metadata.get("tumor", -1))
+        if value >= 0:
+            return value
+        path = self.mask_path(lesion_class)
+        return int(path.exists() and bool(np.asarray(nib.load(path).dataobj).any()))
+
     def available_classes(self) -> list[str]:
         if not self.segmentation_dir.is_dir():
             return []
@@ -108,7 +119,7 @@ class Cohort:
         layout: str,
         image_dir: str = "",
         label_dir: str = "",
-        problems: list[MetadataProblem] | None = None,
+        problems: list[Problem] | None = None,
     ):
         self.root = Path(root)
         self.metadata = metadata
@@ -162,13 +173,7 @@ class Cohort:
 
     def resolve_tumor_labels(self, lesion_class: str = "pancreatic_lesion") -> pd.Series:
         """Scan-level tumor labels, derived from the lesion mask where ``tumor`` was not recorded (-1)."""
-        labels = []
-        for case in self.cases():
-            value = int(case.metadata.get("tumor", -1))
-            if value < 0:
-                path = case.mask_path(lesion_class)
-                value = int(path.exists() and bool(np.asarray(nib.load(path).dataobj).any()))
-            labels.append(value)
+        labels = [case.tumor_label(lesion_class) for case in self.cases()]
         return pd.Series(labels, index=self.metadata["case_id"], name="tumor")
 
 
@@ -182,10 +187,10 @@ def detect_layout(root: Path) -> tuple[str, str, str]:
     return "A", "", ""
 
 
-def read_metadata(root: Path) -> tuple[pd.DataFrame, list[MetadataProblem]]:
+def read_metadata(root: Path) -> tuple[pd.DataFrame, list[Problem]]:
     path = Path(root) / METADATA_FILE
     if not path.exists():
-        raise CohortError([f"{path}: metadata file is missing"], root)
+        raise CohortError([Problem("<cohort>", str(path), "metadata file is missing")], root)
     raw = pd.read_csv(path, dtype=str, keep_default_na=False)
     return normalize_metadata(raw)
 
@@ -200,7 +205,7 @@ def load_cohort(root: Path | str, strict: bool = True) -> Cohort:
     """
     root = Path(root)
     if not root.is_dir():
-        raise CohortError([f"{root}: cohort folder does not exist"], root)
+        raise CohortError([Problem("<cohort>", str(root), "cohort folder does not exist")], root)
     metadata, problems = read_metadata(root)
     if strict and problems:
         raise CohortError(problems, root)

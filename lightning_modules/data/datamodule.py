@@ -51,20 +51,7 @@ from omegaconf import DictConfig
 from monai.data import DataLoader
 
 from lightning_modules.data.cohort import Cohort, is_lesion_class, load_cohort
-
-# Metadata columns carried with every evaluation item (strings or numbers, collated as lists).
-RECORD_COLUMNS = (
-    "case_id",
-    "patient_id",
-    "cohort",
-    "age_band",
-    "sex",
-    "race",
-    "phase",
-    "tumor_diameter_mm",
-    "tumor_location",
-    "synthetic",
-)
+from lightning_modules.data.metadata import RECORD_COLUMNS
 
 
 class LoadLabelMapd(MapTransform):

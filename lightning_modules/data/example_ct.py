@@ -13,7 +13,7 @@ layout A as case ``TS_EXAMPLE`` of cohort ``totalsegmentator-example``:
   numbering): a model's prediction, not a manual reference. The nine AbdomenAtlas organs are
   imported (liver, pancreas, spleen, stomach, kidneys, aorta, postcava, gall_bladder).
 - It has organ labels but no pancreatic lesion, and TotalSegmentator does not annotate lesions:
-  under DESIGN.md section 1 the missing ``pancreatic_lesion`` file reads as "no lesion", so the case
+  under the cohort convention (``docs/design.md "Cohorts on disk"``) the missing ``pancreatic_lesion`` file reads as "no lesion", so the case
   counts as tumor-negative by the cohort convention, not by a finding. Demographics and phase are
   Unknown (the sdist records none).
 
@@ -30,7 +30,6 @@ Run::
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
 import os
@@ -247,23 +246,3 @@ def fetch_example_dicom(cache: Path | str | None = None) -> Path:
     """Extract the sdist's real DICOM series and its TotalSegmentator segmentation; return the series folder."""
     extract_files(EXAMPLE_DICOM_FILES, cache)
     return example_dicom_dir(cache)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchx fetch-example", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(DEFAULT_OUT), help="cohort root to import TS_EXAMPLE into")
-    parser.add_argument(
-        "--cache", default=None, help=f"download cache (default ${CACHE_ENVIRONMENT_VARIABLE} or ~/.cache/benchx)"
-    )
-    parser.add_argument("--dicom", action="store_true", help="also extract the real DICOM series and print its folder")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        case_dir = fetch_example(args.out, args.cache)
-        print(f"{EXAMPLE_CASE_ID}: {case_dir}")
-        if args.dicom:
-            print(f"DICOM series: {fetch_example_dicom(args.cache)}")
-    except ExampleFetchError as error:
-        print(f"benchx fetch-example: {error}", file=sys.stderr)
-        return 1
-    return 0

@@ -1,27 +1,37 @@
-"""Cohort metadata: the columns of ``metadata.csv`` (DESIGN.md section 1) and their normalization.
+"""Cohort metadata: the columns of ``metadata.csv`` and their normalization (``docs/design.md "Cohorts on disk"``).
 
 Everything that reads subgroup attributes (the data layer, evaluation, SynthX targeting) goes
 through :func:`normalize_metadata`, so that ``female``, ``F`` and ``f`` are one group and
 ``portal venous`` is ``venous``. Unknown is a value, never a guess: anything that cannot be read
 becomes ``Unknown`` only when the raw value is empty; an unreadable non-empty value is a problem
 reported with the case id, never silently mapped.
+
+This module is the one home of the table's column lists: :data:`STANDARD_COLUMNS` (every
+normalized table has them), :data:`OPTIONAL_COLUMNS` (known, kept when present) and
+:data:`RECORD_COLUMNS` (what travels with each evaluation item into the per-case records).
+
+Example::
+
+    table, problems = normalize_metadata(pd.read_csv("data/phantom/metadata.csv", dtype=str))
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
 import pandas as pd
 
+from lightning_modules.data.problems import Problem
+
 UNKNOWN = "Unknown"
+METADATA_FILE = "metadata.csv"
 
 SEXES = ("F", "M")
 PHASES = ("non-contrast", "arterial", "venous", "delayed")
-# DESIGN.md section 4: lower bound exclusive, upper bound inclusive.
+# docs/design.md "Subgroups": lower bound exclusive, upper bound inclusive.
 AGE_BANDS: tuple[tuple[str, float, float], ...] = (
     ("le20", -math.inf, 20.0),
     ("20-40", 20.0, 40.0),
@@ -45,6 +55,22 @@ STANDARD_COLUMNS = (
     "synthetic",
     "source_case_id",
     "generator_run_id",
+)
+# Known columns kept as given when present (never filled in: the importers, the phantom and SynthX
+# write them; lightning_modules.data.lesions derives the tumor's size and location from the masks).
+OPTIONAL_COLUMNS = ("scanner", "spacing", "kvp", "tumor_diameter_mm", "tumor_location")
+# Columns carried with every evaluation item into its per-case record (strings or numbers).
+RECORD_COLUMNS = (
+    "case_id",
+    "patient_id",
+    "cohort",
+    "age_band",
+    "sex",
+    "race",
+    "phase",
+    "tumor_diameter_mm",
+    "tumor_location",
+    "synthetic",
 )
 
 # AbdomenAtlas 3.0 and other common headers accepted as aliases (compared case-insensitively,
@@ -88,18 +114,6 @@ _PHASE_SYNONYMS = {
     "delay": "delayed",
 }
 _UNKNOWN_TOKENS = {"", "unknown", "nan", "none", "na", "n/a", "null", "?", "unk"}
-
-
-@dataclass(frozen=True)
-class MetadataProblem:
-    """One problem found in a metadata table: which case, which column, what is wrong."""
-
-    case_id: str
-    column: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.case_id}: metadata.csv column '{self.column}': {self.message}"
 
 
 def _is_unknown(value) -> bool:
@@ -159,7 +173,7 @@ def normalize_age(value) -> float:
 
 
 def age_band(age: float) -> str:
-    """The BenchX age band of an age in years (DESIGN.md section 4), ``Unknown`` for NaN."""
+    """The BenchX age band of an age in years (``docs/design.md "Subgroups"``), ``Unknown`` for NaN."""
     if age is None or (isinstance(age, float) and math.isnan(age)):
         return UNKNOWN
     for name, low, high in AGE_BANDS:
@@ -198,7 +212,7 @@ def canonical_column(name: str) -> str:
     return COLUMN_ALIASES.get(key, key)
 
 
-def normalize_metadata(raw: pd.DataFrame) -> tuple[pd.DataFrame, list[MetadataProblem]]:
+def normalize_metadata(raw: pd.DataFrame) -> tuple[pd.DataFrame, list[Problem]]:
     """Normalize a raw ``metadata.csv`` table.
 
     Returns the normalized table (standard columns always present; ``tumor`` is -1 where it must be
@@ -206,25 +220,25 @@ def normalize_metadata(raw: pd.DataFrame) -> tuple[pd.DataFrame, list[MetadataPr
     with problems are kept with the offending value set to Unknown so that all problems can be
     listed at once; callers decide whether problems are fatal.
     """
-    problems: list[MetadataProblem] = []
+    problems: list[Problem] = []
     table = raw.rename(columns={c: canonical_column(c) for c in raw.columns}).copy()
     duplicated_headers = table.columns[table.columns.duplicated()].tolist()
     for column in duplicated_headers:
-        problems.append(MetadataProblem("<header>", column, "column given twice (after aliases)"))
+        problems.append(Problem("<header>", METADATA_FILE, column=column, message="column given twice (after aliases)"))
     table = table.loc[:, ~table.columns.duplicated()]
     for column in REQUIRED_COLUMNS:
         if column not in table.columns:
-            problems.append(MetadataProblem("<header>", column, "required column is missing"))
+            problems.append(Problem("<header>", METADATA_FILE, column=column, message="required column is missing"))
             return pd.DataFrame(columns=list(STANDARD_COLUMNS)), problems
 
     table["case_id"] = table["case_id"].map(lambda v: "" if _is_unknown(v) else str(v).strip())
     for i, case_id in enumerate(table["case_id"]):
         if case_id == "":
-            problems.append(MetadataProblem(f"<row {i + 2}>", "case_id", "empty case id"))
+            problems.append(Problem(f"<row {i + 2}>", METADATA_FILE, column="case_id", message="empty case id"))
         elif "/" in case_id or "\\" in case_id or case_id in {".", ".."} or ".." in case_id:
-            problems.append(MetadataProblem(case_id, "case_id", "unsafe case id (path separator or '..')"))
+            problems.append(Problem(case_id, METADATA_FILE, column="case_id", message="unsafe case id (path separator or '..')"))
     for case_id in table.loc[table["case_id"].duplicated() & (table["case_id"] != ""), "case_id"].unique():
-        problems.append(MetadataProblem(case_id, "case_id", "duplicate case id"))
+        problems.append(Problem(case_id, METADATA_FILE, column="case_id", message="duplicate case id"))
 
     def apply(column: str, function, default):
         if column not in table.columns:
@@ -235,7 +249,7 @@ def normalize_metadata(raw: pd.DataFrame) -> tuple[pd.DataFrame, list[MetadataPr
             try:
                 values.append(function(value))
             except ValueError as error:
-                problems.append(MetadataProblem(case_id, column, str(error)))
+                problems.append(Problem(case_id, METADATA_FILE, column=column, message=str(error)))
                 values.append(function(None))
         table[column] = values
 
@@ -266,8 +280,8 @@ def normalize_metadata(raw: pd.DataFrame) -> tuple[pd.DataFrame, list[MetadataPr
             table[column] = table[column].map(lambda v: "" if _is_unknown(v) else str(v).strip())
     for case_id, synthetic, source in zip(table["case_id"], table["synthetic"], table["source_case_id"]):
         if synthetic == 1 and source == "":
-            problems.append(MetadataProblem(case_id, "source_case_id", "synthetic case without a source (canvas) case id"))
+            problems.append(Problem(case_id, METADATA_FILE, column="source_case_id", message="synthetic case without a source (canvas) case id"))
     table["age_band"] = age_bands(table["age"])
-    ordered = list(STANDARD_COLUMNS) + ["age_band"]
+    ordered = list(STANDARD_COLUMNS) + ["age_band"] + [c for c in OPTIONAL_COLUMNS if c in table.columns]
     table = table[ordered + [c for c in table.columns if c not in ordered]]
     return table.reset_index(drop=True), problems

@@ -1,11 +1,13 @@
-"""Patient-disjoint train/val/test splits (DESIGN.md section 2), written once and then only read.
+"""Patient-disjoint train/val/test splits, written once and then only read (``docs/design.md "Split files"``).
 
 A split file ``splits/<cohort>.csv`` has columns ``case_id,patient_id,split``. :func:`make_splits`
 assigns whole patients (every scan of a patient lands in one split) and balances tumor x phase
 strata across splits where the counts allow. Only real cases are split: synthetic cases are
 training data by construction and never enter a split file. :func:`write_split` refuses to replace
-an existing file unless forced (as nnU-Net's ``splits_final.json``), and :func:`load_split` fails
-hard on a patient in two splits, an unknown case, or a patient id that disagrees with the cohort.
+an existing file unless forced (as nnU-Net's ``splits_final.json``), and :func:`load_split`, the one
+split reader, fails hard on a patient in two splits, an unknown case, or a patient id that
+disagrees with the cohort (the leakage audit reads with ``check=False``, since reporting those
+problems is its job).
 
 Run::
 
@@ -14,16 +16,15 @@ Run::
 
 from __future__ import annotations
 
-import argparse
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
-from lightning_modules.data.cohort import CohortError, atomic_write_csv, file_sha256, load_cohort
-from lightning_modules.data.validation import Problem
+from lightning_modules.data.cohort import atomic_write_csv, file_sha256, load_cohort
+from lightning_modules.data.problems import Problem
 
 if TYPE_CHECKING:
     from lightning_modules.data.cohort import Cohort
@@ -76,6 +77,28 @@ def make_splits(
     Returns:
         ``case_id, patient_id, split`` for every real case, in the input order.
     """
+    real = _real_cases(metadata, val_fraction, test_fraction)
+    fractions = np.array([1.0 - val_fraction - test_fraction, val_fraction, test_fraction])
+    patients = real["patient_id"].astype(str).to_numpy()
+    patient_names = np.unique(patients)
+    needed = int(np.count_nonzero(fractions > 0))
+    if len(patient_names) < needed:
+        raise ValueError(f"{len(patient_names)} patient(s) cannot fill {needed} non-empty split(s)")
+    patient_of_case = np.searchsorted(patient_names, patients)
+    counts = _patient_counts(real, patient_of_case, len(patient_names))
+    assignment = _allocate(counts, fractions, seed)
+    _fill_empty_splits(assignment, counts, fractions)
+    return pd.DataFrame(
+        {
+            "case_id": real["case_id"].astype(str),
+            "patient_id": patients,
+            "split": [SPLITS[s] for s in assignment[patient_of_case]],
+        }
+    )
+
+
+def _real_cases(metadata: pd.DataFrame, val_fraction: float, test_fraction: float) -> pd.DataFrame:
+    """The real (non-synthetic) rows to split, after checking columns, fractions and case ids."""
     missing = [c for c in ("case_id", "patient_id", "tumor", "phase") if c not in metadata.columns]
     if missing:
         raise ValueError(f"metadata lacks column(s) {missing} needed to split")
@@ -90,33 +113,32 @@ def make_splits(
     duplicated = real.loc[real["case_id"].duplicated(), "case_id"].tolist()
     if duplicated:
         raise ValueError(f"duplicate case id(s) in metadata: {duplicated}")
+    return real
 
-    fractions = np.array([1.0 - val_fraction - test_fraction, val_fraction, test_fraction])
+
+def _patient_counts(real: pd.DataFrame, patient_of_case: np.ndarray, n_patients: int) -> np.ndarray:
+    """counts[p]: patient p's cases per stratum, then its total cases, then 1 (the patient itself)."""
     strata = _strata(real)
     stratum_names = sorted(strata.unique())
     stratum_index = strata.map({name: i for i, name in enumerate(stratum_names)}).to_numpy()
-    patients = real["patient_id"].astype(str).to_numpy()
-    patient_names = np.unique(patients)
-    needed = int(np.count_nonzero(fractions > 0))
-    if len(patient_names) < needed:
-        raise ValueError(f"{len(patient_names)} patient(s) cannot fill {needed} non-empty split(s)")
-
-    # counts[p]: patient p's cases per stratum, then its total cases, then 1 (the patient itself).
-    patient_of_case = np.searchsorted(patient_names, patients)
-    counts = np.zeros((len(patient_names), len(stratum_names) + 2))
+    counts = np.zeros((n_patients, len(stratum_names) + 2))
     np.add.at(counts, (patient_of_case, stratum_index), 1.0)
     counts[:, -2] = counts[:, :-2].sum(axis=1)
     counts[:, -1] = 1.0
+    return counts
+
+
+def _allocate(counts: np.ndarray, fractions: np.ndarray, seed: int) -> np.ndarray:
+    """The greedy chi-square allocation of :func:`make_splits`: a split index per patient."""
     targets = fractions[:, None] * counts.sum(axis=0)[None, :]
     # Chi-square weights: a deviation counts relative to its target, so rare strata and the small
     # val split weigh as much as common ones, and splits fill in proportion.
     weights = 1.0 / np.maximum(targets, 1e-9)
-
     rng = np.random.default_rng(seed)
-    order = rng.permutation(len(patient_names))
+    order = rng.permutation(len(counts))
     order = order[np.argsort(-counts[order, -2], kind="stable")]
     allocated = np.zeros_like(targets)
-    assignment = np.full(len(patient_names), -1)
+    assignment = np.full(len(counts), -1)
     for p in order:
         # Increase of sum(w * (allocated - target)^2) when patient p joins each split.
         increase = (weights * counts[p] * (2.0 * (allocated - targets) + counts[p])).sum(axis=1)
@@ -124,9 +146,12 @@ def make_splits(
         best_split = int(np.argmin(increase))
         assignment[p] = best_split
         allocated[best_split] += counts[p]
-    size_targets = targets[:, -2]
+    return assignment
 
-    # A tiny cohort can leave val or test empty; move the smallest patient of the most over-full split.
+
+def _fill_empty_splits(assignment: np.ndarray, counts: np.ndarray, fractions: np.ndarray) -> None:
+    """A tiny cohort can leave val or test empty; move the smallest patient of the most over-full split."""
+    size_targets = fractions * counts[:, -2].sum()
     for s in np.flatnonzero(fractions > 0):
         if np.any(assignment == s):
             continue
@@ -136,15 +161,6 @@ def make_splits(
         donor = int(np.argmax(surplus))
         members = np.flatnonzero(assignment == donor)
         assignment[members[np.argmin(counts[members, -2])]] = s
-
-    table = pd.DataFrame(
-        {
-            "case_id": real["case_id"].astype(str),
-            "patient_id": patients,
-            "split": [SPLITS[s] for s in assignment[patient_of_case]],
-        }
-    )
-    return table
 
 
 def split_problems(table: pd.DataFrame, cohort: Cohort | None = None, path: Path | str = "") -> list[Problem]:
@@ -210,9 +226,7 @@ def patient_overlaps(table: pd.DataFrame) -> dict[str, list[str]]:
     return {patient: splits for patient, splits in splits_per_patient.items() if len(splits) > 1}
 
 
-def read_split_table(path: Path | str) -> pd.DataFrame:
-    """Read a split CSV as strings (whitespace trimmed), without checking its content."""
-    path = Path(path)
+def _read_split_csv(path: Path) -> pd.DataFrame:
     if not path.exists():
         raise SplitError([Problem("<split>", str(path), "split file does not exist")], path)
     try:
@@ -222,14 +236,23 @@ def read_split_table(path: Path | str) -> pd.DataFrame:
     return table.apply(lambda column: column.str.strip())
 
 
-def load_split(path: Path | str, cohort: Cohort | None = None) -> pd.DataFrame:
-    """Read and check a split CSV; raise :class:`SplitError` listing every problem.
+def load_split(path: Path | str, cohort: Cohort | None = None, check: bool = True) -> pd.DataFrame:
+    """Read a split CSV: the one split reader of the project.
 
     Args:
         path: the split CSV (``case_id,patient_id,split``).
-        cohort: when given, every case must be in it with the same patient id.
+        cohort: when given (and ``check``), every case must be in it with the same patient id.
+        check: raise :class:`SplitError` listing every problem (:func:`split_problems`). With
+            ``False`` only ``case_id`` and ``split`` must be present; the table comes back as
+            strings with every column, for tools whose job is to report the problems (the audit).
     """
-    table = read_split_table(path)
+    path = Path(path)
+    table = _read_split_csv(path)
+    if not check:
+        missing = [c for c in ("case_id", "split") if c not in table.columns]
+        if missing:
+            raise SplitError([Problem("<header>", str(path), f"required column(s) {missing} missing")], path)
+        return table
     problems = split_problems(table, cohort, path)
     if problems:
         raise SplitError(problems, path)
@@ -258,7 +281,7 @@ def write_split(table: pd.DataFrame, path: Path | str, force: bool = False) -> P
 
 
 def split_sha256(path: Path | str) -> str:
-    """The sha256 of a split file, which identifies it in MLflow (DESIGN.md section 2)."""
+    """The sha256 of a split file, which identifies it in MLflow (``docs/design.md "Split files"``)."""
     return file_sha256(path)
 
 
@@ -279,41 +302,39 @@ def split_summary(table: pd.DataFrame, metadata: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows).fillna(0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchx make-splits", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--root", required=True, help="cohort folder with metadata.csv")
-    parser.add_argument("--out", required=True, help="split CSV to write (e.g. splits/phantom.csv)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--val", type=float, default=0.1, help="share of cases in val")
-    parser.add_argument("--test", type=float, default=0.2, help="share of cases in test")
-    parser.add_argument(
-        "--tumor-class", default="pancreatic_lesion", help="lesion mask that defines an unrecorded tumor label"
-    )
-    parser.add_argument("--force", action="store_true", help="replace an existing split file")
-    args = parser.parse_args(argv)
+@dataclass(frozen=True)
+class WrittenSplit:
+    """A split written by :func:`write_cohort_split`, with what ``benchx make-splits`` reports."""
 
-    try:
-        cohort = load_cohort(args.root)
-    except CohortError as error:
-        print(error, file=sys.stderr)
-        return 1
+    path: Path
+    table: pd.DataFrame
+    summary: pd.DataFrame
+    sha256: str
+    synthetic_left_out: int
+
+
+def write_cohort_split(
+    root: Path | str,
+    out: Path | str,
+    seed: int = 0,
+    val_fraction: float = 0.1,
+    test_fraction: float = 0.2,
+    tumor_class: str = "pancreatic_lesion",
+    force: bool = False,
+) -> WrittenSplit:
+    """Split a cohort on disk and write the split once (what ``benchx make-splits`` runs).
+
+    Strata use the label training will see: the ``tumor`` column, derived from ``tumor_class``'s
+    mask where it is empty.
+
+    Raises:
+        CohortError: the cohort cannot be read.
+        ValueError / FileExistsError: see :func:`make_splits` and :func:`write_split`.
+    """
+    cohort = load_cohort(root)
     metadata = cohort.metadata.copy()
-    # Stratify on the label training will see: derived from the mask where the column is empty.
-    metadata["tumor"] = cohort.resolve_tumor_labels(args.tumor_class).to_numpy()
-    try:
-        table = make_splits(metadata, seed=args.seed, val_fraction=args.val, test_fraction=args.test)
-        write_split(table, args.out, force=args.force)
-    except (ValueError, FileExistsError) as error:
-        print(f"benchx make-splits: {error}", file=sys.stderr)
-        return 1
-    summary = split_summary(table, metadata)
+    metadata["tumor"] = cohort.resolve_tumor_labels(tumor_class).to_numpy()
+    table = make_splits(metadata, seed=seed, val_fraction=val_fraction, test_fraction=test_fraction)
+    path = write_split(table, out, force=force)
     skipped = int((metadata["synthetic"] == 1).sum())
-    print(f"wrote {args.out} (sha256 {split_sha256(args.out)[:12]}, seed {args.seed})")
-    print(summary.to_string(index=False))
-    if skipped:
-        print(f"{skipped} synthetic case(s) left out: synthetic cases are training data only")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return WrittenSplit(path, table, split_summary(table, metadata), split_sha256(path), skipped)

@@ -1,11 +1,13 @@
-"""Cohort validation: list every problem of a cohort on disk in one pass (DESIGN.md section 1).
+"""Cohort validation: list every problem of a cohort on disk in one pass, each problem once.
 
 Checks the metadata table (required columns, unknown categorical values, duplicate or unsafe case
 ids, synthetic rows without a source case), then every case's files: folder present, CT and masks
 readable to the last byte (a truncated ``.nii.gz`` reads its header fine and fails only on the
 data), masks on the CT's grid and affine, masks binary, CT voxels finite, required organ masks
 present (a missing lesion file means "no lesion"), and the ``tumor`` column agreeing with the
-lesion mask. Training calls :func:`raise_if_invalid` first and refuses a broken cohort.
+lesion mask (any non-zero voxel is lesion, as :meth:`Cohort.resolve_tumor_labels` reads it, so a
+0/255 mask is reported once, as not binary). Training calls :func:`raise_if_invalid` first and
+refuses a broken cohort. See ``docs/design.md "Cohorts on disk"``.
 
 Run::
 
@@ -15,11 +17,10 @@ Run::
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -29,32 +30,16 @@ import numpy as np
 from nibabel.filebasedimages import ImageFileError
 from nibabel.spatialimages import HeaderDataError
 
-from lightning_modules.data.cohort import (
-    METADATA_FILE,
-    Case,
-    Cohort,
-    CohortError,
-    is_lesion_class,
-    load_cohort,
-)
+from lightning_modules.data.cohort import Case, Cohort, CohortError, is_lesion_class, load_cohort
+from lightning_modules.data.metadata import METADATA_FILE
+from lightning_modules.data.problems import Problem
+from lightning_modules.data.splits import SplitError, load_split
 
 DEFAULT_CLASSES = ("pancreas", "pancreatic_lesion")
 # Affines written by different tools differ in float rounding; 1e-3 mm is far below any voxel size.
 AFFINE_TOLERANCE_MM = 1e-3
 # Errors nibabel, gzip and numpy raise on damaged files; anything else is a bug and propagates.
 READ_ERRORS = (OSError, EOFError, ValueError, zlib.error, ImageFileError, HeaderDataError)
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One problem: which case, which file, what is wrong."""
-
-    case_id: str
-    file: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.case_id}: {self.file}: {self.message}"
 
 
 def _is_unsafe_case_id(case_id: str) -> bool:
@@ -72,6 +57,26 @@ def _default_tumor_class(classes: Sequence[str]) -> str | None:
     return lesions[0] if lesions else None
 
 
+@dataclass(frozen=True)
+class _CaseCheck:
+    """What the checks of one case share: where to report, the CT's grid, the tumor label."""
+
+    case: Case
+    classes: Sequence[str]
+    check_voxels: bool
+    tumor_class: str | None
+    affine_tolerance: float
+    ct_shape: tuple[int, ...] | None = None
+    ct_affine: np.ndarray | None = None
+
+    def problem(self, path: Path, message: str) -> Problem:
+        return Problem(self.case.case_id, str(path), message)
+
+    @property
+    def recorded_tumor(self) -> int:
+        return int(self.case.metadata.get("tumor", -1))
+
+
 def validate_case(
     cohort: Cohort,
     case: Case,
@@ -80,7 +85,7 @@ def validate_case(
     tumor_class: str | None = None,
     affine_tolerance: float = AFFINE_TOLERANCE_MM,
 ) -> list[Problem]:
-    """Every problem of one case's files. Each file is opened once.
+    """Every problem of one case's files, each once. Each file is opened once.
 
     Args:
         cohort: the cohort the case belongs to (for its layout).
@@ -92,85 +97,86 @@ def validate_case(
             the first lesion class in ``classes``.
         affine_tolerance: largest absolute difference (mm) allowed between a mask's and the CT's affine.
     """
-    case_id = case.case_id
-    problems: list[Problem] = []
     tumor_class = tumor_class if tumor_class is not None else _default_tumor_class(classes)
-
-    case_dir = cohort.case_dir(case_id)
+    check = _CaseCheck(case, classes, check_voxels, tumor_class, affine_tolerance)
+    case_dir = cohort.case_dir(case.case_id)
     if not case_dir.is_dir():
-        problems.append(Problem(case_id, str(case_dir), "case folder is missing"))
-        return problems
+        return [check.problem(case_dir, "case folder is missing")]
+    problems, ct_shape, ct_affine = _check_ct(check)
     if cohort.layout == "B" and not case.segmentation_dir.parent.is_dir():
-        problems.append(Problem(case_id, str(case.segmentation_dir.parent), "label folder of the case is missing"))
-
-    ct_shape, ct_affine = None, None
-    if not case.ct_path.exists():
-        problems.append(Problem(case_id, str(case.ct_path), "CT file is missing"))
-    else:
-        try:
-            if check_voxels:
-                ct_image, ct = read_volume(case.ct_path)
-                if ct.dtype.kind == "f" and not np.isfinite(ct).all():
-                    bad = int(np.count_nonzero(~np.isfinite(ct)))
-                    problems.append(Problem(case_id, str(case.ct_path), f"CT has {bad} NaN/inf voxel(s)"))
-            else:
-                ct_image = nib.load(str(case.ct_path))
-            ct_shape, ct_affine = tuple(ct_image.shape), ct_image.affine
-            if len(ct_shape) != 3:
-                problems.append(Problem(case_id, str(case.ct_path), f"CT is not a 3D volume (shape {ct_shape})"))
-        except READ_ERRORS as error:
-            problems.append(Problem(case_id, str(case.ct_path), f"unreadable or truncated NIfTI: {error}"))
-
-    recorded_tumor = int(case.metadata.get("tumor", -1))
+        # One problem for the folder, not one per mask it would hold.
+        return problems + [check.problem(case.segmentation_dir.parent, "label folder of the case is missing")]
+    check = dataclasses.replace(check, ct_shape=ct_shape, ct_affine=ct_affine)
     for class_name in classes:
-        path = case.mask_path(class_name)
-        if not path.exists():
-            if not is_lesion_class(class_name):
-                problems.append(Problem(case_id, str(path), f"required mask '{class_name}' is missing"))
-            elif class_name == tumor_class and recorded_tumor == 1:
-                problems.append(
-                    Problem(case_id, str(path), "metadata tumor=1 but the lesion mask is missing (no lesion)")
-                )
-            continue
-        try:
-            if check_voxels:
-                mask_image, mask = read_volume(path)
-            else:
-                mask_image, mask = nib.load(str(path)), None
-        except READ_ERRORS as error:
-            problems.append(Problem(case_id, str(path), f"unreadable or truncated NIfTI: {error}"))
-            continue
-        if ct_shape is not None and tuple(mask_image.shape) != ct_shape:
-            problems.append(
-                Problem(case_id, str(path), f"mask shape {tuple(mask_image.shape)} differs from CT shape {ct_shape}")
-            )
-        if ct_affine is not None and not np.allclose(mask_image.affine, ct_affine, rtol=0.0, atol=affine_tolerance):
-            difference = float(np.abs(mask_image.affine - ct_affine).max())
-            problems.append(
-                Problem(
-                    case_id,
-                    str(path),
-                    f"mask affine differs from the CT affine (largest difference {difference:.4g} mm)",
-                )
-            )
-        if mask is None:
-            continue
-        non_binary = (mask != 0) & (mask != 1)
-        if non_binary.any():
-            values = np.unique(mask[non_binary])[:5]
-            problems.append(Problem(case_id, str(path), f"mask is not binary (values such as {values.tolist()})"))
-        if class_name == tumor_class and recorded_tumor in (0, 1):
-            has_lesion = bool(np.any(mask == 1))
-            if recorded_tumor == 1 and not has_lesion:
-                problems.append(Problem(case_id, str(path), "metadata tumor=1 but the lesion mask is empty"))
-            elif recorded_tumor == 0 and has_lesion:
-                problems.append(
-                    Problem(
-                        case_id,
-                        str(path),
-                        f"metadata tumor=0 but the lesion mask has {int(np.count_nonzero(mask == 1))} voxel(s)",
-                    )
-                )
+        problems += _check_mask(check, class_name)
+    return problems
+
+
+def _check_ct(check: _CaseCheck) -> tuple[list[Problem], tuple[int, ...] | None, np.ndarray | None]:
+    """The CT's problems, and its shape and affine when its header could be read."""
+    path = check.case.ct_path
+    if not path.exists():
+        return [check.problem(path, "CT file is missing")], None, None
+    problems = []
+    try:
+        if check.check_voxels:
+            image, ct = read_volume(path)
+            if ct.dtype.kind == "f" and not np.isfinite(ct).all():
+                bad = int(np.count_nonzero(~np.isfinite(ct)))
+                problems.append(check.problem(path, f"CT has {bad} NaN/inf voxel(s)"))
+        else:
+            image = nib.load(str(path))
+    except READ_ERRORS as error:
+        return [check.problem(path, f"unreadable or truncated NIfTI: {error}")], None, None
+    shape = tuple(image.shape)
+    if len(shape) != 3:
+        problems.append(check.problem(path, f"CT is not a 3D volume (shape {shape})"))
+    return problems, shape, image.affine
+
+
+def _check_mask(check: _CaseCheck, class_name: str) -> list[Problem]:
+    """One mask's problems: presence, readability, grid, binary values, agreement with ``tumor``."""
+    path = check.case.mask_path(class_name)
+    is_tumor_mask = class_name == check.tumor_class
+    if not path.exists():
+        if not is_lesion_class(class_name):
+            return [check.problem(path, f"required mask '{class_name}' is missing")]
+        if is_tumor_mask and check.recorded_tumor == 1:
+            return [check.problem(path, "metadata tumor=1 but the lesion mask is missing (no lesion)")]
+        return []
+    try:
+        image, mask = read_volume(path) if check.check_voxels else (nib.load(str(path)), None)
+    except READ_ERRORS as error:
+        return [check.problem(path, f"unreadable or truncated NIfTI: {error}")]
+    problems = _grid_problems(check, path, image)
+    if mask is None:
+        return problems
+    non_binary = (mask != 0) & (mask != 1)
+    if non_binary.any():
+        values = np.unique(mask[non_binary])[:5]
+        problems.append(check.problem(path, f"mask is not binary (values such as {values.tolist()})"))
+    if is_tumor_mask and check.recorded_tumor in (0, 1):
+        # Any non-zero voxel is lesion (as the cohort derives labels), so a 0/255 mask is one
+        # problem (not binary), not also "empty".
+        lesion_voxels = int(np.count_nonzero(mask))
+        if check.recorded_tumor == 1 and lesion_voxels == 0:
+            problems.append(check.problem(path, "metadata tumor=1 but the lesion mask is empty"))
+        elif check.recorded_tumor == 0 and lesion_voxels:
+            problems.append(check.problem(path, f"metadata tumor=0 but the lesion mask has {lesion_voxels} voxel(s)"))
+    return problems
+
+
+def _grid_problems(check: _CaseCheck, path: Path, image: nib.Nifti1Image) -> list[Problem]:
+    problems = []
+    if check.ct_shape is not None and tuple(image.shape) != check.ct_shape:
+        problems.append(check.problem(path, f"mask shape {tuple(image.shape)} differs from CT shape {check.ct_shape}"))
+    if check.ct_affine is not None and not np.allclose(
+        image.affine, check.ct_affine, rtol=0.0, atol=check.affine_tolerance
+    ):
+        difference = float(np.abs(image.affine - check.ct_affine).max())
+        problems.append(
+            check.problem(path, f"mask affine differs from the CT affine (largest difference {difference:.4g} mm)")
+        )
     return problems
 
 
@@ -182,14 +188,11 @@ def _load_for_validation(cohort_or_root: Cohort | Path | str) -> tuple[Cohort | 
         try:
             cohort = load_cohort(root, strict=False)
         except CohortError as error:
-            return None, [Problem("<cohort>", str(root), str(p)) for p in error.problems]
+            return None, list(error.problems)
         except (ValueError, OSError) as error:
             # pandas raises ParserError (a ValueError) on a malformed CSV.
             return None, [Problem("<cohort>", str(root / METADATA_FILE), f"cannot read metadata: {error}")]
-    problems = [
-        Problem(p.case_id, str(cohort.root / METADATA_FILE), f"column '{p.column}': {p.message}")
-        for p in cohort.problems
-    ]
+    problems = [dataclasses.replace(p, file=str(cohort.root / METADATA_FILE)) for p in cohort.problems]
     return cohort, problems
 
 
@@ -244,37 +247,42 @@ def raise_if_invalid(
     return cohort_or_root if isinstance(cohort_or_root, Cohort) else load_cohort(root, strict=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchx validate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--root", required=True, help="cohort folder (layout A or B) with metadata.csv")
-    parser.add_argument("--classes", nargs="+", default=list(DEFAULT_CLASSES), help="mask classes the recipe needs")
-    parser.add_argument("--tumor-class", default=None, help="lesion class checked against the tumor column")
-    parser.add_argument("--split", default=None, help="also check a split CSV against the cohort")
-    parser.add_argument("--headers-only", action="store_true", help="read NIfTI headers only (faster, fewer checks)")
-    parser.add_argument("--workers", type=int, default=None, help="reader threads (default: up to 4)")
-    args = parser.parse_args(argv)
+@dataclass(frozen=True)
+class ValidationReport:
+    """What ``benchx validate`` found: every problem, and how many cases were read."""
 
-    cohort, problems = _load_for_validation(args.root)
+    root: Path
+    problems: list[Problem]
+    cases: int
+
+    @property
+    def affected_cases(self) -> int:
+        return len({p.case_id for p in self.problems})
+
+
+def validate(
+    root: Path | str,
+    classes: Sequence[str] = DEFAULT_CLASSES,
+    check_voxels: bool = True,
+    tumor_class: str | None = None,
+    workers: int | None = None,
+    split: Path | str | None = None,
+) -> ValidationReport:
+    """Validate a cohort folder and, optionally, a split file against it (what ``benchx validate`` runs).
+
+    Args:
+        root: the cohort folder.
+        classes / check_voxels / tumor_class / workers: see :func:`validate_cohort`.
+        split: a split CSV whose problems (see :func:`lightning_modules.data.splits.load_split`) are
+            listed after the cohort's.
+    """
+    cohort, problems = _load_for_validation(root)
     if cohort is not None:
         # Given a loaded cohort, validate_cohort lists its metadata problems first, then the files'.
-        problems = validate_cohort(cohort, args.classes, not args.headers_only, args.tumor_class, args.workers)
-        if args.split:
-            from lightning_modules.data.splits import SplitError, load_split
-
+        problems = validate_cohort(cohort, classes, check_voxels, tumor_class, workers)
+        if split:
             try:
-                load_split(args.split, cohort)
+                load_split(split, cohort)
             except SplitError as error:
                 problems.extend(error.problems)
-    for problem in problems:
-        print(problem)
-    cases = len(cohort) if cohort is not None else 0
-    affected = len({p.case_id for p in problems})
-    if problems:
-        print(f"{len(problems)} problem(s) in {affected} case(s) of {args.root} ({cases} case(s) read)")
-        return 1
-    print(f"{args.root}: {cases} case(s), no problems")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return ValidationReport(Path(root), problems, len(cohort) if cohort is not None else 0)

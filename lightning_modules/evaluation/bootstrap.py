@@ -1,4 +1,5 @@
-"""Patient-level bootstrap CIs for subgroup detection metrics and paired run comparisons (DESIGN.md section 5).
+"""Patient-level bootstrap CIs for subgroup detection metrics and paired run comparisons
+(docs/design.md "Confidence intervals and comparisons").
 
 Resampling is by patient: a resample draws patients with replacement and every scan of a drawn
 patient comes along, as often as the patient was drawn. The draws are derived from a seed computed
@@ -16,6 +17,11 @@ Example::
     table = bootstrap_subgroup_metrics(test_records, threshold, n_resamples=2000)
     diff = paired_difference(baseline_records, synthx_records, m_baseline, m_synthx)
     print(diff[diff["significant"]])
+
+A difference is significant only when its CI excludes 0 and the subgroup supports the claim
+(``subgroups.supported``: at least 10 patients, with 5 positives and 5 negatives where the metric
+needs them). Every row carries its patients, positives, negatives and the fraction of resamples in
+which the metric (or both runs' metric, for a difference) was defined.
 """
 
 from __future__ import annotations
@@ -27,14 +33,9 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import pandas as pd
 
-from lightning_modules.evaluation.detection import (
-    ATTRIBUTE_COLUMNS,
-    ATTRIBUTES,
-    RATE_METRICS,
-    WeightedSubgroupEvaluator,
-    attribute_values,
-    labels,
-)
+from lightning_modules.evaluation.detection import RATE_METRICS, WeightedSubgroupEvaluator
+from lightning_modules.evaluation.records import ATTRIBUTE_COLUMNS, ATTRIBUTES, attribute_values, labels
+from lightning_modules.evaluation.subgroups import metric_defined, supported
 
 CI_METRICS = RATE_METRICS
 DEFAULT_MEMORY_BUDGET_MB = 256
@@ -185,14 +186,50 @@ def percentile_interval(samples: np.ndarray, confidence: float) -> tuple[np.ndar
     """Percentile interval per column over the resamples where the value is defined (not NaN).
 
     A resample can leave a metric undefined in a small subgroup (no positive drawn): those
-    resamples are left out, so the interval is conditional on the metric being defined. Columns
-    with no defined resample get NaN.
+    resamples are left out, so the interval is conditional on the metric being defined (the
+    fraction of resamples where it was is reported beside it). Columns with no defined resample get NaN.
     """
     tail = (1.0 - confidence) / 2.0 * 100.0
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="All-NaN slice encountered", category=RuntimeWarning)
         low, high = np.nanpercentile(samples, [tail, 100.0 - tail], axis=0)
     return low, high
+
+
+def _defined(statistics: dict[str, np.ndarray], metric: str) -> np.ndarray:
+    """The metric's values with NaN where it is undefined (``subgroups.metric_defined``)."""
+    values = statistics[metric]
+    return np.where(metric_defined(metric, statistics["positives"], statistics["negatives"], values), values, np.nan)
+
+
+def resample_statistics(
+    evaluators: Sequence[WeightedSubgroupEvaluator],
+    n_resamples: int,
+    seed: int,
+    metrics: Sequence[str] = CI_METRICS,
+    memory_budget_mb: float = DEFAULT_MEMORY_BUDGET_MB,
+) -> list[dict[str, np.ndarray]]:
+    """Each evaluator's metrics on the same patient resamples: per evaluator, metric ->
+    (n_resamples x subgroup rows), NaN where undefined. The evaluators must share their patients
+    (one evaluation set, e.g. two runs or two thresholds)."""
+    n_rows = len(evaluators[0].rows)
+    samples = [{metric: np.empty((n_resamples, n_rows)) for metric in metrics} for _ in evaluators]
+    block_size = _block_size(evaluators, n_resamples, memory_budget_mb)
+    dtype = _exact_float_dtype(evaluators[0])
+    for start, block in patient_weight_blocks(evaluators[0].n_patients, n_resamples, seed, block_size, dtype):
+        for evaluator, target in zip(evaluators, samples):
+            statistics = evaluator.evaluate_columns(block)
+            for metric in metrics:
+                target[metric][start : start + block.shape[1]] = _defined(statistics, metric)
+    return samples
+
+
+def _summary(samples: np.ndarray, point: np.ndarray, confidence: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """CI bounds (NaN where the point estimate is undefined) and the fraction of resamples defined."""
+    low, high = percentile_interval(samples, confidence)
+    undefined = np.isnan(point)
+    fraction = (~np.isnan(samples)).mean(axis=0) if len(samples) else np.zeros(samples.shape[1])
+    return np.where(undefined, np.nan, low), np.where(undefined, np.nan, high), fraction
 
 
 def bootstrap_subgroup_metrics(
@@ -206,16 +243,17 @@ def bootstrap_subgroup_metrics(
     memory_budget_mb: float = DEFAULT_MEMORY_BUDGET_MB,
 ) -> pd.DataFrame:
     """The subgroup table of :func:`~lightning_modules.evaluation.detection.subgroup_metrics` plus
-    ``<metric>_ci_low`` / ``<metric>_ci_high`` for sensitivity, specificity, f1, auc, auc_binary.
+    ``<metric>_ci_low`` / ``<metric>_ci_high`` and ``<metric>_defined`` (fraction of resamples
+    where the metric was defined) for sensitivity, specificity, f1, auc, auc_binary.
 
-    Percentile bootstrap over patients (DESIGN.md section 5). A CI is NaN where the point
-    estimate is undefined. ``table.attrs`` records the threshold, score, resamples, confidence
-    and the evaluation set's sha256.
+    Percentile bootstrap over patients. A CI is NaN where the point estimate is undefined, and for
+    F1 in a group without tumors (``subgroups.metric_defined``). ``table.attrs`` records the
+    threshold, score, resamples, confidence and the evaluation set's sha256.
 
     Args:
         records: per-case records.
         threshold: detection threshold m.
-        n_resamples: bootstrap resamples (DESIGN.md: 2,000).
+        n_resamples: bootstrap resamples (docs/design.md: 2,000).
         confidence: CI level (0.95 -> 2.5th and 97.5th percentiles).
         score: ``volume`` or ``max_prob``.
         attributes: attributes to split by.
@@ -224,20 +262,14 @@ def bootstrap_subgroup_metrics(
     """
     _check_settings(n_resamples, confidence)
     evaluator = WeightedSubgroupEvaluator(records, threshold, score=score, attributes=attributes)
-    table = evaluator.table(evaluator.evaluate(np.ones(evaluator.n_patients)))
+    point = evaluator.evaluate(np.ones(evaluator.n_patients))
+    table = evaluator.table(point)
     seed = _resolve_seed(evaluator.case_ids, seed)
-    samples = {metric: np.empty((n_resamples, len(table))) for metric in CI_METRICS}
-    block_size = _block_size([evaluator], n_resamples, memory_budget_mb)
-    dtype = _exact_float_dtype(evaluator)
-    for start, block in patient_weight_blocks(evaluator.n_patients, n_resamples, seed, block_size, dtype):
-        statistics = evaluator.evaluate_columns(block)
-        for metric in CI_METRICS:
-            samples[metric][start : start + block.shape[1]] = statistics[metric]
+    (samples,) = resample_statistics([evaluator], n_resamples, seed, CI_METRICS, memory_budget_mb)
     for metric in CI_METRICS:
-        low, high = percentile_interval(samples[metric], confidence)
-        undefined = table[metric].isna().to_numpy()
-        table[f"{metric}_ci_low"] = np.where(undefined, np.nan, low)
-        table[f"{metric}_ci_high"] = np.where(undefined, np.nan, high)
+        low, high, fraction = _summary(samples[metric], _defined(point, metric)[0], confidence)
+        table[f"{metric}_ci_low"], table[f"{metric}_ci_high"] = low, high
+        table[f"{metric}_defined"] = fraction
     table.attrs.update(
         {
             "threshold": float(threshold),
@@ -262,18 +294,14 @@ def _check_same_evaluation_set(records_a: pd.DataFrame, records_b: pd.DataFrame,
             f"{len(only_b)} only in B (e.g. {list(only_b[:3])}); "
             f"set sha256 A={hash_a[:12]} B={hash_b[:12]}"
         )
-    order_b = ids_b.get_indexer(ids_a)
-    aligned_b = records_b.iloc[order_b]
+    aligned_b = records_b.iloc[ids_b.get_indexer(ids_a)]
     checks = {
         "patient_id": (records_a["patient_id"].astype(str).str.strip().to_numpy(),
                        aligned_b["patient_id"].astype(str).str.strip().to_numpy()),
         "label": (labels(records_a), labels(aligned_b)),
     }
     for attribute in attributes:
-        checks[ATTRIBUTE_COLUMNS[attribute]] = (
-            attribute_values(records_a, attribute),
-            attribute_values(aligned_b, attribute),
-        )
+        checks[ATTRIBUTE_COLUMNS[attribute]] = (attribute_values(records_a, attribute), attribute_values(aligned_b, attribute))
     for column, (values_a, values_b) in checks.items():
         differs = np.flatnonzero(values_a != values_b)
         if len(differs):
@@ -282,6 +310,30 @@ def _check_same_evaluation_set(records_a: pd.DataFrame, records_b: pd.DataFrame,
                 f"case {ids_a[i]}: column '{column}' differs between the two runs "
                 f"({values_a[i]!r} vs {values_b[i]!r}); a paired comparison needs identical case metadata"
             )
+
+
+def _difference_frame(
+    evaluator: WeightedSubgroupEvaluator,
+    metric: str,
+    points: tuple[dict, dict],
+    samples: tuple[dict, dict],
+    confidence: float,
+) -> pd.DataFrame:
+    """One metric's comparison rows: counts, both values, the difference, its CI and significance."""
+    point_a, point_b = points
+    a, b = _defined(point_a, metric)[0], _defined(point_b, metric)[0]
+    delta = b - a
+    low, high, fraction = _summary(samples[1][metric] - samples[0][metric], delta, confidence)
+    frame = evaluator.rows.copy()
+    frame["metric"] = metric
+    frame["n_patients"] = evaluator.row_patients
+    for name in ("n", "positives", "negatives"):
+        frame[name] = np.rint(point_a[name][0]).astype(np.int64)
+    frame["a"], frame["b"], frame["delta"] = a, b, delta
+    frame["ci_low"], frame["ci_high"], frame["defined_fraction"] = low, high, fraction
+    frame["supported"] = supported(frame["n_patients"], frame["positives"], frame["negatives"], metric)
+    frame["significant"] = ((low > 0) | (high < 0)) & frame["supported"].to_numpy()
+    return frame
 
 
 def paired_difference(
@@ -301,9 +353,11 @@ def paired_difference(
 
     Both runs are evaluated on the same patient resamples; the CI of delta = metric(B) - metric(A)
     is the percentile interval of the per-resample differences (over resamples where both are
-    defined). A difference is significant only when its CI excludes 0.
+    defined). A difference is significant only when its CI excludes 0 and the subgroup supports
+    it (``subgroups.supported``).
 
-    Returns one row per (attribute, group, metric): n, a, b, delta, ci_low, ci_high, significant.
+    Returns one row per (attribute, group, metric): n_patients, n, positives, negatives, a, b,
+    delta, ci_low, ci_high, defined_fraction, supported, significant.
 
     Args:
         records_a: the reference run's records (e.g. the baseline).
@@ -327,40 +381,21 @@ def paired_difference(
     if unknown:
         raise ValueError(f"unknown metrics {unknown}: expected a subset of {CI_METRICS}")
     _check_same_evaluation_set(records_a, records_b, attributes)
-    evaluator_a = WeightedSubgroupEvaluator(records_a, threshold_a, score=score, attributes=attributes)
-    evaluator_b = WeightedSubgroupEvaluator(records_b, threshold_b, score=score, attributes=attributes)
-    ones = np.ones(evaluator_a.n_patients)
-    point_a, point_b = evaluator_a.evaluate(ones), evaluator_b.evaluate(ones)
-    seed = _resolve_seed(evaluator_a.case_ids, seed)
-    n_rows = len(evaluator_a.rows)
-    differences = {metric: np.empty((n_resamples, n_rows)) for metric in metrics}
-    block_size = _block_size([evaluator_a, evaluator_b], n_resamples, memory_budget_mb)
-    dtype = _exact_float_dtype(evaluator_a)
-    for start, block in patient_weight_blocks(evaluator_a.n_patients, n_resamples, seed, block_size, dtype):
-        statistics_a = evaluator_a.evaluate_columns(block)
-        statistics_b = evaluator_b.evaluate_columns(block)
-        for metric in metrics:
-            differences[metric][start : start + block.shape[1]] = statistics_b[metric] - statistics_a[metric]
-    frames = []
-    for metric in metrics:
-        low, high = percentile_interval(differences[metric], confidence)
-        a, b = point_a[metric][0], point_b[metric][0]
-        delta = b - a
-        undefined = np.isnan(delta)
-        low, high = np.where(undefined, np.nan, low), np.where(undefined, np.nan, high)
-        frame = evaluator_a.rows.copy()
-        frame["metric"] = metric
-        frame["n"] = np.rint(point_a["n"][0]).astype(np.int64)
-        frame["a"], frame["b"], frame["delta"] = a, b, delta
-        frame["ci_low"], frame["ci_high"] = low, high
-        frame["significant"] = (low > 0) | (high < 0)
-        frames.append(frame)
+    evaluators = [
+        WeightedSubgroupEvaluator(records, threshold, score=score, attributes=attributes)
+        for records, threshold in ((records_a, threshold_a), (records_b, threshold_b))
+    ]
+    ones = np.ones(evaluators[0].n_patients)
+    points = tuple(evaluator.evaluate(ones) for evaluator in evaluators)
+    seed = _resolve_seed(evaluators[0].case_ids, seed)
+    samples = tuple(resample_statistics(evaluators, n_resamples, seed, metrics, memory_budget_mb))
+    frames = [_difference_frame(evaluators[0], metric, points, samples, confidence) for metric in metrics]
     result = pd.concat(frames, ignore_index=True)
     result.attrs.update(
         {
             "n_resamples": int(n_resamples),
             "confidence": float(confidence),
-            "evaluation_set_sha256": evaluation_set_hash(evaluator_a.case_ids),
+            "evaluation_set_sha256": evaluation_set_hash(evaluators[0].case_ids),
             "threshold_a": float(threshold_a),
             "threshold_b": float(threshold_b),
         }

@@ -1,49 +1,146 @@
-"""``benchx evaluate`` and ``benchx compare``: subgroup evaluation runs and BenchX table-6 comparisons.
+"""Evaluation runs and comparisons: the library behind ``benchx evaluate`` and ``benchx compare``.
 
-``evaluate`` takes a trained model (an MLflow training run id, or a checkpoint + recipe), a cohort
-and a split (including an external cohort never trained on), and writes a new MLflow run linked
-to the training run (tag ``training_run_id``) with the subgroup metrics, the per-case records, the
-subgroup table with CIs and the figure. The detection threshold is chosen on the split's validation
-cases when the recipe says so, then applied unchanged to its test cases.
+``evaluate`` takes a trained model (checkpoint + recipe, and its training run when known), a cohort
+and a split (including an external cohort never trained on), and writes a new MLflow run linked to
+the training run (tag ``training_run_id``) with the subgroup metrics, the per-case records, the
+subgroup tables with CIs and the figures, at three operating points
+(docs/design.md "Scan-level detection"): the recipe's (``val/...``, ``test/...``), BenchX's fixed m (``test_fixed/...``) and the
+one chosen on validation (``test_val_chosen/...``; metrics ``operating_point/<name>`` hold the
+thresholds). It refuses an evaluation set holding a training case or patient of the model unless
+``allow_training_overlap`` is set (then tagged ``training_overlap_override``).
 
 ``compare`` takes two or more evaluation runs on the same evaluation set (same case-id hash) and
-writes the table of BenchX table 6: for each subgroup, baseline, augmented, the difference with its
-paired bootstrap CI (the same resamples for both runs) and whether it is significant.
+writes the table of BenchX table 6 at each operating point (fixed m, validation-chosen, matched
+specificity): for each subgroup its patients, positives and negatives, baseline, augmented, the
+difference with its paired bootstrap CI, the share of resamples where it was defined, and whether
+it is significant (CI excludes 0 and the subgroup supports it:
+docs/design.md "Confidence intervals and comparisons").
 
 Example::
 
-    benchx evaluate --run-id <training run> --stages val,test
-    benchx evaluate --run-id <training run> data.root=data/external data.split=splits/external.csv
-    benchx compare <baseline evaluation run> <augmented evaluation run>
+    run_id, tables = evaluate(recipe, "best.ckpt", ("val", "test"), training_run_id=run)
+    table, compare_run = compare([baseline_eval_run, synthx_eval_run], "test", experiment="benchx")
 """
 
 from __future__ import annotations
 
-import argparse
+import logging
 import math
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-import lightning.pytorch as pl
 import pandas as pd
-from lightning.pytorch.loggers import MLFlowLogger
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig
 
-from lightning_modules.evaluation.bootstrap import evaluation_set_hash, paired_difference
-from lightning_modules.data.datamodule import CohortDataModule
-from lightning_modules.evaluation.callback import RECORDS_ARTIFACT, SubgroupEvaluation, subgroup_figure
-from lightning_modules.config.recipe import load_recipe
-from lightning_modules.models.pyfunc import model_version_tags
-from lightning_modules.tracking import experiment_id, log_evaluation_inputs, run_tags, tracking_uri
-from lightning_modules.models.checkpoints import load_module_from_checkpoint
+from lightning_modules.evaluation.artifacts import download_records, log_evaluation_artifacts
+from lightning_modules.evaluation.bootstrap import bootstrap_subgroup_metrics, evaluation_set_hash, paired_difference
+from lightning_modules.evaluation.callback import FALLBACK_TAG, SubgroupEvaluation
+from lightning_modules.evaluation.figures import close, comparison_figure
+from lightning_modules.evaluation.metric_keys import mlflow_metric_keys
+from lightning_modules.evaluation.provenance import training_cases, training_overlap
+from lightning_modules.evaluation.subgroups import support_rule_text
+from lightning_modules.evaluation.thresholds import (
+    OperatingPoint,
+    choose_operating_point,
+    matched_specificity_point,
+    specificity_at,
+)
+from lightning_modules.tracking import check_run_id, experiment_id, log_evaluation_inputs, log_metrics, run_tags, tracking_uri
+
+log = logging.getLogger(__name__)
+OVERLAP_OVERRIDE_TAG = "training_overlap_override"
+OVERLAP_CHECK_TAG = "training_overlap_check"
+OPERATING_POINT_METRIC = "operating_point/{name}"
 
 
 class EvaluationError(ValueError):
     """An evaluation or comparison that cannot be done as asked."""
 
+
+# ------------------------------------------------------------------------------------------------
+# evaluate
+
+
+def validation_rule(recipe: DictConfig) -> str:
+    """The rule of the validation-chosen operating point: the recipe's ``detection.threshold_rule``
+    when it is ``f1`` or ``youden``, else Youden's J."""
+    rule = str(recipe.detection.threshold_rule)
+    return rule if rule in ("f1", "youden") else "youden"
+
+
+def training_run_of_checkpoint(checkpoint: str | Path) -> str | None:
+    """The MLflow run of a checkpoint written by ``benchx train`` (``<run folder>/checkpoints/*.ckpt``)."""
+    from lightning_modules.training import RUN_ID_FILE
+
+    path = Path(checkpoint).resolve().parent.parent / RUN_ID_FILE
+    return path.read_text().strip() if path.is_file() else None
+
+
+def check_training_overlap(
+    client: MlflowClient, training_run_id: str | None, evaluated: pd.DataFrame, allow: bool
+) -> dict[str, str]:
+    """Refuse (EvaluationError) an evaluation set sharing a case or patient with the model's training
+    cases, unless ``allow``; returns the tags that record what was checked."""
+    if training_run_id is None:
+        log.warning("evaluate: no training run known for this checkpoint, so its training cases are not checked")
+        return {OVERLAP_CHECK_TAG: "unavailable: no training run"}
+    try:
+        client.get_run(training_run_id)
+    except Exception as error:  # MLflow raises its own exception for an unknown run
+        raise EvaluationError(f"training run {training_run_id}: not found in the tracking store ({error})") from error
+    with tempfile.TemporaryDirectory() as folder:
+        training = training_cases(client, training_run_id, folder)
+    if training is None:
+        log.warning("evaluate: training run %s records no training cases; overlap not checked", training_run_id)
+        return {OVERLAP_CHECK_TAG: "unavailable: the training run records no training_cases.csv"}
+    problems = training_overlap(evaluated, training)
+    if not problems:
+        return {OVERLAP_CHECK_TAG: "passed"}
+    listing = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
+    if not allow:
+        raise EvaluationError(
+            f"{len(problems)} evaluated case(s) overlap the training cases of run {training_run_id}:\n  {listing}\n"
+            "evaluation refused: use a split whose val/test cases the model never saw, or pass "
+            "--allow-training-overlap to evaluate anyway (recorded in the run)"
+        )
+    log.warning("evaluate: %d evaluated case(s) overlap the training cases (override given):\n  %s", len(problems), listing)
+    return {OVERLAP_CHECK_TAG: f"failed: {len(problems)} case(s)", OVERLAP_OVERRIDE_TAG: "true"}
+
+
+def _operating_points(recipe: DictConfig, callback: SubgroupEvaluation) -> list[OperatingPoint]:
+    fixed = float(recipe.detection.threshold_mm3)
+    chosen = choose_operating_point(callback.records.get("val"), validation_rule(recipe), fixed, str(recipe.detection.score))
+    if chosen.fallback:
+        log.warning("evaluate: validation operating point (%s): %s; using the fixed m = %g", chosen.rule, chosen.fallback, fixed)
+    return [OperatingPoint("fixed", fixed, "fixed"), chosen]
+
+
+def _log_operating_points(client, run_id: str, recipe: DictConfig, callback, stages, points) -> dict[str, pd.DataFrame]:
+    """Tables, metrics and artifacts of every evaluated stage at the fixed and the validation-chosen m."""
+    detection = recipe.detection
+    tables = {}
+    for point in points:
+        client.log_metric(run_id, OPERATING_POINT_METRIC.format(name=point.name), point.threshold)
+        client.set_tag(run_id, f"operating_point.{point.name}.rule", point.rule)
+        if point.fallback:
+            client.set_tag(run_id, f"{FALLBACK_TAG}.{point.name}", f"{point.fallback}; the fixed m is used"[:5000])
+        for stage in stages:
+            records = callback.records.get(stage)
+            if records is None:
+                continue
+            name = f"{stage}_{point.name}"
+            table = bootstrap_subgroup_metrics(records, point.threshold, n_resamples=int(detection.bootstrap_resamples),
+                                               confidence=float(detection.confidence), score=str(detection.score))
+            metrics = mlflow_metric_keys(table, name)
+            metrics[f"{name}/threshold"] = point.threshold
+            log_metrics(client, run_id, metrics)
+            log_evaluation_artifacts(client, run_id, name, None, table)
+            tables[name] = table
+    return tables
 
 
 def evaluate(
@@ -53,47 +150,185 @@ def evaluate(
     training_run_id: str | None = None,
     run_name: str | None = None,
     extra_tags: dict[str, str] | None = None,
+    allow_training_overlap: bool = False,
 ) -> tuple[str, dict[str, pd.DataFrame]]:
     """Evaluate a checkpoint on the recipe's cohort + split into a new MLflow run.
 
-    Returns the evaluation run id and the subgroup table per stage.
-    """
-    from lightning_modules.data.splits import split_sha256
+    Validation always runs (it chooses the validation operating point); ``stages`` says which
+    stages get tables at every operating point.
 
+    Args:
+        recipe: the model's recipe, with the cohort and split to evaluate on.
+        checkpoint: the checkpoint file.
+        stages: ``val`` and/or ``test``.
+        training_run_id: the model's training run (default: the run recorded beside the checkpoint).
+        run_name: the evaluation run's name.
+        extra_tags: more tags for the evaluation run.
+        allow_training_overlap: evaluate even when evaluated cases overlap the training cases
+            (recorded as a tag and warned about).
+
+    Returns:
+        The evaluation run id and the subgroup tables: ``val``/``test`` at the recipe's operating
+        point and ``<stage>_fixed``, ``<stage>_val_chosen``.
+
+    Raises:
+        EvaluationError: a malformed run id, or an evaluation set that overlaps the training cases.
+    """
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    from lightning_modules.data.datamodule import CohortDataModule
+    from lightning_modules.data.splits import split_sha256
+    from lightning_modules.models.checkpoints import load_module_from_checkpoint
+
+    from lightning_modules.models.pyfunc import is_model_uri, model_version_tags
+
+    # A registered model (models:/NAME@ALIAS) stands for its version's training run.
+    version_tags = model_version_tags(training_run_id, tracking_uri(recipe.tracking.uri)) if is_model_uri(training_run_id) else {}
+    training_run_id = version_tags.get("training_run_id", training_run_id)
+    training_run_id = training_run_id or training_run_of_checkpoint(checkpoint)
+    try:
+        training_run_id = check_run_id(training_run_id) if training_run_id else None
+    except ValueError as error:
+        raise EvaluationError(str(error)) from error
     uri = tracking_uri(recipe.tracking.uri)
     experiment_id(str(recipe.tracking.experiment), uri)
-    module = load_module_from_checkpoint(recipe, checkpoint)
+    datamodule = CohortDataModule(recipe)
+    datamodule._load()
+    evaluated = datamodule.split[datamodule.split["split"].isin({"val", *stages})]
     tags = run_tags(recipe, split_sha256(recipe.data.split))
+    tags.update(check_training_overlap(MlflowClient(tracking_uri=uri), training_run_id, evaluated, allow_training_overlap))
     tags.update({"stage": "evaluation", "eval_cohort": str(recipe.data.root), "checkpoint": Path(checkpoint).name})
     if training_run_id:
         tags["training_run_id"] = training_run_id
     tags.update(extra_tags or {})
-    tags.update(model_version_tags(training_run_id, uri))
-    logger = MLFlowLogger(
-        experiment_name=str(recipe.tracking.experiment),
-        tracking_uri=uri,
-        run_name=run_name or f"evaluate-{recipe.name}",
-        tags=tags,
-    )
+    tags.update(version_tags or model_version_tags(training_run_id, uri))
+    module = load_module_from_checkpoint(recipe, checkpoint)
+    logger = MLFlowLogger(experiment_name=str(recipe.tracking.experiment), tracking_uri=uri,
+                          run_name=run_name or f"evaluate-{recipe.name}", tags=tags)
     callback = SubgroupEvaluation.from_recipe(recipe, tables_on_val=True)
-    trainer = pl.Trainer(
-        accelerator=recipe.trainer.accelerator,
-        devices=1,
-        logger=logger,
-        callbacks=[callback],
-        enable_model_summary=False,
-        enable_progress_bar=sys.stderr.isatty(),
-        enable_checkpointing=False,
-    )
-    datamodule = CohortDataModule(recipe)
-    stages = list(stages)
-    if "val" in stages or recipe.detection.threshold_rule != "fixed":
-        trainer.validate(module, datamodule=datamodule)
-    if "test" in stages:
-        trainer.test(module, datamodule=datamodule)
-    log_evaluation_inputs(logger.experiment, logger.run_id, datamodule, stages)
+    trainer = pl.Trainer(accelerator=recipe.trainer.accelerator, devices=1, logger=logger, callbacks=[callback],
+                         enable_model_summary=False, enable_progress_bar=sys.stderr.isatty(), enable_checkpointing=False)
+    try:
+        if datamodule.case_ids("val"):
+            trainer.validate(module, datamodule=datamodule)
+        if "test" in stages:
+            trainer.test(module, datamodule=datamodule)
+        tables = dict(callback.results)
+        points = _operating_points(recipe, callback)
+        tables.update(_log_operating_points(logger.experiment, logger.run_id, recipe, callback, list(stages), points))
+        log_evaluation_inputs(logger.experiment, logger.run_id, datamodule, list(dict.fromkeys(["val", *stages])))
+    except BaseException:
+        logger.experiment.set_terminated(logger.run_id, "FAILED")
+        raise
     logger.experiment.set_terminated(logger.run_id, "FINISHED")
-    return logger.run_id, dict(callback.results)
+    return logger.run_id, tables
+
+
+# ------------------------------------------------------------------------------------------------
+# compare
+
+
+@dataclass
+class EvaluatedRun:
+    """What compare needs of one evaluation run."""
+
+    run_id: str
+    name: str
+    records: pd.DataFrame
+    val_records: pd.DataFrame | None
+    thresholds: dict[str, float] = field(default_factory=dict)
+    fallback: str = ""
+
+
+def _check_run_ids(run_ids: Sequence[str]) -> list[str]:
+    if len(run_ids) < 2:
+        raise EvaluationError("compare needs at least two evaluation runs (baseline first)")
+    try:
+        ids = [check_run_id(run_id) for run_id in run_ids]
+    except ValueError as error:
+        raise EvaluationError(str(error)) from error
+    repeated = sorted({run_id for run_id in ids if ids.count(run_id) > 1})
+    if repeated:
+        raise EvaluationError(f"run {repeated[0]} is named more than once: compare needs different runs")
+    return ids
+
+
+def _load_run(client: MlflowClient, run_id: str, stage: str, folder: str) -> EvaluatedRun:
+    try:
+        run = client.get_run(run_id)
+    except Exception as error:  # MLflow raises its own exception for an unknown run
+        raise EvaluationError(f"run {run_id}: not found in the tracking store ({error})") from error
+    records = download_records(client, run_id, stage, folder)
+    if records is None:
+        raise EvaluationError(f"run {run_id} has no {stage} records: evaluate it first")
+    thresholds = {}
+    for name in ("fixed", "val_chosen"):
+        value = run.data.metrics.get(OPERATING_POINT_METRIC.format(name=name))
+        if value is None:
+            raise EvaluationError(
+                f"run {run_id} has no {OPERATING_POINT_METRIC.format(name=name)} metric: it was evaluated before "
+                "operating points were recorded; evaluate the model again"
+            )
+        thresholds[name] = float(value)
+    name = run.data.tags.get("variant") or run.info.run_name or run_id[:8]
+    fallback = run.data.tags.get(f"{FALLBACK_TAG}.val_chosen", "")
+    return EvaluatedRun(run_id, name, records, download_records(client, run_id, "val", folder), thresholds, fallback)
+
+
+def _matched_point(baseline: EvaluatedRun, other: EvaluatedRun, score: str) -> OperatingPoint:
+    target = math.nan
+    if baseline.val_records is not None:
+        target = specificity_at(baseline.val_records, baseline.thresholds["val_chosen"], score)
+    return matched_specificity_point(other.val_records, target, other.thresholds["fixed"], score)
+
+
+def _compare_pair(baseline: EvaluatedRun, other: EvaluatedRun, settings: dict, notes: list[str]) -> pd.DataFrame:
+    """The paired comparison of one run with the baseline at the three operating points."""
+    matched = _matched_point(baseline, other, settings["score"])
+    if matched.fallback:
+        notes.append(f"{other.name} ({other.run_id}): matched specificity: {matched.fallback}; the fixed m is used")
+    pairs = {
+        "fixed": (baseline.thresholds["fixed"], other.thresholds["fixed"]),
+        "val_chosen": (baseline.thresholds["val_chosen"], other.thresholds["val_chosen"]),
+        "matched_specificity": (baseline.thresholds["val_chosen"], matched.threshold),
+    }
+    frames = []
+    for point, (threshold_a, threshold_b) in pairs.items():
+        table = paired_difference(baseline.records, other.records, threshold_a, threshold_b, **settings)
+        table.insert(0, "run", other.name)
+        table.insert(1, "run_id", other.run_id)
+        table.insert(2, "operating_point", point)
+        table.insert(3, "threshold_a", threshold_a)
+        table.insert(4, "threshold_b", threshold_b)
+        frames.append(table)
+    return pd.concat(frames, ignore_index=True)
+
+
+def _log_comparison(client: MlflowClient, experiment: str, uri: str, stage: str, comparison: pd.DataFrame,
+                    run_ids: Sequence[str], set_hash: str) -> str:
+    # The client, not mlflow.start_run: under `mlflow run`, start_run would resume the run in
+    # MLFLOW_RUN_ID (the caller's) instead of creating the comparison's own run.
+    run_id = client.create_run(
+        experiment_id(experiment, uri),
+        run_name="compare",
+        tags={"stage": "compare", "compared_runs": ",".join(run_ids), f"{stage}_set_sha256": set_hash},
+    ).info.run_id
+    for i, note in enumerate(comparison.attrs.get("notes", [])):
+        client.set_tag(run_id, f"{FALLBACK_TAG}.{i}", note[:5000])
+    client.log_table(run_id, data=comparison, artifact_file=f"comparison/{stage}_comparison.json")
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / f"{stage}_comparison.csv"
+        comparison.to_csv(path, index=False)
+        client.log_artifact(run_id, str(path), "comparison")
+        (Path(folder) / f"{stage}_comparison.txt").write_text(format_comparison(comparison))
+        client.log_artifact(run_id, str(Path(folder) / f"{stage}_comparison.txt"), "comparison")
+    for point in dict.fromkeys(comparison["operating_point"]):
+        figure = comparison_figure(comparison, operating_point=point)
+        client.log_figure(run_id, figure, f"comparison/{stage}_comparison_{point}.png")
+        close(figure)
+    client.set_terminated(run_id, "FINISHED")
+    return run_id
 
 
 def compare(
@@ -103,91 +338,70 @@ def compare(
     experiment: str | None = None,
     n_resamples: int = 2000,
     confidence: float = 0.95,
+    score: str = "volume",
 ) -> tuple[pd.DataFrame, str | None]:
-    """Paired comparison of evaluation runs against the first (the baseline), BenchX table 6 shape.
+    """Paired comparison of evaluation runs against the first (the baseline), BenchX table 6 shape,
+    at the fixed m, the validation-chosen m and matched specificity.
 
-    Returns the comparison table and the MLflow run id it was logged to (None without an experiment).
+    Returns the comparison table (``attrs["notes"]`` lists operating-point fallbacks, each also
+    logged) and the MLflow run id it was logged to (None without an experiment).
+
+    Raises:
+        EvaluationError: fewer than two runs, a malformed or repeated run id, a run without
+            records, or runs evaluated on different sets.
     """
-    if len(run_ids) < 2:
-        raise EvaluationError("compare needs at least two evaluation runs (baseline first)")
+    run_ids = _check_run_ids(run_ids)
     uri = tracking_uri(uri)
     client = MlflowClient(tracking_uri=uri)
-    records, thresholds, names = [], [], []
     with tempfile.TemporaryDirectory() as folder:
-        for run_id in run_ids:
-            run = client.get_run(run_id)
-            try:
-                path = client.download_artifacts(run_id, RECORDS_ARTIFACT.format(stage=stage), folder + f"/{run_id}")
-            except Exception as error:
-                raise EvaluationError(f"run {run_id} has no {stage} records: evaluate it first ({error})") from error
-            records.append(pd.read_csv(path, keep_default_na=False, na_values=[""]))
-            threshold = run.data.metrics.get(f"{stage}/threshold")
-            if threshold is None:
-                raise EvaluationError(f"run {run_id} has no {stage}/threshold metric")
-            thresholds.append(float(threshold))
-            names.append(run.data.tags.get("variant") or run.info.run_name or run_id[:8])
-    hashes = [evaluation_set_hash(r["case_id"]) for r in records]
+        runs = [_load_run(client, run_id, stage, folder) for run_id in run_ids]
+    hashes = [evaluation_set_hash(run.records["case_id"]) for run in runs]
     if len(set(hashes)) != 1:
-        listing = ", ".join(f"{run_id}: {h[:12]} ({len(r)} cases)" for run_id, h, r in zip(run_ids, hashes, records))
+        listing = ", ".join(f"{run.run_id}: {h[:12]} ({len(run.records)} cases)" for run, h in zip(runs, hashes))
         raise EvaluationError(f"runs were evaluated on different sets (case-id sha256 differs): {listing}")
-    tables = []
-    for run_id, name, frame, threshold in zip(run_ids[1:], names[1:], records[1:], thresholds[1:]):
-        table = paired_difference(
-            records[0], frame, thresholds[0], threshold, n_resamples=n_resamples, confidence=confidence
-        )
-        table.insert(0, "run", name)
-        table.insert(1, "run_id", run_id)
-        tables.append(table)
-    comparison = pd.concat(tables, ignore_index=True)
-    comparison.attrs["baseline"] = names[0]
-    logged_run = None
-    if experiment:
-        # The client, not mlflow.start_run: under `mlflow run`, start_run would resume the run in
-        # MLFLOW_RUN_ID (the caller's) instead of creating the comparison's own run.
-        run_id = client.create_run(
-            experiment_id(experiment, uri),
-            run_name="compare",
-            tags={"stage": "compare", "compared_runs": ",".join(run_ids), f"{stage}_set_sha256": hashes[0]},
-        ).info.run_id
-        client.log_table(run_id, data=comparison, artifact_file=f"comparison/{stage}_comparison.json")
-        with tempfile.TemporaryDirectory() as folder:
-            path = Path(folder) / f"{stage}_comparison.csv"
-            comparison.to_csv(path, index=False)
-            client.log_artifact(run_id, str(path), "comparison")
-            (Path(folder) / f"{stage}_comparison.txt").write_text(format_comparison(comparison))
-            client.log_artifact(run_id, str(Path(folder) / f"{stage}_comparison.txt"), "comparison")
-        figure = comparison_figure(comparison)
-        client.log_figure(run_id, figure, f"comparison/{stage}_comparison.png")
-        import matplotlib.pyplot as plt
-
-        plt.close(figure)
-        client.set_terminated(run_id, "FINISHED")
-        logged_run = run_id
+    notes = [f"{run.name} ({run.run_id}): validation operating point: {run.fallback}" for run in runs if run.fallback]
+    settings = {"n_resamples": n_resamples, "confidence": confidence, "score": score}
+    comparison = pd.concat([_compare_pair(runs[0], other, settings, notes) for other in runs[1:]], ignore_index=True)
+    for note in notes:
+        log.warning("compare: %s", note)
+    comparison.attrs.update({"baseline": runs[0].name, "notes": notes})
+    logged_run = _log_comparison(client, experiment, uri, stage, comparison, run_ids, hashes[0]) if experiment else None
     return comparison, logged_run
 
 
 def format_comparison(comparison: pd.DataFrame, metrics: Sequence[str] = ("sensitivity", "specificity", "f1")) -> str:
-    """The comparison as a terminal table (BenchX table 6 shape): one line per subgroup, per metric
-    baseline, other, difference with its paired 95% CI, and '*' when significant."""
+    """The comparison as a terminal table (BenchX table 6 shape), one block per run and operating
+    point: per subgroup its patients, positives and negatives, then per metric baseline, other, the
+    difference with its paired CI and the share of resamples where it was defined."""
     lines = []
-    for run, table in comparison.groupby("run", sort=False):
-        lines.append(f"== {comparison.attrs.get('baseline', 'baseline')} (base) vs {run} (new), in % ==")
-        lines.append(f"{'subgroup':<26}{'n':>6}" + "".join(f"  {metric:<34}" for metric in metrics))
-        lines.append(f"{'':<32}" + "".join(f"  {'base':>6}{'new':>6} {'delta [95% CI]':<21}" for _ in metrics))
-        wide = table.pivot_table(
-            index=["attribute", "group"], columns="metric", values=["a", "b", "delta", "ci_low", "ci_high", "significant", "n"],
-            aggfunc="first", sort=False,
-        )
-        for (attribute, group), row in wide.iterrows():
-            n = row[("n", metrics[0])]
-            cells = [f"{(str(attribute) + ':' + str(group))[:25]:<26}{int(n):>6}"]
+    for (run, point), table in comparison.groupby(["run", "operating_point"], sort=False):
+        threshold = f"m {table['threshold_a'].iloc[0]:g} vs {table['threshold_b'].iloc[0]:g}"
+        lines.append(f"== {comparison.attrs.get('baseline', 'baseline')} (base) vs {run} (new) at {point} ({threshold}), in % ==")
+        lines.append(f"{'subgroup':<26}{'pat':>5}{'pos':>5}{'neg':>5}" + "".join(f"  {metric:<40}" for metric in metrics))
+        lines.append(f"{'':<41}" + "".join(f"  {'base':>6}{'new':>6} {'delta [95% CI]':<21}{'def':>5}" for _ in metrics))
+        for (attribute, group), rows in table.groupby(["attribute", "group"], sort=False):
+            by_metric = rows.set_index("metric")
+            first = rows.iloc[0]
+            cells = [f"{(str(attribute) + ':' + str(group))[:25]:<26}{int(first['n_patients']):>5}"
+                     f"{int(first['positives']):>5}{int(first['negatives']):>5}"]
             for metric in metrics:
-                star = "*" if bool(row[("significant", metric)]) else " "
-                interval = f"{_fmt(row[('delta', metric)], True)} [{_fmt(row[('ci_low', metric)], True)}, {_fmt(row[('ci_high', metric)], True)}]{star}"
-                cells.append(f"  {_fmt(row[('a', metric)]):>6}{_fmt(row[('b', metric)]):>6} {interval:<21}")
+                row = by_metric.loc[metric]
+                interval = f"{_fmt(row['delta'], True)} [{_fmt(row['ci_low'], True)}, {_fmt(row['ci_high'], True)}]{_mark(row)}"
+                defined = f"{100 * float(row['defined_fraction']):.0f}%"
+                cells.append(f"  {_fmt(row['a']):>6}{_fmt(row['b']):>6} {interval:<21}{defined:>5}")
             lines.append("".join(cells))
-    lines.append("* significant: the paired 95% bootstrap CI of the difference excludes 0;  - undefined (no positives or negatives)")
+    lines.append("* significant: the paired 95% bootstrap CI of the difference excludes 0 and the subgroup has "
+                 f"{support_rule_text()};  ~ the CI excludes 0 but the subgroup is below that rule;  "
+                 "- undefined;  def: share of resamples where the difference was defined")
+    lines += [f"note: {note}" for note in comparison.attrs.get("notes", [])]
     return "\n".join(lines)
+
+
+def _mark(row) -> str:
+    if bool(row["significant"]):
+        return "*"
+    low, high = float(row["ci_low"]), float(row["ci_high"])
+    return "~" if (low > 0 or high < 0) else " "
 
 
 def _fmt(value, sign: bool = False) -> str:
@@ -198,71 +412,3 @@ def _fmt(value, sign: bool = False) -> str:
     if math.isnan(value):
         return "-"
     return f"{value * 100:+.1f}" if sign else f"{value * 100:.1f}"
-
-
-def comparison_figure(comparison: pd.DataFrame, metric: str = "f1"):
-    """Per-subgroup difference (other minus baseline) of one metric with its paired CI."""
-    rows = comparison[comparison["metric"] == metric]
-    table = pd.DataFrame(
-        {
-            "attribute": rows["attribute"],
-            "group": rows["group"].astype(str) + " [" + rows["run"].astype(str) + "]",
-            "n": rows["n"],
-            metric: rows["delta"],
-            f"{metric}_ci_low": rows["ci_low"],
-            f"{metric}_ci_high": rows["ci_high"],
-        }
-    )
-    figure = subgroup_figure(table, metrics=(metric,))
-    axis = figure.axes[0]
-    axis.set_xlim(-1.02, 1.02)
-    axis.axvline(0.0, color="black", linewidth=1)
-    axis.set_xlabel(f"{metric}: augmented minus baseline (paired 95% CI)")
-    return figure
-
-
-def _stages(text: str) -> list[str]:
-    stages = [part for part in text.replace(" ", ",").split(",") if part]
-    if not stages or any(stage not in ("val", "test") for stage in stages):
-        raise argparse.ArgumentTypeError(f"stages must be val and/or test, comma-separated; got {text!r}")
-    return stages
-
-
-def evaluate_main(argv: Sequence[str] | None = None) -> int:
-    from lightning_modules.commands.common import add_model_source_arguments, add_overrides_argument, split_overrides
-    from lightning_modules.models.checkpoints import resolve_model_source
-
-    parser = argparse.ArgumentParser(prog="benchx evaluate", description=__doc__.split("\n\n")[1])
-    add_model_source_arguments(parser)
-    parser.add_argument("--stages", default="val,test", type=_stages,
-                        help="comma-separated, from val and test (one value, so key=value overrides may follow)")
-    add_overrides_argument(parser)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    # Expected errors go to the dispatcher (lightning_modules.cli): a short message, exit 2.
-    with tempfile.TemporaryDirectory() as folder:
-        recipe, checkpoint = resolve_model_source(
-            Path(folder), args.run_id, args.checkpoint, args.recipe, split_overrides(args.overrides)
-        )
-        run_id, results = evaluate(recipe, checkpoint, args.stages, training_run_id=args.run_id)
-    print(f"evaluation run {run_id}")
-    for stage, table in results.items():
-        overall = table[table["attribute"] == "overall"].iloc[0]
-        print(
-            f"  {stage}: n={int(overall['n'])} sensitivity={_fmt(overall['sensitivity'])} "
-            f"specificity={_fmt(overall['specificity'])} f1={_fmt(overall['f1'])} auc={_fmt(overall['auc'])}"
-        )
-    return 0
-
-
-def compare_main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchx compare", description=__doc__.split("\n\n")[2])
-    parser.add_argument("run_ids", nargs="+", help="evaluation runs; the first is the baseline")
-    parser.add_argument("--stage", default="test", choices=["val", "test"])
-    parser.add_argument("--experiment", default="benchx", help="experiment to log the comparison run in ('' to skip)")
-    parser.add_argument("--resamples", type=int, default=2000)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    table, run_id = compare(args.run_ids, args.stage, experiment=args.experiment or None, n_resamples=args.resamples)
-    print(format_comparison(table))
-    if run_id:
-        print(f"comparison logged to run {run_id}")
-    return 0

@@ -27,7 +27,8 @@ from monai.inferers import sliding_window_inference
 from monai.losses import DiceCELoss
 from torch import nn
 
-from lightning_modules.data.datamodule import RECORD_COLUMNS
+from lightning_modules.data.lesions import largest_lesion_extent_mm, pancreas_location, tumor_size_group
+from lightning_modules.data.metadata import RECORD_COLUMNS, UNKNOWN
 from lightning_modules.evaluation.segmentation_metrics import dice_per_class, surface_dice_per_class
 from lightning_modules.models.tumor_outputs import (
     multilabel_target,
@@ -75,7 +76,7 @@ class SegmentationModule(pl.LightningModule):
         loss: ``dice_weight, ce_weight, deep_supervision_decay``.
         sw_batch_size / sw_overlap: sliding-window inference settings.
         sw_roi_size: inference window (default: ``patch_size``).
-        small_tumor_mm: the 'small' tumor-size boundary for the records (DESIGN.md section 4).
+        small_tumor_mm: the 'small' tumor-size boundary for the records (``docs/design.md "Lesion size and location"``).
     """
 
     def __init__(
@@ -188,17 +189,26 @@ class SegmentationModule(pl.LightningModule):
             )
             diameter = _as_float(record.get("tumor_diameter_mm"))
             if label == 1 and math.isnan(diameter) and bool(true_tumor.any()):
-                # Largest extent of the lesion's bounding box, in mm (DESIGN.md: derived from the mask).
-                coords = torch.nonzero(true_tumor).double()
-                extent = (coords.max(0).values - coords.min(0).values + 1) * torch.tensor(spacing, dtype=torch.float64)
-                diameter = float(extent.max())
+                diameter = largest_lesion_extent_mm(true_tumor.cpu().numpy(), spacing)
             record["tumor_diameter_mm"] = diameter
-            record["tumor_size"] = (
-                "" if label != 1 or math.isnan(diameter) else ("small" if diameter <= self.hparams.small_tumor_mm else "large")
-            )
+            record["tumor_size"] = tumor_size_group(diameter, label, float(self.hparams.small_tumor_mm))
+            record["tumor_location"] = self._tumor_location(record.get("tumor_location", ""), label, truth[i], affine)
             record.update(segmentation_scores(labels_pred[i], truth[i], self.classes, spacing))
             records.append(record)
         return records
+
+    def _tumor_location(self, recorded, label: int, truth: torch.Tensor, affine) -> str:
+        """The recorded tumor location; for a positive without one, derived from its pancreas and
+        lesion masks (:func:`lightning_modules.data.lesions.pancreas_location`), else Unknown."""
+        recorded = "" if recorded is None or str(recorded).strip().lower() in ("", "nan", "unknown") else str(recorded)
+        if label != 1 or recorded:
+            return recorded
+        lesion = truth == self.tumor_label
+        if self.classes[self.tumor_label - 1] != "pancreatic_lesion" or "pancreas" not in self.classes or not lesion.any():
+            return UNKNOWN
+        pancreas = truth == self.classes.index("pancreas") + 1
+        affine = torch.as_tensor(affine, dtype=torch.float64).cpu().numpy()
+        return pancreas_location(pancreas.cpu().numpy(), lesion.cpu().numpy(), affine)
 
     def _evaluation_step(self, batch, stage: str) -> list[dict]:
         logits = self.predict_volume(batch["image"])

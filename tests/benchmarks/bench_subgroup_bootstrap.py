@@ -4,7 +4,9 @@ Builds a synthetic evaluation the size of BenchX (85,355 scans; patients with on
 all 7 attributes), then times
 
 1. :func:`lightning_modules.evaluation.bootstrap.bootstrap_subgroup_metrics` with 2,000 resamples (every
-   subgroup's sensitivity, specificity, F1, AUC and auc_binary with 95% CIs), and
+   subgroup's sensitivity, specificity, F1, AUC and auc_binary with 95% CIs, patients, defined shares),
+   and :func:`~lightning_modules.evaluation.bootstrap.paired_difference` of two runs (one operating
+   point of a comparison; ``benchx compare`` makes three), and
 2. a straightforward loop that, per resample, expands the drawn patients to their scans and calls
    scikit-learn (confusion_matrix, recall_score, f1_score, roc_auc_score) for every subgroup. The
    loop runs on a few resamples only; its time is extrapolated to the full count, and the output
@@ -35,9 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_modules.evaluation.bootstrap import (  # noqa: E402
     bootstrap_subgroup_metrics,
     evaluation_seed,
+    paired_difference,
     resample_indices,
 )
-from lightning_modules.evaluation.detection import WeightedSubgroupEvaluator, subgroup_membership  # noqa: E402
+from lightning_modules.evaluation.detection import WeightedSubgroupEvaluator  # noqa: E402
+from lightning_modules.evaluation.subgroups import subgroup_membership  # noqa: E402
 from lightning_modules.data.metadata import AGE_BAND_NAMES  # noqa: E402
 
 
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scans", type=int, default=85_355, help="scans in the evaluation (BenchX: 85,355)")
     parser.add_argument("--patients", type=int, default=60_000, help="distinct patients")
-    parser.add_argument("--resamples", type=int, default=2_000, help="bootstrap resamples (DESIGN.md: 2,000)")
+    parser.add_argument("--resamples", type=int, default=2_000, help='bootstrap resamples (docs/design.md "Confidence intervals and comparisons": 2,000)')
     parser.add_argument("--loop-resamples", type=int, default=3, help="resamples the scikit-learn loop runs")
     parser.add_argument("--threshold", type=float, default=50.0, help="detection threshold m (mm^3)")
     args = parser.parse_args(argv)
@@ -134,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     vectorized_s, vectorized_cpu_s = time.perf_counter() - started, time.process_time() - started_cpu
     print(f"vectorized: {len(table)} subgroup rows x 5 metrics with 95% CIs, {args.resamples:,} resamples: "
           f"{vectorized_s:.1f} s wall, {vectorized_cpu_s:.1f} s CPU (measured)")
+    other = records.assign(volume_mm3=records["volume_mm3"] * 1.5)
+    started, started_cpu = time.perf_counter(), time.process_time()
+    comparison = paired_difference(records, other, args.threshold, args.threshold, n_resamples=args.resamples)
+    print(f"paired difference of two runs: {len(comparison)} rows, {args.resamples:,} resamples: "
+          f"{time.perf_counter() - started:.1f} s wall, {time.process_time() - started_cpu:.1f} s CPU (measured)")
 
     evaluator = WeightedSubgroupEvaluator(records, args.threshold)
     draws = resample_indices(records["case_id"], records["patient_id"], args.loop_resamples,

@@ -1,6 +1,6 @@
 """Leakage audit: planted duplicates, patient overlap and synthetic canvases are found; clean data is not flagged.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_audit.py -x -q
+Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/data/test_audit.py -x -q
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from lightning_modules.data.audit import (
     canonical_sha256,
     check_split_leakage,
     header_leakage,
-    main,
     shifted_ncc,
     volume_signatures,
 )
+from lightning_modules.commands.audit import main
 from lightning_modules.data.cohort import load_cohort, write_case, write_metadata
 
 SHAPE = (28, 28, 24)

@@ -4,7 +4,7 @@ Needs the package registry (about 8 MB, a few seconds); the fetch happens once p
 temporary cache. Also checks the DICOM importer on the sdist's real DICOM series against the grid
 TotalSegmentator's own conversion (dicom2nifti) gave its segmentation.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_example_ct.py -x -q
+Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/data/test_example_ct.py -x -q
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Checks grids and affines kept, binary masks, class mapping (organ includes its l
 a kill, quarantine with nothing half-written, the DICOM LPS->RAS affine against hand-computed
 values, HU rescale, and that identifying DICOM values reach no output file and no log line.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_importers.py -x -q
+Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/data/test_importers.py -x -q
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from lightning_modules.commands.import_cohort import main as import_main
 from lightning_modules.data import importers
 from lightning_modules.data.cohort import load_cohort
 from lightning_modules.data.importers import core
@@ -98,7 +99,7 @@ def make_msd(root: Path) -> Path:
 def test_nnunet_import_keeps_grid_and_maps_tumor_into_organ(tmp_path):
     src = make_nnunet(tmp_path / "Dataset901_TinyPancreas")
     out = tmp_path / "cohort"
-    assert importers.main(["nnunet", str(src), "--out", str(out)]) == 0
+    assert import_main(["nnunet", str(src), "--out", str(out)]) == 0
 
     assert validate_cohort(out) == []
     cohort = load_cohort(out)
@@ -204,7 +205,7 @@ def test_totalsegmentator_per_class_folder_with_meta_csv(tmp_path):
         "s0002;;m;B;ct thorax;test;;;\n"
     )
     out = tmp_path / "cohort"
-    assert importers.main(["totalseg", str(root), "--out", str(out), "--cohort", "TotalSegmentator"]) == 0
+    assert import_main(["totalseg", str(root), "--out", str(out), "--cohort", "TotalSegmentator"]) == 0
     assert validate_cohort(out, classes=["liver", "pancreas", "postcava"]) == []
     cohort = load_cohort(out)
     rows = cohort.metadata.set_index("case_id")
@@ -236,7 +237,7 @@ def test_label_on_another_grid_is_quarantined_with_nothing_half_written(tmp_path
     shifted[0, 3] += 1.5
     write_nifti(bad_label, label_volume(1, with_tumor=False), shifted)
     out = tmp_path / "cohort"
-    assert importers.main(["nnunet", str(src), "--out", str(out)]) == 1
+    assert import_main(["nnunet", str(src), "--out", str(out)]) == 1
 
     quarantine = pd.read_csv(out / "quarantine.csv", dtype=str)
     assert quarantine["case_id"].tolist() == ["tiny_001"]
@@ -482,7 +483,7 @@ def test_dicom_privacy_nothing_identifying_reaches_outputs_or_logs(tmp_path, cap
     out = tmp_path / "cohort"
     salt = "a-secret-salt-for-tests"
     caplog.set_level("DEBUG")
-    status = importers.main(["dicom", str(src), "--out", str(out), "--cohort", "site-d", "--salt", salt, "-v"])
+    status = import_main(["dicom", str(src), "--out", str(out), "--cohort", "site-d", "--salt", salt, "-v"])
     assert status == 0
 
     rows = pd.read_csv(out / "metadata.csv", dtype=str, keep_default_na=False).set_index("case_id")
@@ -505,16 +506,75 @@ def test_dicom_privacy_nothing_identifying_reaches_outputs_or_logs(tmp_path, cap
             assert token not in everything, f"{keyword} value {token!r} leaked"
 
 
-def test_dicom_folder_named_after_the_patient_is_refused(tmp_path):
+GEOMETRY = dict(pixel_spacing=(0.7, 0.7), orientation=(1, 0, 0, 0, 1, 0), first_position=(0.0, 0.0, 0.0), step=(0, 0, 2.0))
+
+
+def test_dicom_folder_named_after_the_patient_is_refused_under_a_pseudonym(tmp_path, caplog):
     src = tmp_path / "export"
-    geometry = dict(pixel_spacing=(0.7, 0.7), orientation=(1, 0, 0, 0, 1, 0), first_position=(0.0, 0.0, 0.0), step=(0, 0, 2.0))
-    write_dicom_series(src / "MRN55501234", dicom_hu(), tags=SENSITIVE, **geometry)
-    write_dicom_series(src / "janerandom_ct", dicom_hu(), tags=SENSITIVE, **geometry)
+    named = {
+        "MRN55501234": "PatientID",
+        "janerandom_ct": "PatientName",
+        "ct_ACC99887766": "AccessionNumber",
+        "born_14.03.1952": "PatientBirthDate",
+        "x_OTHER42x": "OtherPatientIDs",
+    }
+    for folder in named:
+        write_dicom_series(src / folder, dicom_hu(), tags={**SENSITIVE, "OtherPatientIDs": "OTHER42"}, **GEOMETRY)
     out = tmp_path / "cohort"
+    caplog.set_level("DEBUG")
     report = importers.import_source("dicom", src, out, cohort="site-d", salt="s3cret")
-    assert sorted(report.quarantined) == ["MRN55501234", "janerandom_ct"] and not report.imported
+    assert len(report.quarantined) == len(named) and not report.imported
+    assert all(case_id.startswith("DCM") for case_id in report.quarantined)
+    reasons = "\n".join(report.quarantined.values())
+    assert all(f"contains the series' {keyword}" in reasons for keyword in named.values())
     assert all("rename the folder" in reason for reason in report.quarantined.values())
-    assert not (out / "metadata.csv").exists() and not (out / "MRN55501234").exists()
+    assert not (out / "metadata.csv").exists()
+    # Nothing of a refused folder's name reaches quarantine.csv, the output tree or the log.
+    written = (out / "quarantine.csv").read_text() + "\n".join(str(p) for p in out.rglob("*")) + caplog.text
+    for folder in named:
+        assert folder not in written and "janerandom" not in written.lower()
+    # The pseudonym is stable for a salt: a rerun quarantines the same ids.
+    again = importers.import_source("dicom", src, out, cohort="site-d", salt="s3cret")
+    assert sorted(again.quarantined) == sorted(report.quarantined)
+
+
+def test_dicom_folder_named_with_a_date_or_identifier_gets_a_pseudonym(tmp_path):
+    src = tmp_path / "export"
+    tags = {"PatientID": "P-7", "PatientBirthDate": "19600101"}
+    for folder in ("case_19520314", "scan-2021-05-03", "record_1234567", "anon001"):
+        write_dicom_series(src / folder, dicom_hu(), tags=tags, **GEOMETRY)
+    out = tmp_path / "cohort"
+    report = importers.import_source("dicom", src, out, cohort="site-f", salt="s3cret")
+    assert not report.quarantined
+    assert "anon001" in report.imported and len(report.imported) == 4
+    pseudonyms = sorted(c for c in report.imported if c != "anon001")
+    assert all(c.startswith("DCM") and len(c) == 15 for c in pseudonyms)
+    assert pseudonyms == sorted(
+        importers.folder_pseudonym(name, "s3cret") for name in ("case_19520314", "scan-2021-05-03", "record_1234567")
+    )
+    listing = (out / "metadata.csv").read_text() + "\n".join(str(p) for p in out.rglob("*"))
+    for token in ("19520314", "2021-05-03", "1234567"):
+        assert token not in listing
+    assert importers.looks_like_date_or_identifier("03.05.2021") and not importers.looks_like_date_or_identifier("ct_v2")
+    # A failing series in such a folder is quarantined under the pseudonym; its error names no path part.
+    write_dicom_series(src / "broken_20200101", dicom_hu()[:, :, :1], tags=tags, **GEOMETRY)
+    again = importers.import_source("dicom", src, out, cohort="site-f", salt="s3cret")
+    [(case_id, reason)] = again.quarantined.items()
+    assert case_id == importers.folder_pseudonym("broken_20200101", "s3cret") and "at least 2 slices" in reason
+    assert "20200101" not in reason and "20200101" not in (out / "quarantine.csv").read_text()
+
+
+def test_a_refused_import_leaves_no_output_folder(tmp_path):
+    src = tmp_path / "export"
+    # Two folders that map to one case id ("a_b"): the import is refused before anything is written.
+    write_dicom_series(src / "a" / "b", dicom_hu(), **GEOMETRY)
+    write_dicom_series(src / "a_b", dicom_hu(seed=1), **GEOMETRY)
+    out = tmp_path / "cohort"
+    with pytest.raises(importers.ImportSourceError, match="case id 'a_b' also comes from"):
+        importers.import_source("dicom", src, out, cohort="site-g", salt="s3cret")
+    assert not out.exists()
+    assert import_main(["dicom", str(src), "--out", str(out), "--cohort", "site-g", "--salt", "s"]) == 2
+    assert not out.exists()
 
 
 def test_dicom_patient_id_needs_a_salt_or_a_supplied_id(tmp_path, monkeypatch):
@@ -536,4 +596,4 @@ def test_dicom_patient_id_needs_a_salt_or_a_supplied_id(tmp_path, monkeypatch):
 def test_cli_dispatch_has_import_command():
     from lightning_modules.cli import COMMANDS
 
-    assert COMMANDS["import"][:2] == ("lightning_modules.data.importers", "main")
+    assert COMMANDS["import"][:2] == ("lightning_modules.commands.import_cohort", "main")

@@ -1,6 +1,6 @@
 """Patient-disjoint splits: grouping, stratification, write-once, and the checks of load_split.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_splits.py -x -q
+Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/data/test_splits.py -x -q
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from lightning_modules.commands.make_splits import main
 from lightning_modules.data.cohort import load_cohort, write_case, write_metadata
 from lightning_modules.data.metadata import normalize_metadata
 from lightning_modules.data.splits import (
     SplitError,
     load_split,
-    main,
     make_splits,
     patient_overlaps,
     split_sha256,
@@ -198,3 +198,17 @@ def test_make_splits_command(tmp_path, capsys):
     assert patient_overlaps(table) == {}
     assert main(["--root", str(root), "--out", str(out)]) == 1
     assert "already exists" in capsys.readouterr().err
+
+
+def test_the_one_reader_reads_leniently_for_the_audit(tmp_path):
+    path = tmp_path / "split.csv"
+    path.write_text("case_id,split\n C1 ,train\nC1,test\nC2,holdout\n")
+    # check=True lists every problem; check=False returns the trimmed table for tools that report them.
+    with pytest.raises(SplitError) as caught:
+        load_split(path)
+    assert "patient_id" in str(caught.value)
+    table = load_split(path, check=False)
+    assert list(table["case_id"]) == ["C1", "C1", "C2"] and list(table.columns) == ["case_id", "split"]
+    path.write_text("case,split\nC1,train\n")
+    with pytest.raises(SplitError, match=r"required column\(s\) \['case_id'\] missing"):
+        load_split(path, check=False)

@@ -1,6 +1,6 @@
 """Cohort validation: a clean tiny cohort has no problems; each deliberately broken one is named.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_validation.py -x -q
+Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/data/test_validation.py -x -q
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import pandas as pd
 import pytest
 
 from lightning_modules.data.cohort import CohortError, write_case, write_metadata
-from lightning_modules.data.validation import Problem, main, raise_if_invalid, validate_cohort
+from lightning_modules.commands.validate import main
+from lightning_modules.data.problems import Problem
+from lightning_modules.data.validation import raise_if_invalid, validate_cohort
 
 SHAPE = (12, 12, 10)
 AFFINE = np.diag([2.5, 2.5, 3.0, 1.0])
@@ -58,7 +60,7 @@ def make_cohort(root: Path, n: int = 4) -> Path:
 
 
 def _problems_for(problems: list[Problem], case_id: str) -> list[str]:
-    return [p.message for p in problems if p.case_id == case_id]
+    return [(f"column '{p.column}': " if p.column else "") + p.message for p in problems if p.case_id == case_id]
 
 
 def test_clean_cohort_has_no_problems(tmp_path):
@@ -144,7 +146,8 @@ def test_every_problem_is_listed_in_one_pass(tmp_path, capsys):
     c001 = _problems_for(problems, "C001")
     assert any("mask shape (12, 12, 9) differs from CT shape (12, 12, 10)" in m for m in c001)
     assert any("not binary" in m and "2" in m for m in c001)
-    assert any("tumor=0 but the lesion mask has 1 voxel" in m for m in c001)
+    # Any non-zero voxel is lesion (value 2 included), as the cohort derives labels.
+    assert any("tumor=0 but the lesion mask has 2 voxel" in m for m in c001)
     c002 = _problems_for(problems, "C002")
     assert any("2 NaN/inf voxel(s)" in m for m in c002)
     assert any("affine differs" in m for m in c002)
@@ -212,3 +215,27 @@ def test_split_option_reports_split_problems(tmp_path, capsys):
     assert main(["--root", str(root), "--split", str(split)]) == 1
     out = capsys.readouterr().out
     assert "C777" in out and "not in cohort" in out
+
+
+def test_a_0_255_lesion_mask_is_one_problem_not_also_an_empty_lesion(tmp_path, capsys):
+    root = make_cohort(tmp_path / "cohort", n=2)  # C000 has a lesion and tumor=1
+    path = root / "C000/segmentations/pancreatic_lesion.nii.gz"
+    lesion = np.asarray(nib.load(path).dataobj) * 255
+    nib.save(nib.Nifti1Image(lesion.astype(np.uint8), AFFINE), path)
+    problems = validate_cohort(root)
+    assert [p.case_id for p in problems] == ["C000"]
+    assert "not binary (values such as [255])" in problems[0].message
+    assert main(["--root", str(root)]) == 1
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 2 and printed[-1].startswith("1 problem(s) in 1 case(s)")
+
+
+def test_a_missing_label_folder_is_one_problem(tmp_path):
+    root = make_cohort(tmp_path / "cohort", n=2)
+    for case_id in ("C000", "C001"):
+        (root / "ct" / case_id).mkdir(parents=True)
+        (root / case_id / "ct.nii.gz").rename(root / "ct" / case_id / "ct.nii.gz")
+    (root / "label" / "C001" / "segmentations").mkdir(parents=True)
+    (root / "C001" / "segmentations" / "pancreas.nii.gz").rename(root / "label/C001/segmentations/pancreas.nii.gz")
+    problems = validate_cohort(root)
+    assert [(p.case_id, p.message) for p in problems] == [("C000", "label folder of the case is missing")]

@@ -24,7 +24,8 @@ from lightning_modules.evaluation.bootstrap import (
     patient_weight_blocks,
     resample_indices,
 )
-from lightning_modules.evaluation.detection import ATTRIBUTE_COLUMNS, WeightedSubgroupEvaluator, subgroup_metrics
+from lightning_modules.evaluation.detection import WeightedSubgroupEvaluator, subgroup_metrics
+from lightning_modules.evaluation.records import ATTRIBUTE_COLUMNS
 from lightning_modules.data.metadata import AGE_BAND_NAMES, PHASES
 
 METRICS = ("sensitivity", "specificity", "f1", "auc", "auc_binary")

@@ -1,7 +1,7 @@
 """Tests for lightning_modules.evaluation.detection: every metric against scikit-learn, hand-computed
 subgroups (empty, no positives, Unknown), BenchX table values, threshold rules, gaps and MLflow keys.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_detection_metrics.py -x -q
+Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/evaluation/test_detection_metrics.py -x -q
 """
 
 from __future__ import annotations
@@ -14,18 +14,11 @@ import pandas as pd
 import pytest
 from sklearn.metrics import confusion_matrix, f1_score, recall_score, roc_auc_score
 
-from lightning_modules.evaluation.detection import (
-    ATTRIBUTE_COLUMNS,
-    ATTRIBUTES,
-    WeightedSubgroupEvaluator,
-    choose_threshold,
-    decisions,
-    gaps,
-    mlflow_metric_keys,
-    scores,
-    subgroup_metrics,
-    tumor_size_groups,
-)
+from lightning_modules.evaluation.detection import WeightedSubgroupEvaluator, decisions, subgroup_metrics
+from lightning_modules.evaluation.metric_keys import mlflow_metric_keys
+from lightning_modules.evaluation.records import ATTRIBUTE_COLUMNS, ATTRIBUTES, scores, tumor_size_groups
+from lightning_modules.evaluation.subgroups import gaps
+from lightning_modules.evaluation.thresholds import choose_threshold
 from lightning_modules.data.metadata import AGE_BAND_NAMES, PHASES
 
 

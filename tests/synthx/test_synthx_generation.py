@@ -26,7 +26,6 @@ from synthx.generation import (
     GenerationError,
     SynthesisRequest,
     main,
-    pancreas_location,
     synthesize,
 )
 
@@ -294,19 +293,6 @@ def test_rerun_with_other_settings_is_refused(cohort, tiny_pipeline, tmp_path):
     synthesize(root, split, tiny_pipeline, out, requests, **FAST)
     with pytest.raises(GenerationError, match="num_inference_steps: 2 before, 3 now"):
         synthesize(root, split, tiny_pipeline, out, requests, **{**FAST, "num_inference_steps": 3})
-
-
-def test_pancreas_location_by_hand():
-    pancreas = np.zeros((9, 3, 3), dtype=bool)
-    pancreas[:, 1, 1] = True
-    tumor = np.zeros_like(pancreas)
-    tumor[8, 1, 1] = True
-    # RAS: x grows toward the patient's right, where the head lies.
-    assert pancreas_location(tumor, pancreas, np.eye(4)) == "head"
-    assert pancreas_location(tumor, pancreas, np.diag([-1.0, 1.0, 1.0, 1.0])) == "tail"
-    tumor[:] = False
-    tumor[4, 1, 1] = True
-    assert pancreas_location(tumor, pancreas, np.eye(4)) == "body"
 
 
 def test_request_ids_and_random_streams_depend_on_seed_cell_and_index_only():

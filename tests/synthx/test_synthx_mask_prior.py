@@ -9,15 +9,9 @@ import numpy as np
 import pytest
 from scipy.spatial.distance import pdist
 
-from synthx.mask_prior import (
-    SIZE_CLASSES,
-    TumorDoesNotFitError,
-    eroded_organ,
-    largest_diameter_mm,
-    sample_size_classes,
-    sample_tumor_mask,
-    size_class_of,
-)
+from lightning_modules.data.lesions import SIZE_CLASSES, largest_extent_mm
+from lightning_modules.data.lesions import size_class as size_class_of
+from synthx.mask_prior import TumorDoesNotFitError, eroded_organ, sample_size_classes, sample_tumor_mask
 
 SPACING = (1.5, 1.5, 2.0)
 
@@ -51,7 +45,7 @@ def test_masks_lie_in_the_eroded_organ_and_respect_their_size_class(size_class, 
         assert mask.shape == organ.shape and mask.dtype == bool
         assert mask.any()
         assert not (mask & ~allowed).any(), "tumor voxels outside the eroded organ"
-        diameter = largest_diameter_mm(mask, spacing)
+        diameter = largest_extent_mm(mask, spacing)
         assert low < diameter <= high, f"{size_class}: diameter {diameter:.1f} mm outside ({low}, {high}]"
         assert size_class_of(diameter) == size_class
 
@@ -98,13 +92,13 @@ def test_largest_diameter_agrees_with_brute_force_pairwise_distances():
     blob = rng.random((9, 8, 7)) > 0.6
     spacing = (0.8, 1.2, 2.5)
     points = np.argwhere(blob) * np.asarray(spacing)
-    assert largest_diameter_mm(blob, spacing) == pytest.approx(pdist(points).max())
+    assert largest_extent_mm(blob, spacing) == pytest.approx(pdist(points).max())
     line = np.zeros((10, 3, 3), dtype=bool)
     line[2:7, 1, 1] = True
-    assert largest_diameter_mm(line, spacing) == pytest.approx(4 * 0.8)
+    assert largest_extent_mm(line, spacing) == pytest.approx(4 * 0.8)
     single = np.zeros((3, 3, 3), dtype=bool)
     single[1, 1, 1] = True
-    assert largest_diameter_mm(single, spacing) == 0.0
+    assert largest_extent_mm(single, spacing) == max(spacing)  # one voxel: its largest spacing
 
 
 def test_sample_size_classes_expands_counts_deterministically():

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_modules.data.cohort import load_cohort, write_case, write_metadata
+from lightning_modules.data.splits import load_split
 from synthx.config import RecipeError, load_synthx_recipe
 from synthx.model import AGE_BAND_VOCAB, CONDITION_NAMES, PHASE_VOCAB, SEX_VOCAB
 from synthx.training import (
@@ -24,7 +25,6 @@ from synthx.training import (
     TumorPatchDataset,
     build_dataset,
     drop_conditions,
-    read_split,
     training_tumor_cases,
 )
 
@@ -117,7 +117,7 @@ def test_recipe_profiles_and_checks():
 
 def test_only_real_training_cases_with_tumors_are_used(cohort_dir):
     cohort = load_cohort(cohort_dir / "cohort")
-    split = read_split(cohort_dir / "split.csv", cohort)
+    split = load_split(cohort_dir / "split.csv", cohort)
     # C004 (training, no tumor), V000 (val), T000 (test) and the synthetic S000 are left out.
     assert training_tumor_cases(cohort, split, "pancreatic_lesion") == ["C000", "C001", "C002", "C003"]
     with pytest.raises(ValueError, match=r"V000: in the 'val' split, not 'train'") as refused:
@@ -173,7 +173,7 @@ def test_a_few_training_steps_lower_the_loss_and_the_pipeline_carries_the_ema_we
     pl.seed_everything(0)
     recipe = tiny_recipe(cohort_dir, "data.augment=false", "optim.warmup_steps=0", "ema.decay=0.9")
     cohort = load_cohort(recipe.data.root)
-    dataset = build_dataset(recipe, cohort, read_split(recipe.data.split, cohort))
+    dataset = build_dataset(recipe, cohort, load_split(recipe.data.split, cohort))
     loader = DataLoader(dataset, batch_size=2, shuffle=True)
     module = SynthXTrainingModule.from_recipe(recipe)
     batch = next(iter(DataLoader(dataset, batch_size=4)))

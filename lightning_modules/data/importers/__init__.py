@@ -1,4 +1,4 @@
-"""Import real datasets into a cohort in AbdomenAtlas layout A (DESIGN.md section 1), resumably.
+"""Import real datasets into a cohort in AbdomenAtlas layout A, resumably (``docs/design.md "Cohorts on disk"``).
 
 Sources: a TotalSegmentator folder (per-class files or one multilabel volume), an nnU-Net raw
 dataset, a Medical Segmentation Decathlon task, or DICOM CT series (pseudonymized, see
@@ -23,10 +23,6 @@ The exit status is 0 when every case is in the cohort, 1 when some are quarantin
 
 from __future__ import annotations
 
-import argparse
-import logging
-import sys
-
 from lightning_modules.data.importers.core import (
     ATLAS_CLASSES,
     QUARANTINE_FILE,
@@ -42,7 +38,13 @@ from lightning_modules.data.importers.core import (
     read_metadata_overrides,
     run_import,
 )
-from lightning_modules.data.importers.dicom import list_dicom, pseudonymous_patient_id, series_geometry
+from lightning_modules.data.importers.dicom import (
+    folder_pseudonym,
+    list_dicom,
+    looks_like_date_or_identifier,
+    pseudonymous_patient_id,
+    series_geometry,
+)
 from lightning_modules.data.importers.nifti import list_msd, list_nnunet, list_totalsegmentator
 
 __all__ = [
@@ -55,13 +57,14 @@ __all__ = [
     "ImportSourceError",
     "LoadedCase",
     "SourceCase",
+    "folder_pseudonym",
     "import_source",
+    "looks_like_date_or_identifier",
     "list_dicom",
     "list_msd",
     "list_nnunet",
     "list_totalsegmentator",
     "load_class_map",
-    "main",
     "pseudonymous_patient_id",
     "run_import",
     "series_geometry",
@@ -79,7 +82,7 @@ def import_source(
     metadata: str | None = None,
     salt: str | None = None,
 ) -> ImportReport:
-    """List a source of the given kind and import it into ``out`` (what ``benchx import`` runs).
+    """List a source of the given kind and import it into ``out`` (what ``benchx import`` runs; see :mod:`lightning_modules.commands.import_cohort`).
 
     Args:
         kind: ``totalseg``, ``nnunet``, ``msd`` or ``dicom``.
@@ -105,31 +108,3 @@ def import_source(
     else:
         raise ImportSourceError(f"unknown source kind {kind!r}; expected one of {', '.join(SOURCE_KINDS)}")
     return run_import(cases, out, overrides)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="benchx import",
-        description="Import a dataset into a cohort in AbdomenAtlas layout A (resumable; failures go to quarantine.csv).",
-    )
-    parser.add_argument("kind", choices=SOURCE_KINDS, help="source format")
-    parser.add_argument("src", help="source folder")
-    parser.add_argument("--out", required=True, help="cohort root to write (existing metadata.csv rows are kept)")
-    parser.add_argument("--cohort", help="cohort name for metadata.csv (default: dataset name or folder; required for dicom)")
-    parser.add_argument("--class-map", help="JSON/YAML/CSV label -> AbdomenAtlas class, or totalseg-v2 / totalseg-v1")
-    parser.add_argument("--metadata", help="CSV keyed by case_id with known metadata (patient_id, age, sex, phase, ...)")
-    parser.add_argument("--salt", help="dicom: secret for pseudonymous patient ids (default: $BENCHX_PSEUDONYM_SALT)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log every case")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    try:
-        report = import_source(args.kind, args.src, args.out, args.cohort, args.class_map, args.metadata, args.salt)
-    except ImportSourceError as error:
-        print(f"benchx import: {error}", file=sys.stderr)
-        return 2
-    print(report.summary())
-    return 1 if report.quarantined else 0

@@ -3,7 +3,7 @@
 A source module (``nifti``, ``dicom``) lists its cases as :class:`SourceCase` objects whose ``load``
 reads one case into a :class:`LoadedCase` (CT in HU on its own grid, binary masks by AbdomenAtlas
 class name, metadata it found). :func:`run_import` writes them into a cohort in layout A
-(DESIGN.md section 1) with :func:`lightning_modules.data.cohort.write_case`, which assembles each case in
+(``docs/design.md "Cohorts on disk"``) with :func:`lightning_modules.data.cohort.write_case`, which assembles each case in
 a hidden folder and renames it into place, so a case is complete or absent:
 
 - a case already on disk whose files check out and that has a ``metadata.csv`` row is skipped, so a
@@ -59,7 +59,7 @@ logger = logging.getLogger("lightning_modules.data.importers")
 QUARANTINE_FILE = "quarantine.csv"
 QUARANTINE_COLUMNS = ("case_id", "source", "reason")
 
-# DESIGN.md section 1: the AbdomenAtlas classes this framework knows. A class map that targets
+# The AbdomenAtlas classes this framework knows (docs/design.md "Cohorts on disk"). A class map that targets
 # anything else is rejected, so a typo ("pancreatic_tumor") cannot create a class nobody reads.
 ATLAS_CLASSES = ORGAN_CLASSES + LESION_CLASSES
 
@@ -552,68 +552,93 @@ def run_import(
 ) -> ImportReport:
     """Write every case into ``out`` (layout A), resumably; quarantine the ones that fail.
 
+    A refused import (bad case ids, an unreadable existing ``metadata.csv``) raises before anything
+    is written; a folder this run created is removed again when nothing was written into it.
+
     Args:
         cases: the source's cases (see the ``list_*`` functions of the source modules).
         out: the cohort root; an existing ``metadata.csv`` there is merged, not replaced.
         metadata_overrides: per-case values that replace what the source gives (``--metadata``).
     """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     _validate_case_ids(cases)
     overrides = dict(metadata_overrides or {})
     unused = sorted(set(overrides) - {case.case_id for case in cases})
     if unused:
         logger.warning("metadata overrides for %d case id(s) not in this source are not used: %s", len(unused), unused[:10])
-    metadata_path = out / METADATA_FILE
-    quarantine_path = out / QUARANTINE_FILE
-    rows = _read_rows(metadata_path)
-    quarantine = _read_rows(quarantine_path)
+    state = _ImportState(out, _read_rows(out / METADATA_FILE), _read_rows(out / QUARANTINE_FILE))
+    created = not out.exists()
     report = ImportReport(out=out)
-
-    def save_state() -> None:
-        # Also rewritten when the last row was dropped (a stale case that now fails).
-        if rows or metadata_path.exists():
-            write_metadata(out, _rows_table(rows, ("case_id",)))
-        if quarantine:
-            atomic_write_csv(_rows_table(quarantine, QUARANTINE_COLUMNS), quarantine_path)
-        elif quarantine_path.exists():
-            quarantine_path.unlink()
-
-    for index, case in enumerate(cases, start=1):
-        if case.case_id in rows and case_is_complete(out, case.case_id, case.expected_classes):
-            report.skipped.append(case.case_id)
-            if quarantine.pop(case.case_id, None) is not None:
-                save_state()
-            continue
-        _remove_staging_leftovers(out, case.case_id)
-        try:
-            loaded = case.load()
-            metadata = {**case.metadata, **loaded.metadata, **overrides.get(case.case_id, {})}
-            row = build_row(case.case_id, metadata, case.source)
-            row.setdefault("spacing", spacing_text(loaded.affine))
-            missing = sorted(set(case.expected_classes) - set(loaded.masks))
-            if missing:
-                raise ImportCaseError(f"{case.case_id} ({case.source}): expected mask(s) {missing} were not produced")
-            header = nib.Nifti1Header()
-            header.set_xyzt_units("mm")
-            write_case(out, case.case_id, loaded.ct, loaded.affine, loaded.masks, header=header)
-        except Exception as error:  # any failure of one case is reported and quarantined, the run goes on
-            expected_error = isinstance(error, (ImportCaseError, ImportSourceError))
-            reason = str(error) if expected_error else f"{type(error).__name__}: {error}"
-            # A stale, incomplete folder of this case from an earlier run must not stay in the cohort.
-            if (out / case.case_id).exists():
-                shutil.rmtree(out / case.case_id, ignore_errors=True)
-            rows.pop(case.case_id, None)
-            quarantine[case.case_id] = {"case_id": case.case_id, "source": case.source, "reason": reason}
-            report.quarantined[case.case_id] = reason
-            logger.warning("[%d/%d] %s quarantined: %s", index, len(cases), case.case_id, reason)
-            save_state()
-            continue
-        rows[case.case_id] = row
-        quarantine.pop(case.case_id, None)
-        report.imported.append(case.case_id)
-        classes = ", ".join(sorted(loaded.masks)) or "image only"
-        logger.info("[%d/%d] %s imported (%s)", index, len(cases), case.case_id, classes)
-        save_state()
+    try:
+        for index, case in enumerate(cases, start=1):
+            _import_case(case, f"[{index}/{len(cases)}]", state, overrides.get(case.case_id, {}), report)
+    finally:
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
     logger.info("%s", report.summary())
     return report
+
+
+@dataclass
+class _ImportState:
+    """The cohort's metadata rows and quarantine entries, rewritten after every case."""
+
+    out: Path
+    rows: dict[str, dict[str, object]]
+    quarantine: dict[str, dict[str, object]]
+
+    def save(self) -> None:
+        # Also rewritten when the last row was dropped (a stale case that now fails).
+        if self.rows or (self.out / METADATA_FILE).exists():
+            write_metadata(self.out, _rows_table(self.rows, ("case_id",)))
+        path = self.out / QUARANTINE_FILE
+        if self.quarantine:
+            atomic_write_csv(_rows_table(self.quarantine, QUARANTINE_COLUMNS), path)
+        elif path.exists():
+            path.unlink()
+
+
+def _import_case(
+    case: SourceCase, progress: str, state: _ImportState, overrides: Mapping[str, str], report: ImportReport
+) -> None:
+    """Skip a complete case, or import it, or quarantine it with its reason; then save the state."""
+    out = state.out
+    if case.case_id in state.rows and case_is_complete(out, case.case_id, case.expected_classes):
+        report.skipped.append(case.case_id)
+        if state.quarantine.pop(case.case_id, None) is not None:
+            state.save()
+        return
+    _remove_staging_leftovers(out, case.case_id)
+    try:
+        loaded, row = _load_and_write(case, out, overrides)
+    except Exception as error:  # any failure of one case is reported and quarantined, the run goes on
+        expected_error = isinstance(error, (ImportCaseError, ImportSourceError))
+        reason = str(error) if expected_error else f"{type(error).__name__}: {error}"
+        # A stale, incomplete folder of this case from an earlier run must not stay in the cohort.
+        if (out / case.case_id).exists():
+            shutil.rmtree(out / case.case_id, ignore_errors=True)
+        state.rows.pop(case.case_id, None)
+        state.quarantine[case.case_id] = {"case_id": case.case_id, "source": case.source, "reason": reason}
+        report.quarantined[case.case_id] = reason
+        logger.warning("%s %s quarantined: %s", progress, case.case_id, reason)
+        state.save()
+        return
+    state.rows[case.case_id] = row
+    state.quarantine.pop(case.case_id, None)
+    report.imported.append(case.case_id)
+    logger.info("%s %s imported (%s)", progress, case.case_id, ", ".join(sorted(loaded.masks)) or "image only")
+    state.save()
+
+
+def _load_and_write(case: SourceCase, out: Path, overrides: Mapping[str, str]) -> tuple[LoadedCase, dict]:
+    loaded = case.load()
+    metadata = {**case.metadata, **loaded.metadata, **overrides}
+    row = build_row(case.case_id, metadata, case.source)
+    row.setdefault("spacing", spacing_text(loaded.affine))
+    missing = sorted(set(case.expected_classes) - set(loaded.masks))
+    if missing:
+        raise ImportCaseError(f"{case.case_id} ({case.source}): expected mask(s) {missing} were not produced")
+    header = nib.Nifti1Header()
+    header.set_xyzt_units("mm")
+    write_case(out, case.case_id, loaded.ct, loaded.affine, loaded.masks, header=header)
+    return loaded, row

@@ -1,8 +1,19 @@
 """DICOM CT series to NIfTI cases, keeping only whitelisted, non-identifying acquisition fields.
 
 Read with pydicom. Every folder under ``SRC`` that holds files is one series and one case; the
-case id is the folder's path below ``SRC`` with ``/`` replaced by ``_`` (name folders
-pseudonymously: a case id that contains the series' PatientID or a part of PatientName is refused).
+case id is the folder's path below ``SRC`` with ``/`` replaced by ``_``. Folder names are checked
+when the source is listed, against the identifying fields of the series' first readable header:
+
+- a folder path that contains the series' PatientID, OtherPatientIDs, a part of PatientName,
+  PatientBirthDate (also written ``1952-03-14``, ``14.03.1952``, ...) or AccessionNumber is refused;
+- a folder name that looks like a date (``case_19520314``) or an identifier (6 or more digits in a
+  row) is not refused but replaced by a pseudonym.
+
+Either way the case id, the ``source`` column of ``quarantine.csv``, log lines and error messages
+carry the pseudonym (``DCM`` + 12 hex digits of HMAC-SHA256(salt, folder path)), never the folder's
+name; a ``--metadata`` row for such a folder is keyed by the pseudonym
+(:func:`folder_pseudonym`). Without a salt the pseudonym is an unkeyed hash of the path: give
+``--salt`` for real data.
 
 Geometry: slices are sorted by ImagePositionPatient projected on the slice normal (row x column
 direction cosines of ImageOrientationPatient); the positions must advance by one constant step
@@ -21,9 +32,11 @@ Privacy (what reaches ``metadata.csv``, the NIfTI header and the logs):
   from ``--salt`` or ``BENCHX_PSEUDONYM_SALT`` (keep it secret and the same across imports, so one
   patient keeps one pseudonym); empty when the series has no PatientID (each case is then its own
   patient). PatientID itself is never written.
-- never read into the output: names, birth date, accession number, institution, station,
-  physicians, UIDs (Siemens UIDs embed the acquisition time), descriptions, dates and times. The NIfTI
-  header is built fresh (descrip, db_name, aux_file empty). Errors name files and tags, never values.
+- never written to any output: names, birth date, accession number, other patient ids (read only
+  to check folder names, see above), institution, station, physicians, UIDs (Siemens UIDs embed
+  the acquisition time), descriptions, dates and times. The NIfTI header is built fresh (descrip,
+  db_name, aux_file empty). Errors name files and tags, never values; a pseudonymized folder's
+  errors name its pseudonym instead of its path.
 
 Example::
 
@@ -37,6 +50,7 @@ import hashlib
 import hmac
 import logging
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -62,6 +76,58 @@ LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 POSITION_RELATIVE_TOLERANCE = 0.01
 ORIENTATION_TOLERANCE = 1e-4
 IGNORED_FILE_NAMES = frozenset({"DICOMDIR"})
+# Header fields whose values must not appear in a folder name (compared on letters and digits only).
+IDENTIFYING_KEYWORDS = ("PatientID", "OtherPatientIDs", "PatientName", "PatientBirthDate", "AccessionNumber")
+# Shorter values (a PatientID "12", a name part "Al") occur in ordinary names by chance.
+MIN_TOKEN_LENGTH = 3
+# A date: 8 digits (YYYYMMDD or DDMMYYYY) or day, month and year with separators; an identifier: 6+ digits.
+_DATE_PATTERNS = (
+    re.compile(r"(?<!\d)(19|20)\d{2}(0[1-9]|1[0-2])(0[1-9]|[12]\d|3[01])(?!\d)"),
+    re.compile(r"(?<!\d)(0[1-9]|[12]\d|3[01])(0[1-9]|1[0-2])(19|20)\d{2}(?!\d)"),
+    re.compile(r"(?<!\d)\d{1,4}[-_.]\d{1,2}[-_.]\d{1,4}(?!\d)"),
+)
+_IDENTIFIER_PATTERN = re.compile(r"\d{6,}")
+
+
+def folder_pseudonym(relative_path: str, salt: str | None) -> str:
+    """``DCM`` + 12 hex digits of HMAC-SHA256(salt, folder path below the source): a stable case id
+    for a folder whose name may identify the patient."""
+    key = (salt or "").encode("utf-8")
+    return "DCM" + hmac.new(key, relative_path.encode("utf-8"), hashlib.sha256).hexdigest()[:12]
+
+
+def looks_like_date_or_identifier(name: str) -> bool:
+    """True when a folder name holds a date or a run of 6+ digits (a record number, an accession number)."""
+    return any(pattern.search(name) for pattern in _DATE_PATTERNS) or bool(_IDENTIFIER_PATTERN.search(name))
+
+
+def _alphanumeric(text: str) -> str:
+    return re.sub(r"[^0-9a-z]", "", text.lower())
+
+
+def identifying_fields_in(name: str, header) -> list[str]:
+    """The keywords of :data:`IDENTIFYING_KEYWORDS` whose value (or a name part, or the birth date in
+    another order) occurs in ``name``; compared on lowercase letters and digits. Values never leave."""
+    folded = _alphanumeric(name)
+    found = []
+    for keyword in IDENTIFYING_KEYWORDS:
+        value = header.get(keyword) if header is not None else None
+        if value is None or str(value).strip() == "":
+            continue
+        if keyword == "PatientName":
+            tokens = str(value).replace("^", " ").replace("=", " ").split()
+        elif keyword == "OtherPatientIDs" and not isinstance(value, str):
+            tokens = [str(v) for v in value]
+        else:
+            tokens = [str(value)]
+        if keyword == "PatientBirthDate" and re.fullmatch(r"\d{8}", tokens[0].strip()):
+            date = tokens[0].strip()
+            tokens.append(date[6:8] + date[4:6] + date[0:4])  # DDMMYYYY
+            tokens.append(date[4:6] + date[6:8] + date[0:4])  # MMDDYYYY
+        tokens = [_alphanumeric(t) for t in tokens]
+        if any(len(t) >= MIN_TOKEN_LENGTH and t in folded for t in tokens):
+            found.append(keyword)
+    return found
 
 
 def pseudonymous_patient_id(patient_id: str, salt: str) -> str:
@@ -199,17 +265,6 @@ def acquisition_metadata(header) -> dict[str, str]:
     return metadata
 
 
-def _identity_tokens(header) -> list[str]:
-    tokens = []
-    patient_id = _text(header, "PatientID")
-    if patient_id:
-        tokens.append(patient_id.lower())
-    name = header.get("PatientName")
-    if name is not None:
-        tokens += [part.lower() for part in str(name).replace("^", " ").split() if len(part) >= 3]
-    return tokens
-
-
 def load_dicom_series(folder: Path, case_id: str, salt: str | None, patient_id_given: bool) -> LoadedCase:
     """Read one series folder into HU, RAS affine and whitelisted metadata."""
     from pydicom.pixels import apply_rescale
@@ -220,11 +275,6 @@ def load_dicom_series(folder: Path, case_id: str, salt: str | None, patient_id_g
     headers = [_read_header(path) for path in paths]
     geometry = series_geometry(headers, paths)
     first = headers[geometry.order[0]]
-    if any(token in case_id.lower() for token in _identity_tokens(first)):
-        raise ImportCaseError(
-            f"{folder}: the case id (folder name) contains the series' PatientID or part of PatientName; "
-            "rename the folder to a pseudonymous id"
-        )
     metadata = acquisition_metadata(first)
     if not patient_id_given:
         dicom_patient_id = _text(first, "PatientID")
@@ -284,8 +334,52 @@ def list_dicom(
     for folder in folders:
         if not _series_files(folder):
             continue
-        relative = folder.relative_to(src)
-        case_id = src.name if relative == Path(".") else "_".join(relative.parts)
-        load = partial(load_dicom_series, folder, case_id, salt, case_id in patient_ids_given)
-        cases.append(SourceCase(case_id=case_id, source=str(folder), load=load, metadata={"cohort": cohort}))
+        cases.append(_source_case(src, folder, cohort, salt, patient_ids_given))
     return cases
+
+
+def _first_header(folder: Path):
+    """The first readable DICOM header of a folder (None when none reads): for checking its name."""
+    for path in _series_files(folder):
+        try:
+            return _read_header(path)
+        except ImportCaseError:
+            continue
+    return None
+
+
+def _source_case(src: Path, folder: Path, cohort: str, salt: str | None, patient_ids_given: frozenset[str]) -> SourceCase:
+    """One folder as a case; its name checked against the series' identifying fields (module docstring)."""
+    relative = folder.relative_to(src)
+    names = [src.name] if relative == Path(".") else list(relative.parts)
+    case_id = "_".join(names)
+    identifying = identifying_fields_in(case_id, _first_header(folder))
+    if not identifying and not any(looks_like_date_or_identifier(name) for name in names):
+        load = partial(load_dicom_series, folder, case_id, salt, case_id in patient_ids_given)
+        return SourceCase(case_id=case_id, source=str(folder), load=load, metadata={"cohort": cohort})
+    pseudonym = folder_pseudonym(str(relative if relative != Path(".") else src.name), salt)
+    label = f"<DICOM folder {pseudonym}>"
+    base = src if relative != Path(".") else src.parent
+    if identifying:
+        message = (
+            f"{label}: the folder name contains the series' {', '.join(identifying)}; rename the folder "
+            "to a pseudonymous id (its name is not recorded)"
+        )
+        load = partial(_refuse, message)
+    else:
+        # A date or an identifier in a folder name: imported under the pseudonym instead.
+        load = partial(_private_load, folder, label, pseudonym, salt, pseudonym in patient_ids_given)
+    return SourceCase(case_id=pseudonym, source=f"{base}/{label}", load=load, metadata={"cohort": cohort})
+
+
+def _refuse(message: str) -> LoadedCase:
+    raise ImportCaseError(message)
+
+
+def _private_load(folder: Path, label: str, case_id: str, salt: str | None, patient_id_given: bool) -> LoadedCase:
+    """:func:`load_dicom_series` whose error messages show ``label`` instead of the folder's path."""
+    try:
+        return load_dicom_series(folder, case_id, salt, patient_id_given)
+    except Exception as error:
+        message = str(error).replace(str(folder), label)
+        raise ImportCaseError(message if isinstance(error, ImportCaseError) else f"{type(error).__name__}: {message}") from None

@@ -1,0 +1,45 @@
+"""``benchx compare``: paired comparison of evaluation runs (BenchX table 6) at three operating points.
+
+Parses the runs and settings and calls :func:`lightning_modules.evaluation.runs.compare`; prints the
+table (and any operating-point fallback) and the comparison run.
+
+Example::
+
+    benchx compare <baseline evaluation run> <augmented evaluation run>
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+DESCRIPTION = (
+    "Compare evaluation runs on the same evaluation set with the first (the baseline): per subgroup the "
+    "difference with its paired bootstrap CI at the fixed m, at the m chosen on validation and at matched "
+    "specificity (docs/design.md \"Confidence intervals and comparisons\")."
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="benchx compare", description=DESCRIPTION)
+    parser.add_argument("run_ids", nargs="+", help="evaluation runs; the first is the baseline")
+    parser.add_argument("--stage", default="test", choices=["val", "test"])
+    parser.add_argument("--experiment", default="benchx", help="experiment to log the comparison run in ('' to skip)")
+    parser.add_argument("--resamples", type=int, default=2000)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from lightning_modules.evaluation.runs import EvaluationError, compare, format_comparison
+
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        table, run_id = compare(args.run_ids, args.stage, experiment=args.experiment or None, n_resamples=args.resamples)
+    except EvaluationError as error:
+        print(f"benchx compare: {error}", file=sys.stderr)
+        return 1
+    print(format_comparison(table))
+    if run_id:
+        print(f"comparison logged to run {run_id}")
+    return 0

@@ -1,0 +1,78 @@
+"""``benchx evaluate``: subgroup evaluation of a trained model into a new MLflow run.
+
+Parses the model source (``--run-id`` or ``--checkpoint --recipe``), the stages and recipe overrides,
+and calls :func:`lightning_modules.evaluation.runs.evaluate`.
+
+Example::
+
+    benchx evaluate --run-id <training run> --stages val,test
+    benchx evaluate --run-id <training run> data.root=data/external data.split=splits/external.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+from lightning_modules.commands.common import add_model_source_arguments, add_overrides_argument, split_overrides
+
+DESCRIPTION = (
+    "Evaluate a trained model on a cohort + split into a new MLflow run linked to its training run: "
+    "subgroup detection metrics with bootstrap CIs at the fixed m, at the m chosen on validation and at the "
+    "recipe's rule (docs/design.md \"Scan-level detection\"). Refuses val/test cases that are training cases "
+    "of the model or share a patient with them."
+)
+
+
+def _stages(text: str) -> list[str]:
+    stages = [part for part in text.replace(" ", ",").split(",") if part]
+    if not stages or any(stage not in ("val", "test") for stage in stages):
+        raise argparse.ArgumentTypeError(f"stages must be val and/or test, comma-separated; got {text!r}")
+    return stages
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="benchx evaluate", description=DESCRIPTION)
+    add_model_source_arguments(parser)
+    parser.add_argument("--stages", default="val,test", type=_stages,
+                        help="comma-separated, from val and test (one value, so key=value overrides may follow)")
+    parser.add_argument("--allow-training-overlap", action="store_true",
+                        help="evaluate even when val/test cases are training cases of the model (tagged in the run)")
+    add_overrides_argument(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from lightning_modules.data.cohort import CohortError
+    from lightning_modules.data.splits import SplitError
+    from lightning_modules.evaluation.runs import EvaluationError, evaluate
+    from lightning_modules.models.checkpoints import ModelSourceError, resolve_model_source
+
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            recipe, checkpoint = resolve_model_source(
+                Path(folder), args.run_id, args.checkpoint, args.recipe, split_overrides(args.overrides)
+            )
+            run_id, results = evaluate(recipe, checkpoint, args.stages, training_run_id=args.run_id,
+                                       allow_training_overlap=args.allow_training_overlap)
+    except (EvaluationError, ModelSourceError, SplitError, CohortError, FileNotFoundError) as error:
+        print(f"benchx evaluate: {error}", file=sys.stderr)
+        return 1
+    print(f"evaluation run {run_id}")
+    for stage, table in results.items():
+        overall = table[table["attribute"] == "overall"].iloc[0]
+        threshold = float(table.attrs.get("threshold", float("nan")))
+        print(
+            f"  {stage}: n={int(overall['n'])} m={threshold:g} sensitivity={_percent(overall['sensitivity'])} "
+            f"specificity={_percent(overall['specificity'])} f1={_percent(overall['f1'])} auc={_percent(overall['auc'])}"
+        )
+    return 0
+
+
+def _percent(value) -> str:
+    value = float(value)
+    return "-" if value != value else f"{100 * value:.1f}"

@@ -1,0 +1,184 @@
+"""Tests for lightning_modules.evaluation.runs and the evaluate/compare commands: evaluation runs on
+the tiny phantom with the three operating points, paired comparisons, and the refusals (training
+cases in the evaluation set, malformed run ids, a run compared with itself, different sets)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+from conftest import RECIPES, tiny_overrides
+from mlflow.tracking import MlflowClient
+
+from lightning_modules.commands.compare import main as compare_main
+from lightning_modules.commands.evaluate import main as evaluate_main
+from lightning_modules.config.recipe import load_recipe
+from lightning_modules.evaluation.provenance import TRAINING_CASES_ARTIFACT, training_overlap
+from lightning_modules.evaluation.runs import (
+    OVERLAP_CHECK_TAG,
+    OVERLAP_OVERRIDE_TAG,
+    EvaluationError,
+    compare,
+    evaluate,
+    format_comparison,
+)
+from lightning_modules.training import train
+
+
+@pytest.fixture(scope="module")
+def two_models(tiny_phantom, tmp_path_factory):
+    """Two tiny trained models (seeds 0 and 1) on the tiny phantom: [(recipe, TrainResult)], and the folder."""
+    root, split = tiny_phantom
+    folder = tmp_path_factory.mktemp("runs")
+    models = []
+    for seed in (0, 1):
+        recipe = load_recipe(RECIPES / "unet.yaml", [*tiny_overrides(root, split, folder, steps=2), f"seed={seed}"])
+        models.append((recipe, train(recipe)))
+    return models, folder
+
+
+def test_training_run_records_its_training_cases(two_models, tiny_phantom):
+    recipe, result = two_models[0][0]
+    client = MlflowClient(recipe.tracking.uri)
+    assert TRAINING_CASES_ARTIFACT in {a.path for a in client.list_artifacts(result.run_id)}
+    recorded = pd.read_csv(client.download_artifacts(result.run_id, TRAINING_CASES_ARTIFACT), dtype=str)
+    split = pd.read_csv(tiny_phantom[1], dtype=str)
+    assert sorted(recorded["case_id"]) == sorted(split.loc[split["split"] == "train", "case_id"])
+
+
+def test_evaluate_and_compare_two_runs(two_models, tiny_phantom, capsys, monkeypatch):
+    models, _ = two_models
+    root, split = tiny_phantom
+    evaluation_runs = []
+    for recipe, result in models:
+        run_id, tables = evaluate(recipe, result.best_checkpoint, ("val", "test"), training_run_id=result.run_id)
+        evaluation_runs.append(run_id)
+        assert {"val", "test", "test_fixed", "test_val_chosen", "val_fixed", "val_val_chosen"} <= set(tables)
+        overall = tables["test"][tables["test"]["attribute"] == "overall"].iloc[0]
+        assert overall["n"] == (pd.read_csv(split)["split"] == "test").sum()
+    recipe = models[0][0]
+    client = MlflowClient(recipe.tracking.uri)
+    run = client.get_run(evaluation_runs[0])
+    assert run.data.tags["training_run_id"] == models[0][1].run_id
+    assert run.data.tags[OVERLAP_CHECK_TAG] == "passed"
+    assert run.data.metrics["operating_point/fixed"] == 50.0 and "operating_point/val_chosen" in run.data.metrics
+    assert run.data.metrics["test_fixed/threshold"] == 50.0 and "test_val_chosen/n_patients/overall" in run.data.metrics
+    assert run.data.tags["operating_point.val_chosen.rule"] == "youden"
+    artifacts = {a.path for a in client.list_artifacts(evaluation_runs[0], "evaluation")}
+    assert {"evaluation/test_records.csv", "evaluation/test_subgroups.csv", "evaluation/test_subgroups.png",
+            "evaluation/val_records.csv", "evaluation/test_fixed_subgroups.csv",
+            "evaluation/test_val_chosen_subgroups.csv"} <= artifacts
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", recipe.tracking.uri)
+    # As under `mlflow run`: another run in MLFLOW_RUN_ID must not receive the comparison.
+    monkeypatch.setenv("MLFLOW_RUN_ID", models[0][1].run_id)
+    table, compare_run = compare(evaluation_runs, "test", experiment="benchx", n_resamples=50)
+    monkeypatch.delenv("MLFLOW_RUN_ID")
+    assert compare_run not in {models[0][1].run_id, *evaluation_runs}, "the comparison has its own run"
+    assert set(table["operating_point"]) == {"fixed", "val_chosen", "matched_specificity"}
+    assert {"attribute", "group", "metric", "a", "b", "delta", "ci_low", "ci_high", "significant", "n_patients",
+            "positives", "negatives", "defined_fraction", "supported", "threshold_a", "threshold_b"} <= set(table.columns)
+    fixed = table[table["operating_point"] == "fixed"]
+    assert (fixed["threshold_a"] == 50.0).all() and (fixed["threshold_b"] == 50.0).all()
+    # The tiny test split supports no claim: nothing may be marked significant.
+    assert not table["supported"].any() and not table["significant"].any()
+    text = format_comparison(table)
+    assert "phase:" in text and "overall" in text and "matched_specificity" in text
+    assert {a.path for a in client.list_artifacts(compare_run, "comparison")} >= {"comparison/test_comparison.csv"}
+    # The command line: evaluate an MLflow training run by id, compare by ids.
+    assert evaluate_main(["--run-id", models[0][1].run_id, "--stages", "test"]) == 0
+    assert "evaluation run" in capsys.readouterr().out
+    # Overrides after --stages are overrides, not stages.
+    assert evaluate_main(["--run-id", models[0][1].run_id, "--stages", "val,test", "detection.threshold_mm3=10"]) == 0
+    assert "  test: n=" in capsys.readouterr().out
+    assert compare_main([*evaluation_runs, "--experiment", "", "--resamples", "20"]) == 0
+    assert "at val_chosen" in capsys.readouterr().out
+
+
+def test_compare_refuses_the_same_run_twice_malformed_ids_and_different_sets(two_models, tiny_phantom, tmp_path, capsys):
+    models, store = two_models
+    root, split = tiny_phantom
+    recipe, result = models[0]
+    run_id, _ = evaluate(recipe, result.best_checkpoint, ("test",))
+    with pytest.raises(EvaluationError, match="named more than once"):
+        compare([run_id, run_id], "test", uri=recipe.tracking.uri, experiment=None, n_resamples=20)
+    with pytest.raises(EvaluationError, match="not an MLflow run id"):
+        compare([run_id, "../../etc"], "test", uri=recipe.tracking.uri, experiment=None, n_resamples=20)
+    assert compare_main([run_id, run_id.upper()]) == 1
+    assert "not an MLflow run id" in capsys.readouterr().err
+    # An evaluation on another set (of cases the model never trained on) is refused by compare.
+    frame = pd.read_csv(split)
+    val = frame.index[frame["split"] == "val"]
+    frame.loc[frame["split"] == "test", "split"] = "val"
+    frame.loc[val[:3], "split"] = "test"
+    other_split = tmp_path / "other.csv"
+    frame.to_csv(other_split, index=False)
+    recipe_other = load_recipe(RECIPES / "unet.yaml", tiny_overrides(root, other_split, store, steps=2))
+    other_run, _ = evaluate(recipe_other, result.best_checkpoint, ("test",), training_run_id=result.run_id)
+    with pytest.raises(EvaluationError, match="different sets"):
+        compare([run_id, other_run], "test", uri=recipe.tracking.uri, experiment=None, n_resamples=20)
+
+
+def test_evaluate_refuses_a_run_id_of_the_wrong_shape(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate_main(["--run-id", "../../etc", "--stages", "test"])
+    assert exit_info.value.code == 2
+    assert "not an MLflow run id" in capsys.readouterr().err
+
+
+def test_evaluate_refuses_training_cases_unless_overridden(two_models, tiny_phantom, tmp_path):
+    models, store = two_models
+    root, split = tiny_phantom
+    recipe, result = models[0]
+    frame = pd.read_csv(split)
+    # A whole training patient moved to test (the split itself stays patient-disjoint).
+    patient = frame.loc[frame["split"] == "train", "patient_id"].iloc[0]
+    frame.loc[frame["patient_id"] == patient, "split"] = "test"
+    leaked = frame.index[frame["patient_id"] == patient][0]
+    leaking_split = tmp_path / "leaking.csv"
+    frame.to_csv(leaking_split, index=False)
+    case_id = frame.loc[leaked, "case_id"]
+    leaking = load_recipe(RECIPES / "unet.yaml", tiny_overrides(root, leaking_split, store, steps=2))
+    client = MlflowClient(leaking.tracking.uri)
+    runs_before = len(client.search_runs([client.get_experiment_by_name("benchx").experiment_id]))
+    with pytest.raises(EvaluationError, match=f"case {case_id}: is one of the model's training cases"):
+        evaluate(leaking, result.best_checkpoint, ("test",), training_run_id=result.run_id)
+    # The training run is also found from the checkpoint's run folder when not given.
+    with pytest.raises(EvaluationError, match="overlap the training cases"):
+        evaluate(leaking, result.best_checkpoint, ("test",))
+    assert len(client.search_runs([client.get_experiment_by_name("benchx").experiment_id])) == runs_before
+    with pytest.raises(EvaluationError, match="not found in the tracking store"):
+        evaluate(leaking, result.best_checkpoint, ("test",), training_run_id="0" * 32)
+    run_id, _ = evaluate(leaking, result.best_checkpoint, ("test",), training_run_id=result.run_id, allow_training_overlap=True)
+    tags = client.get_run(run_id).data.tags
+    assert tags[OVERLAP_OVERRIDE_TAG] == "true" and tags[OVERLAP_CHECK_TAG].startswith("failed: ")
+
+
+def test_a_case_of_a_training_patient_is_named():
+    frame = pd.DataFrame({"case_id": ["a", "b", "c", "d"], "patient_id": ["p1", "p2", "p3", "p4"],
+                          "split": ["train", "train", "test", "test"]})
+    test_case = frame.index[frame["split"] == "test"][0]
+    train_patient = frame.loc[frame["split"] == "train", "patient_id"].iloc[0]
+    # A test scan recorded under a training patient: the case is new, the patient is not.
+    frame.loc[test_case, "patient_id"] = train_patient
+    problems = training_overlap(frame[frame["split"] == "test"], frame[frame["split"] == "train"])
+    assert problems == [f"case {frame.loc[test_case, 'case_id']}: patient {train_patient} has training cases"]
+
+
+def test_matched_specificity_uses_the_baselines_validation_specificity_and_falls_back_when_it_cannot():
+    from test_detection_metrics import random_records
+
+    from lightning_modules.evaluation.runs import EvaluatedRun, _compare_pair
+    from lightning_modules.evaluation.thresholds import specificity_at
+
+    test_records, val_a, val_b = random_records(150, 1), random_records(90, 2), random_records(90, 3)
+    baseline = EvaluatedRun("a" * 32, "baseline", test_records, val_a, {"fixed": 50.0, "val_chosen": 20.0})
+    other = EvaluatedRun("b" * 32, "synthx", test_records.assign(volume_mm3=test_records["volume_mm3"] * 2), val_b,
+                         {"fixed": 50.0, "val_chosen": 30.0})
+    notes: list[str] = []
+    table = _compare_pair(baseline, other, {"n_resamples": 20, "confidence": 0.95, "score": "volume"}, notes)
+    matched = table[table["operating_point"] == "matched_specificity"].iloc[0]
+    assert matched["threshold_a"] == 20.0 and not notes
+    assert specificity_at(val_b, matched["threshold_b"]) >= specificity_at(val_a, 20.0) - 1e-12
+    other.val_records = None
+    table = _compare_pair(baseline, other, {"n_resamples": 20, "confidence": 0.95, "score": "volume"}, notes)
+    assert (table.loc[table["operating_point"] == "matched_specificity", "threshold_b"] == 50.0).all()
+    assert len(notes) == 1 and "matched specificity: no validation records" in notes[0]
