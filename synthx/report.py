@@ -85,13 +85,14 @@ def load_study(run_id: str, uri: str, folder: Path) -> StudyRuns:
 
 def headline(comparison: pd.DataFrame) -> pd.DataFrame:
     """Per attribute and metric: the worst group's value for baseline and SynthX and their difference."""
-    from lightning_modules.evaluation.detection import gaps
+    from lightning_modules.evaluation.subgroups import gaps
 
     rows = []
+    columns = ["attribute", "group", "positives", "negatives"]
     for metric in HEADLINE_METRICS:
         part = comparison[comparison["metric"] == metric]
-        baseline = gaps(part.rename(columns={"a": metric})[["attribute", "group", metric]], metric)
-        synthx = gaps(part.rename(columns={"b": metric})[["attribute", "group", metric]], metric)
+        baseline = gaps(part.rename(columns={"a": metric})[[*columns, metric]], metric)
+        synthx = gaps(part.rename(columns={"b": metric})[[*columns, metric]], metric)
         for a, b in zip(baseline.itertuples(index=False), synthx.itertuples(index=False)):
             rows.append({"attribute": a.attribute, "metric": metric, "baseline_worst_group": a.worst_group,
                          "baseline": a.worst, "synthx_worst_group": b.worst_group, "synthx": b.worst,
