@@ -83,10 +83,25 @@ def load_study(run_id: str, uri: str, folder: Path) -> StudyRuns:
 # Numbers
 
 
+PRIMARY_POINT = "val_chosen"
+
+
+def primary_point(comparison: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The rows of one operating point: the validation-chosen one when compared, else the first
+    (the headline and the forest plots use it; the table shows every point)."""
+    if "operating_point" not in comparison.columns:
+        return comparison, ""
+    points = list(dict.fromkeys(comparison["operating_point"]))
+    point = PRIMARY_POINT if PRIMARY_POINT in points else points[0]
+    return comparison[comparison["operating_point"] == point], str(point)
+
+
 def headline(comparison: pd.DataFrame) -> pd.DataFrame:
-    """Per attribute and metric: the worst group's value for baseline and SynthX and their difference."""
+    """Per attribute and metric: the worst group's value for baseline and SynthX and their difference
+    (at the primary operating point, :func:`primary_point`)."""
     from lightning_modules.evaluation.subgroups import gaps
 
+    comparison, _ = primary_point(comparison)
     rows = []
     columns = ["attribute", "group", "positives", "negatives"]
     for metric in HEADLINE_METRICS:
@@ -177,7 +192,8 @@ def forest_html(comparison: pd.DataFrame) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parts = []
+    comparison, point = primary_point(comparison)
+    parts = [f"<p>Operating point: {html.escape(point)}.</p>" if point else ""]
     for attribute, table in comparison[comparison["attribute"] != "overall"].groupby("attribute", sort=False):
         groups = list(dict.fromkeys(table["group"]))
         figure, axes = plt.subplots(1, len(HEADLINE_METRICS), figsize=(9, 0.45 * len(groups) + 1.4), sharey=True)
