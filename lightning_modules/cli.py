@@ -11,7 +11,7 @@ mean nothing to a user are filtered here too (:mod:`lightning_modules.warnings_f
 
 Example::
 
-    benchx phantom --out data/phantom --cases 200
+    benchx phantom --out data/phantom --cases 440
     benchx train --recipe recipes/unet.yaml profile=cpu
     benchx --version
 """
@@ -24,7 +24,7 @@ import sys
 
 # name -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "phantom": ("lightning_modules.data.phantom", "main", "write the embedded phantom cohort (layout A + metadata.csv)"),
+    "phantom": ("lightning_modules.commands.phantom", "main", "write the embedded phantom cohort (layout A + metadata.csv)"),
     "import": ("lightning_modules.commands.import_cohort", "main", "import TotalSegmentator / nnU-Net / MSD / DICOM data into layout A"),
     "fetch-example": ("lightning_modules.commands.fetch_example", "main", "fetch the real TotalSegmentator example CT as case TS_EXAMPLE"),
     "validate": ("lightning_modules.commands.validate", "main", "check a cohort and list every problem at once"),
@@ -35,12 +35,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "evaluate": ("lightning_modules.commands.evaluate", "main", "subgroup evaluation of a trained model into a new MLflow run"),
     "predict": ("lightning_modules.commands.predict", "main", "segment CT scans; masks written on each scan's own grid and affine"),
     "compare": ("lightning_modules.commands.compare", "main", "paired comparison of evaluation runs (BenchX table 6)"),
-    "study": ("synthx.study", "main", "the baseline-vs-SynthX study on a cohort (the main job)"),
+    "study": ("synthx.commands.study", "main", "the baseline-vs-SynthX study on a cohort (the main job)"),
     "report": ("synthx.commands.report", "main", "rebuild a study's HTML report from MLflow"),
     "sweep": ("synthx.sweep", "main", "Optuna sweep over the synthesis ratio"),
-    "synthx-train": ("synthx.training", "main", "train the SynthX tumor generator (conditional 3D diffusion)"),
-    "synthesize": ("synthx.generation", "main", "paint conditioned synthetic tumors into healthy training scans (resumable)"),
-    "synthx-quality": ("synthx.quality", "main", "synthetic vs real tumors: HU, contrast, phase faithfulness, diversity"),
+    "synthx-train": ("synthx.commands.synthx_train", "main", "train the SynthX tumor generator (conditional 3D diffusion)"),
+    "synthesize": ("synthx.commands.synthesize", "main", "paint conditioned synthetic tumors into healthy training scans (resumable)"),
+    "synthx-quality": ("synthx.commands.synthx_quality", "main", "synthetic vs real tumors: HU, contrast, phase faithfulness, diversity"),
 }
 
 # Errors a user can fix from the message alone: printed without a traceback, exit code 2. Named by

@@ -21,13 +21,13 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from lightning_modules.config.recipe import RecipeError, TrackingConfig, load_recipe, recipe_to_yaml
-from synthx.mask_prior import SIZE_CLASSES
+from lightning_modules.data.lesions import SIZE_CLASSES
 from synthx.model import ORGAN_OF_LESION
+from synthx.schedulers import SAMPLING_SCHEDULERS
 
 __all__ = ["SynthXRecipe", "load_synthx_recipe", "check_synthx_recipe", "recipe_to_yaml", "RecipeError"]
 
 PREDICTION_TYPES = ("epsilon", "sample", "v_prediction")
-SAMPLING_SCHEDULERS = ("ddpm", "ddim", "dpm_solver")
 
 
 @dataclass
@@ -121,6 +121,11 @@ class SynthXTrainerConfig:
     max_steps: int = 100_000
     accelerator: str = "auto"
     devices: Any = 1
+    # Lightning strategy: "auto" on one device, "ddp" for several (Lightning's launcher, torchrun or Slurm).
+    strategy: str = "auto"
+    num_nodes: int = 1
+    # last.ckpt every this many steps (and at the end), so an interrupted run resumes close to where it stopped.
+    checkpoint_every_n_steps: int = 1000
     precision: str = "32-true"
     log_every_n_steps: int = 50
     gradient_clip_val: Optional[float] = 1.0
@@ -129,18 +134,21 @@ class SynthXTrainerConfig:
 
 @dataclass
 class SamplingConfig:
-    # The scheduler saved with the pipeline (built from the training scheduler's config).
+    # The scheduler saved with the pipeline and swapped in at generation (built from the training
+    # scheduler's config); generation reads all three (benchx synthesize --recipe ... key=value).
     scheduler: str = "ddim"
     num_inference_steps: int = 50
-    guidance_scale: float = 1.0
+    # Classifier-free guidance; > 1 needs a generator trained with condition_dropout.all > 0.
+    guidance_scale: float = 2.0
 
 
 @dataclass
 class MaskPriorConfig:
+    # Drawn tumors keep this distance from the organ's border.
     erosion_mm: float = 1.5
-    # Tumors to draw per canvas, by size class (synthx.mask_prior.SIZE_CLASSES).
-    size_class_counts: dict[str, int] = field(
-        default_factory=lambda: {"tiny": 1, "small": 2, "medium": 1, "large": 0}
+    # Relative frequency of each size class among the drawn tumors (synthx.mask_prior.SIZE_CLASSES).
+    size_class_weights: dict[str, float] = field(
+        default_factory=lambda: {"tiny": 1.0, "small": 2.0, "medium": 1.0, "large": 0.0}
     )
 
 
@@ -211,6 +219,11 @@ def check_synthx_recipe(config: DictConfig, source: str = "recipe") -> None:
             raise RecipeError(f"{source}: condition_dropout.{name} must be in [0, 1), got {value}")
     if config.loss.tumor_weight < 1.0:
         raise RecipeError(f"{source}: loss.tumor_weight must be >= 1, got {config.loss.tumor_weight}")
-    unknown = [k for k in config.mask_prior.size_class_counts if k not in SIZE_CLASSES]
+    weights = config.mask_prior.size_class_weights
+    unknown = [k for k in weights if k not in SIZE_CLASSES]
     if unknown:
-        raise RecipeError(f"{source}: mask_prior.size_class_counts has unknown classes {unknown}; expected {', '.join(SIZE_CLASSES)}")
+        raise RecipeError(f"{source}: mask_prior.size_class_weights has unknown classes {unknown}; expected {', '.join(SIZE_CLASSES)}")
+    if any(v < 0 for v in weights.values()) or sum(weights.values()) <= 0:
+        raise RecipeError(f"{source}: mask_prior.size_class_weights must be non-negative with a positive sum, got {dict(weights)}")
+    if config.sampling.guidance_scale < 1.0 or config.sampling.num_inference_steps < 1:
+        raise RecipeError(f"{source}: sampling.guidance_scale must be >= 1 and sampling.num_inference_steps >= 1")

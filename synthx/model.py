@@ -78,7 +78,7 @@ PHASE_VOCAB: tuple[str, ...] = (NULL_TOKEN, *PHASES)
 ORGAN_VOCAB: tuple[str, ...] = (NULL_TOKEN, "pancreas", "liver", "kidney")
 CONDITION_NAMES = ("sex", "age_band", "phase", "organ")
 
-# The AbdomenAtlas mask files (DESIGN.md section 1) that make up each organ, and the organ of each lesion class.
+# The AbdomenAtlas mask files (docs/design.md "Cohorts on disk") that make up each organ, and the organ of each lesion class.
 ORGAN_CLASSES: dict[str, tuple[str, ...]] = {
     "pancreas": ("pancreas",),
     "liver": ("liver",),

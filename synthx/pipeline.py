@@ -172,57 +172,24 @@ class SynthXPipeline(DiffusionPipeline):
         dtype = self.unet.dtype
 
         # 1. Check the inputs and bring them to (B, D, H, W).
-        images = _as_batch(image, "image", np.float32)
-        organs = _as_batch(organ_mask, "organ_mask", bool)
-        tumors = _as_batch(tumor_mask, "tumor_mask", bool)
-        batch, shape = images.shape[0], images.shape[1:]
-        for name, array in (("organ_mask", organs), ("tumor_mask", tumors)):
-            if array is not None and array.shape != images.shape:
-                raise ValueError(f"{name} has shape {array.shape[1:]} per patch, image has {shape} (batch {batch})")
-        factor = self.unet.downsampling_factor * (self.vae.downsampling_factor if self.vae is not None else 1)
-        if any(s % factor for s in shape):
-            raise ValueError(f"patch size {shape} must be divisible by {factor} (the model's downsampling)")
-        if not np.isfinite(images).all():
-            raise ValueError("image contains NaN or infinite values")
+        images, organs, tumors = self._check_inputs(image, organ_mask, tumor_mask)
+        batch = images.shape[0]
 
         # 2. Draw the tumor masks that were not given (seeded from the torch generator for reproducibility).
         if tumors is None:
-            if organs is None:
-                raise ValueError("give either tumor_mask or organ_mask (to draw a tumor mask from)")
-            seed = (
-                int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device).item())
-                if generator is not None
-                else None
-            )
-            rng = np.random.default_rng(seed)
-            classes = list(size_class) if isinstance(size_class, (list, tuple)) else [size_class] * batch
-            if len(classes) != batch:
-                raise ValueError(f"size_class has {len(classes)} entries for a batch of {batch}")
-            tumors = np.stack(
-                [
-                    sample_tumor_mask(organs[b], classes[b], rng, spacing=spacing, erosion_mm=erosion_mm, where=f"patch {b} organ mask")
-                    for b in range(batch)
-                ]
-            )
+            tumors = _draw_tumor_masks(organs, size_class, erosion_mm, spacing, generator)
         empty = [b for b in range(batch) if not tumors[b].any()]
         if empty:
             raise ValueError(f"tumor_mask of patch(es) {empty} is empty")
         regions = np.stack([inpainting_region(tumors[b], spacing, config.inpaint_margin_mm) for b in range(batch)])
 
         # 3. Encode the conditions; the null condition (all 0) is the unconditional branch of guidance.
-        conditions = encode_conditions(sex=sex, age=age, phase=phase, organ=organ, batch_size=batch)
-        conditions = {name: value.to(device) for name, value in conditions.items()}
         use_guidance = guidance_scale > 1.0
-        if use_guidance:
-            conditions = {name: torch.cat([torch.zeros_like(value), value]) for name, value in conditions.items()}
+        conditions = encode_conditions(sex=sex, age=age, phase=phase, organ=organ, batch_size=batch)
+        conditions = {name: (torch.cat([torch.zeros_like(v), v]) if use_guidance else v).to(device) for name, v in conditions.items()}
 
         # 4. Normalize intensities and blank the inpainting region (in latent space when a vae is registered).
-        clean = torch.from_numpy(normalize_hu(images, config.hu_window)).to(device=device, dtype=dtype)[:, None]
-        region = torch.from_numpy(regions).to(device=device, dtype=dtype)[:, None]
-        masked = clean * (1.0 - region)
-        if self.vae is not None:
-            masked = self.vae.encode(masked)
-            region = F.max_pool3d(region, kernel_size=self.vae.downsampling_factor)
+        masked, region = self._masked_input(images, regions, device, dtype)
 
         # 5. Start from pure noise over the whole patch (the known part reaches the model as `masked`).
         latents = randn_tensor(masked.shape, generator=generator, device=device, dtype=dtype)
@@ -250,15 +217,60 @@ class SynthXPipeline(DiffusionPipeline):
         generated_hu = denormalize_hu(generated[:, 0].float().cpu().numpy(), config.hu_window)
 
         # 8. Blend: soft border inside the region, the input kept exactly outside it.
-        results = images.copy()
-        for b in range(batch):
-            weights = blend_weights(tumors[b], regions[b], spacing, config.blend_sigma_mm)
-            inside = regions[b]
-            results[b][inside] = (images[b][inside] * (1.0 - weights[inside]) + generated_hu[b][inside] * weights[inside]).astype(
-                np.float32
-            )
+        results = _blend(images, generated_hu, tumors, regions, spacing, config.blend_sigma_mm)
 
         self.maybe_free_model_hooks()
         if not return_dict:
             return results, tumors
         return SynthXPipelineOutput(images=results, tumor_masks=tumors)
+
+    def _masked_input(self, images: np.ndarray, regions: np.ndarray, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normalized patches with the region blanked, and the region (both at the latent size with a vae)."""
+        clean = torch.from_numpy(normalize_hu(images, self.unet.config.hu_window)).to(device=device, dtype=dtype)[:, None]
+        region = torch.from_numpy(regions).to(device=device, dtype=dtype)[:, None]
+        masked = clean * (1.0 - region)
+        if self.vae is not None:
+            masked = self.vae.encode(masked)
+            region = F.max_pool3d(region, kernel_size=self.vae.downsampling_factor)
+        return masked, region
+
+    def _check_inputs(self, image, organ_mask, tumor_mask) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Images, organ masks and tumor masks as (B, D, H, W), same shapes, divisible by the downsampling, finite."""
+        images = _as_batch(image, "image", np.float32)
+        organs = _as_batch(organ_mask, "organ_mask", bool)
+        tumors = _as_batch(tumor_mask, "tumor_mask", bool)
+        batch, shape = images.shape[0], images.shape[1:]
+        for name, array in (("organ_mask", organs), ("tumor_mask", tumors)):
+            if array is not None and array.shape != images.shape:
+                raise ValueError(f"{name} has shape {array.shape[1:]} per patch, image has {shape} (batch {batch})")
+        factor = self.unet.downsampling_factor * (self.vae.downsampling_factor if self.vae is not None else 1)
+        if any(s % factor for s in shape):
+            raise ValueError(f"patch size {shape} must be divisible by {factor} (the model's downsampling)")
+        if not np.isfinite(images).all():
+            raise ValueError("image contains NaN or infinite values")
+        if tumors is None and organs is None:
+            raise ValueError("give either tumor_mask or organ_mask (to draw a tumor mask from)")
+        return images, organs, tumors
+
+
+def _draw_tumor_masks(organs: np.ndarray, size_class, erosion_mm: float, spacing, generator: torch.Generator | None) -> np.ndarray:
+    """One mask-prior tumor per organ mask, seeded from the torch generator."""
+    batch = organs.shape[0]
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device).item()) if generator is not None else None
+    rng = np.random.default_rng(seed)
+    classes = list(size_class) if isinstance(size_class, (list, tuple)) else [size_class] * batch
+    if len(classes) != batch:
+        raise ValueError(f"size_class has {len(classes)} entries for a batch of {batch}")
+    return np.stack(
+        [sample_tumor_mask(organs[b], classes[b], rng, spacing=spacing, erosion_mm=erosion_mm, where=f"patch {b} organ mask") for b in range(batch)]
+    )
+
+
+def _blend(images: np.ndarray, generated_hu: np.ndarray, tumors: np.ndarray, regions: np.ndarray, spacing, sigma_mm: float) -> np.ndarray:
+    """The generated HU inside each region with a soft border, the input exactly outside it."""
+    results = images.copy()
+    for b in range(images.shape[0]):
+        weights = blend_weights(tumors[b], regions[b], spacing, sigma_mm)
+        inside = regions[b]
+        results[b][inside] = (images[b][inside] * (1.0 - weights[inside]) + generated_hu[b][inside] * weights[inside]).astype(np.float32)
+    return results

@@ -20,7 +20,7 @@ of the real cohort's TRAINING split, per phase and per subgroup:
   NCC far above the real one means the generator repeats itself.
 - A grid of example slices (real and synthetic per phase) as a matplotlib figure.
 
-Run::
+Run (:mod:`synthx.commands.synthx_quality`)::
 
     benchx synthx-quality --root data/phantom --split splits/phantom.csv --synthetic data/synthetic \
         [--tracking-uri sqlite:///mlflow.db --run-id <generation run id> --out reports/synthx_quality]
@@ -28,10 +28,8 @@ Run::
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -440,51 +438,46 @@ def log_quality(report: QualityReport, run_id: str, prefix: str = "synthx_qualit
         mlflow.MlflowClient().log_batch(run_id, metrics=[mlflow.entities.Metric(k, v, _now_ms(), 0) for k, v in metrics.items()])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchx synthx-quality", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--root", required=True, help="the real cohort")
-    parser.add_argument("--split", required=True, help="the real cohort's split CSV (train cases are the reference)")
-    parser.add_argument("--synthetic", required=True, help="the SynthX output cohort")
-    parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
-    parser.add_argument("--run-id", default=None, help="log into this existing run (e.g. the generation run)")
-    parser.add_argument("--experiment", default="synthx", help="experiment of a new run when --run-id is not given")
-    parser.add_argument("--out", default=None, help="also write the tables (CSV) and the figure (PNG) to this folder")
-    parser.add_argument("--lesion-class", default="pancreatic_lesion")
-    parser.add_argument("--organ-class", default="pancreas")
-    parser.add_argument("--rim-mm", type=float, default=5.0)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+def assess_synthetic_cohort(
+    real_root: Path | str,
+    split_path: Path | str,
+    synthetic_root: Path | str,
+    tracking_uri: str | None = None,
+    run_id: str | None = None,
+    experiment: str = "synthx",
+    out: Path | str | None = None,
+    lesion_class: str = "pancreatic_lesion",
+    organ_class: str = "pancreas",
+    rim_mm: float = 5.0,
+    seed: int = 0,
+) -> tuple[QualityReport, str]:
+    """:func:`quality_report`, logged to MLflow (a new ``synthx-quality`` run unless ``run_id``) and optionally written to ``out``.
 
+    Returns:
+        (the report, the MLflow run id it was logged to).
+    """
     import mlflow
 
-    from lightning_modules.tracking import experiment_id, tracking_uri
+    from lightning_modules.tracking import experiment_id
+    from lightning_modules.tracking import tracking_uri as resolve_uri
 
-    report = quality_report(
-        args.root, args.split, args.synthetic, args.lesion_class, args.organ_class, args.rim_mm, seed=args.seed
-    )
-    uri = tracking_uri(args.tracking_uri)
+    report = quality_report(real_root, split_path, synthetic_root, lesion_class, organ_class, rim_mm, seed=seed)
+    uri = resolve_uri(tracking_uri)
     mlflow.set_tracking_uri(uri)
-    run_id = args.run_id
+    client = mlflow.MlflowClient()
+    logged_to = run_id or client.create_run(experiment_id(experiment, uri), run_name="synthx-quality").info.run_id
     if run_id is None:
-        run = mlflow.MlflowClient().create_run(experiment_id(args.experiment, uri), run_name="synthx-quality")
-        run_id = run.info.run_id
-        mlflow.MlflowClient().set_tag(run_id, "synthetic_cohort", str(Path(args.synthetic).resolve()))
-    log_quality(report, run_id)
-    if args.run_id is None:
-        mlflow.MlflowClient().set_terminated(run_id)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+        client.set_tag(logged_to, "synthetic_cohort", str(Path(synthetic_root).resolve()))
+    log_quality(report, logged_to)
+    if run_id is None:
+        client.set_terminated(logged_to)
+    if out:
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
         for name in ("per_tumor", "intensity", "faithfulness", "diversity"):
-            getattr(report, name).to_csv(out / f"{name}.csv", index=False)
-        report.figure.savefig(out / "examples.png", dpi=120)
-    with pd.option_context("display.width", 200, "display.max_columns", 20):
-        overview = report.intensity[report.intensity["attribute"].isin(["overall", "phase"])]
-        columns = ["attribute", "group", "n_real", "n_synthetic", "contrast_real", "contrast_synthetic", "wasserstein_hu"]
-        print(overview[columns].to_string(index=False))
-        print(report.faithfulness.to_string(index=False))
-    print(f"logged to MLflow run {run_id} ({uri})")
-    return 0
+            getattr(report, name).to_csv(folder / f"{name}.csv", index=False)
+        report.figure.savefig(folder / "examples.png", dpi=120)
+    return report, logged_to
 
 
 # ----------------------------------------------------------------------------------------------
@@ -548,6 +541,3 @@ def _now_ms() -> int:
 
     return int(time.time() * 1000)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

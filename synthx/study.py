@@ -1,17 +1,20 @@
-"""``benchx study``: the baseline-versus-SynthX study, the project's main job (MLproject ``main``).
+"""The baseline-versus-SynthX study, the project's main job (``benchx study``, MLproject ``main``).
 
-Steps, each an MLflow run under one parent run (``mlflow.parentRunId``):
+Steps, each an MLflow child run of one parent run (``mlflow.parentRunId``):
 
 1. ``data``: the cohort (the embedded phantom is generated when absent) and its split (the
    committed ``splits/phantom.csv`` for the phantom; made once otherwise), validated;
 2. ``baseline``: the backbone trained on real data (``synthx.ratio=0``);
-3. ``synthx_train``: the SynthX generator trained on the training split's tumors;
-4. ``synthesize``: targeted generation on healthy training canvases (default rule
-   ``min_positives:k``: bring every (sex, age band, phase) cell to at least k tumor cases);
-5. ``augmented``: the same backbone, seed and iterations with the synthetic cohort mixed in at ratio r;
-6. ``evaluate_baseline`` / ``evaluate_augmented``: subgroup evaluation on the test split (threshold
-   chosen on validation when the recipe says so);
-7. ``compare``: the BenchX table-6 comparison with paired bootstrap differences.
+3. ``evaluate_baseline``: subgroup evaluation on validation and test (operating point chosen on
+   validation when the recipe says so, ``docs/design.md "Scan-level detection"``);
+4. ``targeting``: how many synthetic tumors per (sex, age band, phase) cell. The default rule
+   ``need:B`` spends a budget of B cases where the baseline's VALIDATION sensitivity falls short
+   (``synthx.targeting``); it reads the baseline's validation records only, never test labels;
+5. ``synthx_train``: the SynthX generator trained on the training split's tumors;
+6. ``synthesize``: the targeted cases painted into matching healthy training scans;
+7. ``augmented``: the same backbone, seed and iterations with the synthetic cohort mixed in at ratio r;
+8. ``evaluate_synthx``: the augmented model evaluated as the baseline was;
+9. ``compare``: the BenchX table-6 comparison with paired bootstrap differences.
 
 Resumable: a step is skipped when an identical finished run exists (same step, parameters and code
 version: the key is a hash of the three, stored as the tag ``study_step_key``), so rerunning the
@@ -26,7 +29,6 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -40,13 +42,15 @@ from typing import Callable, Sequence
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
-from lightning_modules.commands.common import split_overrides
 from lightning_modules.config.recipe import load_recipe
 from lightning_modules.tracking import experiment_id, git_commit, tracking_uri
 
 STEP_KEY_TAG = "study_step_key"
 STEP_NAME_TAG = "study_step"
 PARENT_TAG = "mlflow.parentRunId"
+STEPS = ("data", "baseline", "evaluate_baseline", "targeting", "synthx_train", "synthesize", "augmented",
+         "evaluate_synthx", "compare")
+TARGETS_ARTIFACT = "synthx/targets.csv"
 
 
 @dataclass
@@ -58,13 +62,13 @@ class StudySettings:
     overrides: list[str] = field(default_factory=list)
     synthx_recipe: str = "recipes/generator/synthx.yaml"
     synthx_overrides: list[str] = field(default_factory=list)
-    cases: int = 200
+    cases: int | None = None  # phantom cases when the cohort is generated (None: the phantom's default)
     phantom_seed: int = 0
     ratio: float = 0.3
-    target: str = "min_positives:1"
+    target: str = "need:20"
     budget: int | None = None
-    synthesis_steps: int = 20
-    scheduler: str = "ddim"
+    synthesis_steps: int | None = None  # None: the SynthX recipe's sampling.num_inference_steps
+    scheduler: str | None = None  # None: the SynthX recipe's sampling.scheduler
     experiment: str = "benchx-study"
     output_dir: str = "outputs/study"
 
@@ -120,7 +124,7 @@ class StudyRunner:
             self.outputs[name] = previous
             return previous
         print(f"[study] {name}: running")
-        started = time.time()
+        started, cpu_started = time.time(), time.process_time()
         tags = {PARENT_TAG: self.parent_id, STEP_NAME_TAG: name}
         outputs = action(tags)
         run_id = outputs["run_id"]
@@ -134,8 +138,10 @@ class StudyRunner:
         # The key goes on last: a run carries it only once its outputs are complete.
         self.client.set_tag(run_id, STEP_KEY_TAG, key)
         self.client.set_tag(self.parent_id, f"step.{name}", run_id)
-        self.client.log_metric(self.parent_id, f"study/seconds/{name}", time.time() - started)
-        print(f"[study] {name}: done in {time.time() - started:.0f} s (run {run_id})")
+        wall, cpu = time.time() - started, time.process_time() - cpu_started
+        self.client.log_metric(self.parent_id, f"study/seconds/{name}", wall)
+        self.client.log_metric(self.parent_id, f"study/cpu_seconds/{name}", cpu)
+        print(f"[study] {name}: done in {wall:.0f} s wall, {cpu:.0f} s CPU (run {run_id})")
         self.outputs[name] = outputs
         return outputs
 
@@ -143,134 +149,32 @@ class StudyRunner:
         self.client.set_terminated(self.parent_id, status)
 
 
-def _segmentation_recipe(settings: StudySettings, extra: Sequence[str] = ()):
+# ----------------------------------------------------------------------------------------------
+# Recipes
+
+
+def segmentation_recipe(settings: StudySettings, extra: Sequence[str] = ()):
+    """The backbone recipe of the study: recipe, profile, the study's experiment, overrides, then ``extra``.
+
+    The trainings do not validate the real cohort again (``data.validate=false``): the ``data`` step
+    has just validated it, and reading every scan twice more costs minutes on a CPU. The split's
+    leakage audit still runs before each training.
+    """
     return load_recipe(
         settings.recipe,
-        [f"profile={settings.profile}", f"tracking.experiment={settings.experiment}", *settings.overrides, *extra],
+        [f"profile={settings.profile}", f"tracking.experiment={settings.experiment}", "data.validate=false",
+         *settings.overrides, *extra],
     )
 
 
-def run_study(settings: StudySettings) -> pd.DataFrame:
-    """Run (or resume) the study; returns the comparison table."""
-    from lightning_modules.evaluation.runs import compare, evaluate
+def _generator_recipe(settings: StudySettings, root: Path, split: Path, uri: str):
+    from synthx.config import load_synthx_recipe
 
-    base = _segmentation_recipe(settings)
-    uri = tracking_uri(base.tracking.uri)
-    # Under `mlflow run`, the run it opened is the study's parent, and its experiment the study's.
-    parent_run_id = os.environ.get("MLFLOW_RUN_ID")
-    if parent_run_id:
-        opened = MlflowClient(tracking_uri=uri).get_run(parent_run_id)
-        settings.experiment = MlflowClient(tracking_uri=uri).get_experiment(opened.info.experiment_id).name
-        base = _segmentation_recipe(settings)
-    runner = StudyRunner(uri, settings.experiment, git_commit(), parent_name=f"study-{base.name}", parent_run_id=parent_run_id)
-    client = runner.client
-    root, split = Path(base.data.root), Path(base.data.split)
-    output_dir = Path(settings.output_dir)
-    try:
-        runner.step("data", {"root": str(root), "split": str(split), "cases": settings.cases, "seed": settings.phantom_seed},
-                    lambda tags: _data_step(client, runner.experiment_id, tags, root, split, settings))
-
-        def train_step(recipe, variant: str):
-            def action(tags):
-                from lightning_modules.training import train
-
-                from lightning_modules.training import recipe_fingerprint
-
-                folder = output_dir / variant / recipe_fingerprint(recipe)
-                result = train(recipe, output_dir=folder, variant=variant, extra_tags=tags)
-                return {"run_id": result.run_id, "checkpoint": str(result.best_checkpoint or result.last_checkpoint)}
-
-            return action
-
-        baseline_recipe = _segmentation_recipe(settings, ["synthx.ratio=0"])
-        baseline = runner.step("baseline", _recipe_params(baseline_recipe), train_step(baseline_recipe, "baseline"))
-
-        from synthx.config import load_synthx_recipe
-
-        generator_recipe = load_synthx_recipe(
-            settings.synthx_recipe,
-            [f"profile={settings.profile}", f"data.root={root}", f"data.split={split}",
-             f"tracking.experiment={settings.experiment}", f"tracking.uri={uri}", *settings.synthx_overrides],
-        )
-
-        def generator_action(tags):
-            from synthx.training import train_synthx
-
-            generator_recipe.tracking.tags.update(tags)
-            result = train_synthx(generator_recipe, output_dir=output_dir / "synthx")
-            return {"run_id": result.run_id, "pipeline": str(result.pipeline_dir)}
-
-        generator = runner.step("synthx_train", _recipe_params(generator_recipe), generator_action)
-
-        synthetic_root = output_dir / "synthetic"
-
-        def synthesize_action(tags):
-            from synthx.generation import synthesize
-
-            summary = synthesize(
-                root, split, generator["pipeline"], synthetic_root, settings.target, seed=int(base.seed), budget=settings.budget,
-                num_inference_steps=settings.synthesis_steps, scheduler=settings.scheduler,
-                generator_run_id=generator["run_id"], tracking_uri=uri, experiment=settings.experiment,
-                progress=sys.stderr.isatty(),
-            )
-            if not summary.complete:
-                raise RuntimeError(f"synthesis incomplete: {len(summary.failed)} failed: {summary.failed}")
-            return {"run_id": summary.synthesis_run_id, "cohort": str(synthetic_root), "cases": len(summary.generated) + len(summary.skipped)}
-
-        synthesis = runner.step(
-            "synthesize",
-            {"generator": generator["run_id"], "target": settings.target, "budget": settings.budget, "steps": settings.synthesis_steps,
-             "scheduler": settings.scheduler, "seed": int(base.seed)},
-            synthesize_action,
-        )
-        augmented_recipe = _segmentation_recipe(
-            settings, [f"synthx.ratio={settings.ratio}", f"synthx.cohort={synthesis['cohort']}"]
-        )
-        augmented = runner.step(
-            "augmented", {**_recipe_params(augmented_recipe), "synthesis_run": synthesis["run_id"]},
-            train_step(augmented_recipe, "synthx"),
-        )
-
-        def evaluate_action(recipe, trained: dict, variant: str):
-            def action(tags):
-                run_id, _ = evaluate(recipe, trained["checkpoint"], ("val", "test"), training_run_id=trained["run_id"],
-                                     run_name=f"evaluate-{recipe.name}-{variant}-test", extra_tags={**tags, "variant": variant})
-                return {"run_id": run_id}
-
-            return action
-
-        evaluations = {}
-        for variant, recipe, trained in (("baseline", baseline_recipe, baseline), ("synthx", augmented_recipe, augmented)):
-            evaluations[variant] = runner.step(
-                f"evaluate_{variant}", {"training_run": trained["run_id"], "checkpoint": Path(trained["checkpoint"]).name},
-                evaluate_action(recipe, trained, variant),
-            )
-
-        def compare_action(tags):
-            table, run_id = compare(
-                [evaluations["baseline"]["run_id"], evaluations["synthx"]["run_id"]], "test", uri=uri,
-                experiment=settings.experiment, n_resamples=int(base.detection.bootstrap_resamples),
-            )
-            return {"run_id": run_id}
-
-        comparison = runner.step(
-            "compare", {"runs": [evaluations["baseline"]["run_id"], evaluations["synthx"]["run_id"]]}, compare_action
-        )
-        with tempfile.TemporaryDirectory() as folder:
-            table = pd.read_csv(client.download_artifacts(comparison["run_id"], "comparison/test_comparison.csv", folder))
-            text = Path(client.download_artifacts(comparison["run_id"], "comparison/test_comparison.txt", folder)).read_text()
-        client.log_text(runner.parent_id, text, "comparison/test_comparison.txt")
-        client.set_tag(runner.parent_id, "comparison_run_id", comparison["run_id"])
-        print(text)
-        from synthx.report import publish_study
-
-        print(f"[study] report: {publish_study(uri, runner.parent_id, output_dir)}")
-    except BaseException:
-        runner.finish("FAILED")
-        raise
-    runner.finish()
-    print(f"[study] parent run {runner.parent_id} in experiment '{settings.experiment}' ({uri})")
-    return table
+    return load_synthx_recipe(
+        settings.synthx_recipe,
+        [f"profile={settings.profile}", f"data.root={root}", f"data.split={split}",
+         f"tracking.experiment={settings.experiment}", f"tracking.uri={uri}", *settings.synthx_overrides],
+    )
 
 
 def _recipe_params(recipe) -> dict:
@@ -282,18 +186,21 @@ def _recipe_params(recipe) -> dict:
     return container
 
 
-def _data_step(client, experiment: str, tags: dict, root: Path, split: Path, settings: StudySettings) -> dict:
+# ----------------------------------------------------------------------------------------------
+# Steps: each returns the outputs of its MLflow run (at least ``run_id``).
+
+
+def data_step(client: MlflowClient, experiment: str, tags: dict, root: Path, split: Path, settings: StudySettings) -> dict:
     """Generate the phantom cohort when absent, make the split when absent, validate both."""
     from lightning_modules.data.cohort import load_cohort
     from lightning_modules.data.splits import load_split, make_splits, split_sha256, write_split
     from lightning_modules.data.validation import validate_cohort
 
-    run = client.create_run(experiment, run_name="data", tags=tags)
-    run_id = run.info.run_id
+    run_id = client.create_run(experiment, run_name="data", tags=tags).info.run_id
     if not (root / "metadata.csv").exists():
-        from lightning_modules.data.phantom import generate_phantom_cohort
+        from lightning_modules.data.phantom import DEFAULT_CASES, generate_phantom_cohort
 
-        generate_phantom_cohort(root, n_cases=settings.cases, seed=settings.phantom_seed)
+        generate_phantom_cohort(root, n_cases=settings.cases or DEFAULT_CASES, seed=settings.phantom_seed)
         client.set_tag(run_id, "phantom_generated", "true")
     cohort = load_cohort(root)
     if not split.exists():
@@ -302,8 +209,7 @@ def _data_step(client, experiment: str, tags: dict, root: Path, split: Path, set
     problems = validate_cohort(cohort)
     if problems:
         raise RuntimeError("cohort problems:\n" + "\n".join(str(p) for p in problems))
-    counts = table["split"].value_counts().to_dict()
-    for name, count in counts.items():
+    for name, count in table["split"].value_counts().to_dict().items():
         client.log_metric(run_id, f"data/cases/{name}", count)
     client.log_param(run_id, "split_sha256", split_sha256(split))
     client.log_artifact(run_id, str(split), "split")
@@ -311,26 +217,222 @@ def _data_step(client, experiment: str, tags: dict, root: Path, split: Path, set
     return {"run_id": run_id, "split_sha256": split_sha256(split)}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchx study", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--recipe", default=StudySettings.recipe)
-    parser.add_argument("--profile", default=StudySettings.profile)
-    parser.add_argument("--synthx-recipe", default=StudySettings.synthx_recipe)
-    parser.add_argument("--synthx-override", action="append", default=[], help="key=value for the SynthX recipe")
-    parser.add_argument("--cases", type=float, default=StudySettings.cases, help="phantom cases when the cohort is generated")
-    parser.add_argument("--ratio", type=float, default=StudySettings.ratio, help="synthesis ratio of the augmented run")
-    parser.add_argument("--target", default=StudySettings.target, help="targeting rule, e.g. min_positives:6 or match_test:40")
-    parser.add_argument("--budget", type=int, default=None, help="total synthetic cases for match:* targeting rules")
-    parser.add_argument("--synthesis-steps", type=int, default=StudySettings.synthesis_steps)
-    parser.add_argument("--experiment", default=StudySettings.experiment)
-    parser.add_argument("--out", default=StudySettings.output_dir)
-    parser.add_argument("overrides", nargs="*", help="key=value overrides of the backbone recipe")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    settings = StudySettings(
-        recipe=args.recipe, profile=args.profile, overrides=split_overrides(args.overrides),
-        synthx_recipe=args.synthx_recipe, synthx_overrides=args.synthx_override, cases=int(args.cases),
-        ratio=args.ratio, target=args.target, budget=args.budget, synthesis_steps=args.synthesis_steps, experiment=args.experiment,
-        output_dir=args.out,
+def train_action(recipe, variant: str, output_dir: Path) -> Callable[[dict], dict]:
+    """The action of a training step: train ``recipe`` into ``output_dir/<variant>/<fingerprint>``."""
+
+    def action(tags: dict) -> dict:
+        from lightning_modules.training import recipe_fingerprint, train
+
+        folder = output_dir / variant / recipe_fingerprint(recipe)
+        result = train(recipe, output_dir=folder, variant=variant, extra_tags=tags)
+        return {"run_id": result.run_id, "checkpoint": str(result.best_checkpoint or result.last_checkpoint)}
+
+    return action
+
+
+def evaluate_action(recipe, trained: dict, variant: str) -> Callable[[dict], dict]:
+    """The action of an evaluation step: the trained model on validation and test, into a linked run."""
+
+    def action(tags: dict) -> dict:
+        from lightning_modules.evaluation.runs import evaluate
+
+        run_id, _ = evaluate(recipe, trained["checkpoint"], ("val", "test"), training_run_id=trained["run_id"],
+                             run_name=f"evaluate-{recipe.name}-{variant}-test", extra_tags={**tags, "variant": variant})
+        return {"run_id": run_id}
+
+    return action
+
+
+def validation_records(client: MlflowClient, evaluation_run_id: str) -> tuple[pd.DataFrame, float | None]:
+    """The per-case VALIDATION records an evaluation run logged, and its validation-chosen operating point.
+
+    Only ``evaluation/val_records.csv`` is read: targeting never sees test labels. The threshold is
+    the run's ``operating_point/val_chosen`` (None when the run has none: the targeting rule then
+    uses the fixed m).
+    """
+    from lightning_modules.evaluation.artifacts import download_records
+    from lightning_modules.evaluation.runs import OPERATING_POINT_METRIC
+
+    with tempfile.TemporaryDirectory() as folder:
+        records = download_records(client, evaluation_run_id, "val", folder)
+    if records is None:
+        raise RuntimeError(f"evaluation run {evaluation_run_id} logged no validation records; targeting needs them")
+    history = client.get_metric_history(evaluation_run_id, OPERATING_POINT_METRIC.format(name="val_chosen"))
+    threshold = float(history[-1].value) if history else None
+    return records, threshold
+
+
+def targeting_action(client: MlflowClient, experiment: str, root: Path, split: Path, settings: StudySettings,
+                     evaluation_run_id: str, score: str) -> Callable[[dict], dict]:
+    """The action of the targeting step: the synthetic budget per cell, from the baseline's validation records."""
+
+    def action(tags: dict) -> dict:
+        from synthx.targeting import resolve_targets
+
+        run_id = client.create_run(experiment, run_name="targeting", tags=tags).info.run_id
+        records, threshold = validation_records(client, evaluation_run_id)
+        targets = resolve_targets(root, split, settings.target, budget=settings.budget, baseline_records=records,
+                                  threshold=threshold, score=score)
+        client.log_param(run_id, "rule", settings.target)
+        client.log_param(run_id, "baseline_evaluation_run", evaluation_run_id)
+        client.log_text(run_id, targets.to_csv(index=False), TARGETS_ARTIFACT)
+        client.log_metric(run_id, "synthx/requested_total", float(targets["requested"].sum()))
+        client.set_terminated(run_id, "FINISHED")
+        print(f"[study] targeting {settings.target}: {int(targets['requested'].sum())} case(s) requested")
+        return {"run_id": run_id, "targets": TARGETS_ARTIFACT}
+
+    return action
+
+
+def read_targets(client: MlflowClient, targeting_run_id: str) -> pd.DataFrame:
+    """The targeting table a targeting step logged."""
+    with tempfile.TemporaryDirectory() as folder:
+        return pd.read_csv(client.download_artifacts(targeting_run_id, TARGETS_ARTIFACT, folder), keep_default_na=False)
+
+
+def generator_action(generator_recipe, output_dir: Path) -> Callable[[dict], dict]:
+    """The action of the SynthX training step."""
+
+    def action(tags: dict) -> dict:
+        from synthx.training import train_synthx
+
+        generator_recipe.tracking.tags.update(tags)
+        result = train_synthx(generator_recipe, output_dir=output_dir / "synthx")
+        return {"run_id": result.run_id, "pipeline": str(result.pipeline_dir)}
+
+    return action
+
+
+def synthesize_action(client: MlflowClient, root: Path, split: Path, settings: StudySettings, generator_recipe,
+                      generator: dict, targeting: dict, synthetic_root: Path, seed: int, uri: str) -> Callable[[dict], dict]:
+    """The action of the synthesis step: paint the targeted cases into matching healthy training scans.
+
+    Sampling (scheduler, steps, guidance) and the mask prior come from the SynthX recipe; the study's
+    ``synthesis_steps`` and ``scheduler`` replace the recipe's only when set.
+    """
+
+    def action(tags: dict) -> dict:
+        from synthx.generation import SynthesisSettings, synthesize
+
+        chosen = {key: value for key, value in (("num_inference_steps", settings.synthesis_steps),
+                                                ("scheduler", settings.scheduler)) if value is not None}
+        synthesis = SynthesisSettings.from_recipe(
+            generator_recipe, root, split, generator["pipeline"], synthetic_root, seed=seed,
+            generator_run_id=generator["run_id"], tracking_uri=uri, experiment=settings.experiment,
+            progress=sys.stderr.isatty(), **chosen,
+        )
+        summary = synthesize(synthesis, read_targets(client, targeting["run_id"]))
+        if not summary.complete:
+            raise RuntimeError(f"synthesis incomplete: {len(summary.failed)} failed: {summary.failed}")
+        return {"run_id": summary.synthesis_run_id, "cohort": str(synthetic_root),
+                "cases": len(summary.generated) + len(summary.skipped)}
+
+    return action
+
+
+def compare_action(evaluations: dict[str, dict], uri: str, experiment: str, resamples: int) -> Callable[[dict], dict]:
+    """The action of the comparison step: paired bootstrap differences, baseline vs SynthX, on test."""
+
+    def action(tags: dict) -> dict:
+        from lightning_modules.evaluation.runs import compare
+
+        _, run_id = compare([evaluations["baseline"]["run_id"], evaluations["synthx"]["run_id"]], "test", uri=uri,
+                            experiment=experiment, n_resamples=resamples)
+        return {"run_id": run_id}
+
+    return action
+
+
+# ----------------------------------------------------------------------------------------------
+# The study
+
+
+def _open_runner(settings: StudySettings) -> StudyRunner:
+    """The runner; under ``mlflow run`` the run it opened is the study's parent, and its experiment the study's."""
+    uri = tracking_uri(segmentation_recipe(settings).tracking.uri)
+    parent_run_id = os.environ.get("MLFLOW_RUN_ID")
+    if parent_run_id:
+        client = MlflowClient(tracking_uri=uri)
+        settings.experiment = client.get_experiment(client.get_run(parent_run_id).info.experiment_id).name
+    return StudyRunner(uri, settings.experiment, git_commit(), parent_name=f"study-{segmentation_recipe(settings).name}",
+                       parent_run_id=parent_run_id)
+
+
+def _baseline_steps(runner: StudyRunner, settings: StudySettings, root: Path, split: Path) -> tuple:
+    """data, baseline, evaluate_baseline; returns (baseline recipe, baseline outputs, evaluation outputs)."""
+    output_dir = Path(settings.output_dir)
+    runner.step("data", {"root": str(root), "split": str(split), "cases": settings.cases, "seed": settings.phantom_seed},
+                lambda tags: data_step(runner.client, runner.experiment_id, tags, root, split, settings))
+    recipe = segmentation_recipe(settings, ["synthx.ratio=0"])
+    baseline = runner.step("baseline", _recipe_params(recipe), train_action(recipe, "baseline", output_dir))
+    evaluation = runner.step("evaluate_baseline", {"training_run": baseline["run_id"], "recipe": _recipe_params(recipe),
+                                                   "checkpoint": Path(baseline["checkpoint"]).name},
+                             evaluate_action(recipe, baseline, "baseline"))
+    return recipe, baseline, evaluation
+
+
+def _synthx_steps(runner: StudyRunner, settings: StudySettings, root: Path, split: Path, evaluation: dict,
+                  score: str, seed: int) -> dict:
+    """targeting, synthx_train, synthesize; returns the synthesis outputs (``cohort`` is the synthetic folder)."""
+    output_dir = Path(settings.output_dir)
+    targeting = runner.step(
+        "targeting", {"rule": settings.target, "budget": settings.budget, "baseline_evaluation": evaluation["run_id"]},
+        targeting_action(runner.client, runner.experiment_id, root, split, settings, evaluation["run_id"], score),
     )
-    run_study(settings)
-    return 0
+    generator_recipe = _generator_recipe(settings, root, split, runner.uri)
+    generator = runner.step("synthx_train", _recipe_params(generator_recipe), generator_action(generator_recipe, output_dir))
+    return runner.step(
+        "synthesize",
+        {"generator": generator["run_id"], "targeting": targeting["run_id"], "steps": settings.synthesis_steps,
+         "scheduler": settings.scheduler, "seed": seed},
+        synthesize_action(runner.client, root, split, settings, generator_recipe, generator, targeting,
+                          output_dir / "synthetic", seed, runner.uri),
+    )
+
+
+def _publish_comparison(runner: StudyRunner, comparison: dict) -> pd.DataFrame:
+    """Copy the comparison's text table onto the parent run, print it, and return the comparison table."""
+    client = runner.client
+    with tempfile.TemporaryDirectory() as folder:
+        table = pd.read_csv(client.download_artifacts(comparison["run_id"], "comparison/test_comparison.csv", folder))
+        text = Path(client.download_artifacts(comparison["run_id"], "comparison/test_comparison.txt", folder)).read_text()
+    client.log_text(runner.parent_id, text, "comparison/test_comparison.txt")
+    client.set_tag(runner.parent_id, "comparison_run_id", comparison["run_id"])
+    print(text)
+    return table
+
+
+def run_study(settings: StudySettings) -> pd.DataFrame:
+    """Run (or resume) the study, step by step (see the module docstring); returns the comparison table."""
+    runner = _open_runner(settings)
+    base = segmentation_recipe(settings)
+    root, split = Path(base.data.root), Path(base.data.split)
+    try:
+        baseline_recipe, _, baseline_evaluation = _baseline_steps(runner, settings, root, split)
+        synthesis = _synthx_steps(runner, settings, root, split, baseline_evaluation, str(base.detection.score),
+                                  int(base.seed))
+        augmented_recipe = segmentation_recipe(
+            settings, [f"synthx.ratio={settings.ratio}", f"synthx.cohort={synthesis['cohort']}"]
+        )
+        augmented = runner.step("augmented", {**_recipe_params(augmented_recipe), "synthesis_run": synthesis["run_id"]},
+                                train_action(augmented_recipe, "synthx", Path(settings.output_dir)))
+        synthx_evaluation = runner.step(
+            "evaluate_synthx", {"training_run": augmented["run_id"], "recipe": _recipe_params(augmented_recipe),
+                                "checkpoint": Path(augmented["checkpoint"]).name},
+            evaluate_action(augmented_recipe, augmented, "synthx"),
+        )
+        evaluations = {"baseline": baseline_evaluation, "synthx": synthx_evaluation}
+        comparison = runner.step(
+            "compare", {"runs": [baseline_evaluation["run_id"], synthx_evaluation["run_id"]]},
+            compare_action(evaluations, runner.uri, settings.experiment, int(base.detection.bootstrap_resamples)),
+        )
+        table = _publish_comparison(runner, comparison)
+        from synthx.report import publish_study
+
+        print(f"[study] report: {publish_study(runner.uri, runner.parent_id, settings.output_dir)}")
+    except BaseException:
+        runner.finish("FAILED")
+        raise
+    runner.finish()
+    print(f"[study] parent run {runner.parent_id} in experiment '{settings.experiment}' ({runner.uri})")
+    return table

@@ -1,29 +1,39 @@
 """How many synthetic tumors SynthX should make per (sex, age band, phase) cell.
 
 The allocation starts from the TRAINING split's positive (tumor) real cases, counted per cell of
-the grid sex x age band x phase (DESIGN.md section 4 groups). A case whose sex, age or phase is
-Unknown belongs to no cell: Unknown is a value, never a guess, so it is neither counted nor
-requested. Three rules:
+the grid sex x age band x phase (the subgroups of docs/design.md "Subgroups"). A case whose sex,
+age or phase is Unknown belongs to no cell: Unknown is a value, never a guess, so it is neither
+counted nor requested. No rule reads the test split. The rules:
 
+- ``need:B``: spend a budget of ``B`` synthetic cases where the baseline fails: in proportion to
+  each cell's need, the mean over its three attributes (sex, age band, phase) of the baseline's
+  VALIDATION miss rate (1 - sensitivity) in the cell's value of that attribute. A value without
+  validation positives takes the attribute's pooled miss rate. Only cells holding at least one
+  canvas (a healthy real training scan of that cell) receive cases, since the others cannot be
+  filled. Needs the baseline's per-case validation records (``label``, ``sex``, ``age_band``,
+  ``phase`` and ``prediction`` or a score column, as the evaluation callback writes them); a record
+  of a case outside the validation split is refused.
 - ``min_positives:k``: bring every cell to at least ``k`` positives, ``requested = max(0, k - count)``.
-- ``match:<distribution>`` (``match:test``, ``match:val``, ``match:uniform`` or ``match:<table>``;
-  ``match_test`` is accepted too): spend a total budget ``B`` of synthetic cases so that the
-  training positives' distribution over cells comes as close as it can to the target distribution
-  ``p``. With real counts ``c_i`` the request is ``r_i = max(0, p_i * T - c_i)``, with the level ``T``
-  chosen so that ``sum r_i = B`` (water filling: a cell that already holds more than its share gets
-  nothing, the others are filled to the common level). When ``B`` is large enough, ``T = C + B`` and
-  the match is exact. The real-valued requests are rounded to integers that sum exactly to ``B`` by
-  largest remainders, ties going to the earlier cell. The arithmetic is exact (fractions).
+- ``match:<distribution>`` (``match:val``, ``match:uniform`` or ``match:<table>``): spend a total
+  budget ``B`` so that the training positives' distribution over cells comes as close as it can to
+  the target distribution ``p``. With real counts ``c_i`` the request is ``r_i = max(0, p_i * T - c_i)``,
+  with the level ``T`` chosen so that ``sum r_i = B`` (water filling). When ``B`` is large enough,
+  ``T = C + B`` and the match is exact. As for ``need``, only cells with a canvas take part (the
+  others are marked ``unfillable``). ``match:test`` is refused: test labels must not shape training.
 - ``counts:<file>`` (or just a ``.csv``/``.yaml`` path): explicit counts from a table with columns
   ``sex, age_band, phase, requested``.
 
-The result is a table ``(sex, age_band, phase, real_positives, requested)``, one row per cell in a
-stable order (sex F, M; age bands youngest first; phases non-contrast, arterial, venous, delayed).
+Real-valued requests are rounded to integers that sum exactly to ``B`` by largest remainders, ties
+going to the earlier cell; the arithmetic is exact (fractions). The result is a table
+``(sex, age_band, phase, real_positives, requested)`` (``need`` and ``match`` add ``canvases`` and
+``unfillable``: wanted but without a canvas; ``need`` adds ``need``), one
+row per cell in a stable order (sex F, M; age bands youngest first; phases non-contrast, arterial,
+venous, delayed).
 
 Example::
 
-    targets = compute_targets("data/phantom", "splits/phantom.csv", "min_positives:4")
-    targets = compute_targets("data/phantom", "splits/phantom.csv", "match:test", budget=40)
+    targets = resolve_targets("data/phantom", "splits/phantom.csv", "min_positives:4")
+    targets = resolve_targets("data/phantom", "splits/phantom.csv", "need:40", baseline_records=val_records, threshold=50.0)
     log_targets(targets)  # inside an active MLflow run
 """
 
@@ -182,7 +192,7 @@ def plan_explicit(train_counts: pd.DataFrame, explicit: pd.DataFrame, source: st
     return table
 
 
-def compute_targets(
+def resolve_targets(
     cohort_root: Path | str | Cohort,
     split_path: Path | str,
     rule: str,
@@ -191,19 +201,27 @@ def compute_targets(
     age_bands: Sequence[str] = AGE_BAND_NAMES,
     phases: Sequence[str] = PHASES,
     lesion_class: str = "pancreatic_lesion",
+    baseline_records: pd.DataFrame | None = None,
+    threshold: float | None = None,
+    score: str = "volume",
 ) -> pd.DataFrame:
     """The targeting table for a cohort, its split and a rule (see the module docstring).
 
     Args:
         cohort_root: the real cohort (a folder or an already loaded :class:`Cohort`).
         split_path: its split CSV.
-        rule: ``min_positives:k``, ``match:test|val|uniform|<table>``, ``counts:<table>`` or a table path.
-        budget: the total synthetic budget for ``match`` rules (required there, unused otherwise).
+        rule: ``need:B``, ``min_positives:k``, ``match:val|uniform|<table>``, ``counts:<table>`` or a table path.
+        budget: the total synthetic budget for ``match`` rules (required there; ``need`` carries its own).
         sexes / age_bands / phases: restrict the grid (e.g. to the phases the generator knows).
         lesion_class: the lesion mask that defines a positive case when ``tumor`` is not recorded.
+        baseline_records: the baseline's per-case VALIDATION records (``need`` only).
+        threshold: the baseline's operating point for records without a ``prediction`` column
+            (default: the recipe schema's fixed m, ``detection.threshold_mm3``).
+        score: ``volume`` or ``max_prob``, the score the threshold applies to.
     """
     cohort = cohort_root if isinstance(cohort_root, Cohort) else load_cohort(cohort_root)
-    cases = labelled_cases(cohort, load_split(split_path, cohort), lesion_class)
+    split = load_split(split_path, cohort)
+    cases = labelled_cases(cohort, split, lesion_class)
     grid = cell_grid(sexes, age_bands, phases)
     train_counts = count_positives(cases, "train", grid)
     kind, argument = parse_rule(rule)
@@ -211,6 +229,11 @@ def compute_targets(
         return plan_min_positives(train_counts, int(argument))
     if kind == "counts":
         return plan_explicit(train_counts, _read_table(Path(argument)), str(argument))
+    if kind == "need":
+        if baseline_records is None:
+            raise TargetingError(f"rule {rule!r} needs the baseline's validation records (baseline_records)")
+        missed = validation_misses(baseline_records, split, threshold, score)
+        return plan_need(train_counts, count_canvases(cases, grid), cell_needs(missed, grid), int(argument))
     if budget is None:
         raise TargetingError(f"rule {rule!r} needs a total synthetic budget (--budget N)")
     if argument in SPLIT_NAMES:
@@ -223,11 +246,33 @@ def compute_targets(
         weights = [1] * len(grid)
     else:
         weights = _weights_from_table(grid, _read_table(Path(argument)), str(argument))
-    return plan_match(train_counts, weights, int(budget))
+    return plan_match_fillable(train_counts, count_canvases(cases, grid), weights, int(budget))
+
+
+def plan_match_fillable(train_counts: pd.DataFrame, canvases: pd.DataFrame, target_weights: Sequence, budget: int) -> pd.DataFrame:
+    """:func:`plan_match` over the cells that have a canvas; target cells without one are marked ``unfillable``.
+
+    A cell without a healthy training scan cannot receive a synthetic case, so its share of the
+    target is left out and the budget is spent on the others.
+    """
+    open_cells = [int(n) > 0 for n in canvases["count"]]
+    weights = [Fraction(str(w)) if isinstance(w, float) else Fraction(w) for w in target_weights]
+    kept = [w if fillable else Fraction(0) for w, fillable in zip(weights, open_cells)]
+    if budget > 0 and sum(weights) > 0 and sum(kept) == 0:
+        raise TargetingError("no cell of the target distribution has a healthy training scan (canvas) to paint into")
+    table = plan_match(train_counts, kept, budget) if sum(kept) > 0 else plan_match(train_counts, weights, 0)
+    table["canvases"] = canvases["count"].astype(int).to_numpy()
+    table["unfillable"] = [w > 0 and not fillable for w, fillable in zip(weights, open_cells)]
+    return table
+
 
 
 def parse_rule(rule: str) -> tuple[str, str]:
-    """Split a rule into (kind, argument): ``min_positives:4`` -> (``min_positives``, ``4``)."""
+    """Split a rule into (kind, argument): ``min_positives:4`` -> (``min_positives``, ``4``).
+
+    Raises:
+        TargetingError: an unknown rule, a bad number, or ``match:test`` (test labels must not shape training).
+    """
     text = str(rule).strip()
     if text.startswith("match_") and ":" not in text:
         text = "match:" + text[len("match_"):]
@@ -235,18 +280,128 @@ def parse_rule(rule: str) -> tuple[str, str]:
         if Path(text).suffix.lower() in {".csv", ".yaml", ".yml"}:
             return "counts", text
         raise TargetingError(
-            f"unknown targeting rule {rule!r} (expected min_positives:k, match:test, match:val, "
+            f"unknown targeting rule {rule!r} (expected need:B, min_positives:k, match:val, "
             "match:uniform, match:<table>, counts:<table>)"
         )
-    kind, argument = text.split(":", 1)
-    kind, argument = kind.strip(), argument.strip()
-    if kind == "min_positives":
+    kind, argument = (part.strip() for part in text.split(":", 1))
+    if kind in {"min_positives", "need"}:
         if not argument.isdigit():
-            raise TargetingError(f"rule {rule!r}: k must be a non-negative integer")
+            raise TargetingError(f"rule {rule!r}: {'k' if kind == 'min_positives' else 'the budget'} must be a non-negative integer")
         return kind, argument
+    if kind == "match" and argument == "test":
+        raise TargetingError(
+            f"rule {rule!r} is refused: it sizes the synthetic training data from the TEST split's labels, so the test "
+            "set would shape training; use need:B (the baseline's validation deficit) or match:val"
+        )
     if kind in {"match", "counts"} and argument:
         return kind, argument
     raise TargetingError(f"unknown targeting rule {rule!r}")
+
+
+def count_canvases(cases: pd.DataFrame, grid: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Healthy real training cases per cell (the canvases generation may paint into): the grid with ``count``."""
+    grid = cell_grid() if grid is None else grid
+    counts = cases[canvas_mask(cases)].groupby(list(CELL_COLUMNS)).size().rename("count").reset_index()
+    table = grid.merge(counts, on=list(CELL_COLUMNS), how="left")
+    table["count"] = table["count"].fillna(0).astype(int)
+    return table
+
+
+def canvas_mask(cases: pd.DataFrame) -> pd.Series:
+    """Which rows of :func:`labelled_cases` are canvases: real, healthy, training, with a known phase."""
+    return (
+        (cases["split"] == "train")
+        & (cases["tumor"].astype(int) == 0)
+        & (cases["synthetic"].astype(int) == 0)
+        & (cases["phase"] != UNKNOWN)
+    )
+
+
+def validation_misses(
+    records: pd.DataFrame, split: pd.DataFrame, threshold: float | None = None, score: str = "volume"
+) -> pd.DataFrame:
+    """The baseline's validation positives with ``missed`` (1 = not detected) and their sex, age band, phase.
+
+    Args:
+        records: per-case validation records (the evaluation callback's ``val`` records).
+        split: the split table; every record must be a ``val`` case of it.
+        threshold: operating point for records without a ``prediction`` column (default: the fixed m).
+        score: ``volume`` or ``max_prob``.
+
+    Raises:
+        TargetingError: a record outside the validation split (naming the case), missing columns.
+    """
+    from lightning_modules.config.recipe import DetectionConfig
+    from lightning_modules.evaluation.detection import decisions
+
+    missing = [c for c in ("case_id", "label", *CELL_COLUMNS) if c not in records.columns]
+    if missing:
+        raise TargetingError(f"baseline records lack column(s) {missing}; expected the evaluation callback's val records")
+    split_of = dict(zip(split["case_id"].astype(str), split["split"].astype(str)))
+    for case_id in records["case_id"].astype(str):
+        if split_of.get(case_id) != "val":
+            where = split_of.get(case_id) or "no split"
+            raise TargetingError(f"baseline record {case_id} is a {where} case: the need rule reads validation records only")
+    if "prediction" in records.columns:
+        detected = pd.to_numeric(records["prediction"], errors="coerce").fillna(0).to_numpy() == 1
+    else:
+        detected = decisions(records, DetectionConfig.threshold_mm3 if threshold is None else float(threshold), score)
+    table = records[list(CELL_COLUMNS)].astype(str).copy()
+    table["label"] = pd.to_numeric(records["label"], errors="coerce").to_numpy()
+    table["missed"] = (~detected).astype(int)
+    return table[table["label"] == 1].reset_index(drop=True)
+
+
+def cell_needs(missed: pd.DataFrame, grid: pd.DataFrame) -> list[Fraction]:
+    """Each cell's need: the mean of the validation miss rates of its sex, its age band and its phase.
+
+    A value without validation positives takes the attribute's pooled miss rate (over the positives
+    whose value is known).
+    """
+    if missed.empty:
+        raise TargetingError("the baseline's validation records hold no positive case: there is no deficit to target")
+    rates: dict[str, dict[str, Fraction]] = {}
+    for column in CELL_COLUMNS:
+        known = missed[missed[column] != UNKNOWN]
+        pooled = Fraction(int(known["missed"].sum()), max(len(known), 1))
+        rates[column] = {
+            value: Fraction(int(part["missed"].sum()), len(part)) for value, part in known.groupby(column)
+        }
+        rates[column]["*"] = pooled
+    needs = []
+    for row in grid.to_dict("records"):
+        values = [rates[c].get(row[c], rates[c]["*"]) for c in CELL_COLUMNS]
+        needs.append(sum(values, Fraction(0)) / len(values))
+    return needs
+
+
+def plan_need(train_counts: pd.DataFrame, canvases: pd.DataFrame, needs: Sequence[Fraction], budget: int) -> pd.DataFrame:
+    """Spend ``budget`` across the cells that have a canvas, in proportion to their need.
+
+    Args:
+        train_counts: the grid with the training positives in ``count``.
+        canvases: the same grid with the canvases per cell in ``count`` (:func:`count_canvases`).
+        needs: one need per cell (:func:`cell_needs`).
+        budget: the total number of synthetic cases to request.
+    """
+    if budget < 0:
+        raise TargetingError(f"the synthetic budget must be >= 0, got {budget}")
+    open_cells = [int(n) > 0 for n in canvases["count"]]
+    weights = [need if fillable else Fraction(0) for need, fillable in zip(needs, open_cells)]
+    total = sum(weights, Fraction(0))
+    if budget > 0 and total == 0:
+        raise TargetingError(
+            "need: no cell with a canvas has a validation deficit (the baseline detects every validation tumor "
+            "there, or no cell has a healthy training scan); use min_positives:k or match:val"
+        )
+    table = _base_table(train_counts)
+    exact = [budget * w / total for w in weights] if total else [Fraction(0)] * len(weights)
+    table["requested"] = _round_largest_remainder(exact, budget) if total else 0
+    table["need"] = [float(n) for n in needs]
+    table["canvases"] = canvases["count"].astype(int).to_numpy()
+    # In need but without a healthy training scan of the cell: reported, never filled from another cell.
+    table["unfillable"] = [bool(n > 0) and not fillable for n, fillable in zip(needs, open_cells)]
+    return table
 
 
 def requests_from_targets(targets: pd.DataFrame) -> list[dict]:
@@ -271,7 +426,7 @@ def log_targets(targets: pd.DataFrame, artifact_file: str = "synthx/targets.json
     """Log the targeting table to MLflow (a table for the UI and a CSV twin) plus the total requested.
 
     Args:
-        targets: the table from :func:`compute_targets`.
+        targets: the table from :func:`resolve_targets`.
         artifact_file: where the table goes among the run's artifacts (``.json``, as mlflow.log_table needs).
         run_id: the run to log to; the active run when None.
     """

@@ -104,6 +104,9 @@ class DetectionConfig:
     # fixed | f1 | youden: 'f1'/'youden' choose m on the validation split, then apply it to test.
     threshold_rule: str = "fixed"
     score: str = "volume"  # volume | max_prob
+    # nnU-Net-style post-processing: predicted tumor components smaller than this (mm^3) are removed
+    # before the scan-level score (lightning_modules/models/tumor_outputs.py).
+    min_component_mm3: float = 0.0
     small_tumor_mm: float = 20.0
     bootstrap_resamples: int = 2000
     confidence: float = 0.95
@@ -121,7 +124,10 @@ class TrackingConfig:
 
 @dataclass
 class SynthXMixConfig:
+    # add: synthetic draws on top of every real case per epoch (r = synthetic / real exposures);
+    # displace: each draw synthetic with probability r (lightning_modules/data/mixing.py).
     ratio: float = 0.0
+    mode: str = "add"
     cohort: Optional[str] = None
     generator_run: Optional[str] = None
 
@@ -263,8 +269,10 @@ def check_recipe(config: DictConfig, source: str = "recipe") -> None:
         raise RecipeError(f"{source}: detection.threshold_rule must be fixed, f1 or youden")
     if config.detection.score not in ("volume", "max_prob"):
         raise RecipeError(f"{source}: detection.score must be volume or max_prob")
-    if not 0.0 <= config.synthx.ratio <= 1.0:
-        raise RecipeError(f"{source}: synthx.ratio must be in [0, 1], got {config.synthx.ratio}")
+    if config.synthx.mode not in ("add", "displace"):
+        raise RecipeError(f"{source}: synthx.mode must be add or displace, got {config.synthx.mode!r}")
+    if not 0.0 <= config.synthx.ratio <= (1.0 if config.synthx.mode == "displace" else 10.0):
+        raise RecipeError(f"{source}: synthx.ratio must be in [0, 1] (displace) or [0, 10] (add), got {config.synthx.ratio}")
     try:
         check_backbone_config(
             config.model.backbone,

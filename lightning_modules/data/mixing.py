@@ -1,10 +1,18 @@
-"""Mixing a synthetic cohort into training at a synthesis ratio r (issue 5, DESIGN.md sections 0 and 2).
+"""Mixing a synthetic cohort into training at a synthesis ratio r (docs/design.md "Synthetic data").
 
 A synthetic cohort is just a cohort on disk whose rows have ``synthetic=1`` (written by
-``benchx synthesize``); mixing it in needs nothing from the generator. Each training case drawn is
-synthetic with probability r and real otherwise, so a fraction r of each batch's cases is synthetic
-in expectation (an epoch has as many draws as there are real training cases). With r = 0 the
-training data is exactly the baseline's: the mixing dataset is not built at all.
+``benchx synthesize``); mixing it in needs nothing from the generator. Two modes (``synthx.mode``):
+
+- ``add`` (default): synthetic draws come on top of the real ones. Each epoch sees every real
+  training case exactly once, as the baseline does, plus ``round(r * n_real)`` synthetic draws
+  (r = synthetic / real exposures; the synthetic cases are cycled through in random order so each
+  is seen about equally often), all in one shuffled order.
+- ``displace``: each of ``n_real`` draws per epoch is synthetic with probability r (0 <= r <= 1)
+  and real otherwise, so real exposures are lost in proportion to r.
+
+The real and synthetic exposures of each epoch are logged (``mixing/real_exposures``,
+``mixing/synthetic_exposures``). With r = 0 the training data is exactly the baseline's: the mixing
+dataset is not built at all.
 
 Refusals, each naming the cases: a synthetic case in the validation or test split, a synthetic case
 whose canvas (``source_case_id``) is not a real training case of the current split, a "synthetic"
@@ -14,6 +22,7 @@ run (lineage back to the generator run through ``generator_run_id``).
 Example::
 
     benchx train --recipe recipes/unet.yaml profile=cpu synthx.ratio=0.3 synthx.cohort=data/synthetic
+    benchx train --recipe recipes/unet.yaml profile=cpu synthx.ratio=0.3 synthx.mode=displace synthx.cohort=data/synthetic
 """
 
 from __future__ import annotations
@@ -36,37 +45,66 @@ from lightning_modules.data.datamodule import CohortDataModule, case_items, seed
 SYNTHETIC_COHORT_TAG = "synthetic_cohort"
 
 
-class RatioSampler(Sampler[int]):
-    """Indices into [real..., synthetic...]: each draw is synthetic with probability ``ratio``.
+MIXING_MODES = ("add", "displace")
+
+
+class MixingSampler(Sampler[int]):
+    """Indices into [real..., synthetic...] for one epoch, in ``add`` or ``displace`` mode (module docstring).
 
     Args:
-        n_real: real cases (indices 0..n_real-1); also the number of draws per epoch.
+        n_real: real cases (indices 0..n_real-1).
         n_synthetic: synthetic cases (indices n_real..n_real+n_synthetic-1).
-        ratio: probability that a draw is synthetic.
+        ratio: ``add``: synthetic draws per real case and epoch (>= 0); ``displace``: probability
+            that a draw is synthetic (0..1).
         seed: base seed; epoch e (``set_epoch``, called by Lightning) uses seed + e, so runs are
             reproducible and epochs differ.
+        mode: ``add`` or ``displace``.
+        report: called as ``report(epoch, real_exposures, synthetic_exposures)`` each time an epoch's
+            order is drawn (e.g. to log them).
     """
 
-    def __init__(self, n_real: int, n_synthetic: int, ratio: float, seed: int = 0):
-        if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"synthesis ratio must be in [0, 1], got {ratio}")
+    def __init__(self, n_real: int, n_synthetic: int, ratio: float, seed: int = 0, mode: str = "add", report=None):
+        if mode not in MIXING_MODES:
+            raise ValueError(f"synthx.mode must be one of {', '.join(MIXING_MODES)}, got {mode!r}")
+        if ratio < 0 or (mode == "displace" and ratio > 1):
+            raise ValueError(f"synthesis ratio must be >= 0 (add) or in [0, 1] (displace), got {ratio} for {mode}")
         if n_synthetic == 0 and ratio > 0:
             raise ValueError("synthesis ratio > 0 but the synthetic cohort has no cases")
-        self.n_real, self.n_synthetic, self.ratio, self.seed = n_real, n_synthetic, float(ratio), int(seed)
+        self.n_real, self.n_synthetic, self.ratio, self.seed, self.mode = n_real, n_synthetic, float(ratio), int(seed), mode
+        self.report = report
         self.epoch = 0
+        self.history: list[tuple[int, int, int]] = []  # (epoch, real, synthetic) exposures per drawn epoch
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return self.n_real
+        return self.n_real + (round(self.ratio * self.n_real) if self.mode == "add" else 0)
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = self._add(generator) if self.mode == "add" else self._displace(generator)
+        synthetic = int((order >= self.n_real).sum())
+        self.history.append((self.epoch, len(order) - synthetic, synthetic))
+        if self.report is not None:
+            self.report(self.epoch, len(order) - synthetic, synthetic)
+        return iter(order.tolist())
+
+    def _add(self, generator: torch.Generator) -> torch.Tensor:
+        """Every real case once, plus round(r * n_real) synthetic draws cycling through the synthetic cases."""
+        draws = round(self.ratio * self.n_real)
+        rounds = -(-draws // max(self.n_synthetic, 1))
+        cycled = [torch.randperm(self.n_synthetic, generator=generator) for _ in range(rounds)]
+        synthetic = (torch.cat(cycled)[:draws] if cycled else torch.zeros(0, dtype=torch.long)) + self.n_real
+        both = torch.cat([torch.arange(self.n_real), synthetic])
+        return both[torch.randperm(len(both), generator=generator)]
+
+    def _displace(self, generator: torch.Generator) -> torch.Tensor:
+        """n_real draws, each synthetic with probability r."""
         synthetic = torch.rand(self.n_real, generator=generator) < self.ratio
         real_draws = torch.randperm(self.n_real, generator=generator)
         synth_draws = torch.randint(0, max(self.n_synthetic, 1), (self.n_real,), generator=generator) + self.n_real
-        return iter(torch.where(synthetic, synth_draws, real_draws).tolist())
+        return torch.where(synthetic, synth_draws, real_draws)
 
 
 def resolve_synthetic_cohort(recipe: DictConfig) -> Path | None:
@@ -104,13 +142,15 @@ def check_synthetic_cohort(synthetic: Cohort, split: pd.DataFrame, real: Cohort)
 
 
 class MixedTrainingSet(Dataset):
-    """Real training items followed by synthetic items, with a RatioSampler as ``sampler``."""
+    """Real training items followed by synthetic items, with a :class:`MixingSampler` as ``sampler``."""
 
-    def __init__(self, items: list[dict], transforms: Compose, n_real: int, ratio: float, seed: int, cache: bool):
+    def __init__(
+        self, items: list[dict], transforms: Compose, n_real: int, ratio: float, seed: int, cache: bool, mode: str = "add", report=None
+    ):
         self.inner = CacheDataset(items, transforms, cache_rate=1.0, progress=False, copy_cache=False) if cache else Dataset(items, transforms)
         self.n_real = n_real
         self.n_synthetic = len(items) - n_real
-        self.sampler = RatioSampler(n_real, self.n_synthetic, ratio, seed)
+        self.sampler = MixingSampler(n_real, self.n_synthetic, ratio, seed, mode, report)
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -136,12 +176,25 @@ def mixing_datamodule(recipe: DictConfig) -> CohortDataModule:
         synth_items = case_items(synthetic, synthetic.case_ids, classes)
         return MixedTrainingSet(
             real_items + synth_items, seeded_compose(transforms, int(recipe.seed)), len(real_items), ratio,
-            int(recipe.seed), bool(recipe.data.cache),
+            int(recipe.seed), bool(recipe.data.cache), str(recipe.synthx.mode), exposure_logger(datamodule),
         )
 
     datamodule = CohortDataModule(recipe, train_dataset_factory=build)
     datamodule.synthetic_cohort = synthetic
     return datamodule
+
+
+def exposure_logger(datamodule: CohortDataModule):
+    """``report(epoch, real, synthetic)`` that logs an epoch's exposures to the training run (rank 0)."""
+
+    def report(epoch: int, real: int, synthetic: int) -> None:
+        trainer = datamodule.trainer
+        if trainer is None or not trainer.is_global_zero or trainer.logger is None:
+            return
+        metrics = {"mixing/real_exposures": float(real), "mixing/synthetic_exposures": float(synthetic), "mixing/epoch": float(epoch)}
+        trainer.logger.log_metrics(metrics, step=trainer.global_step)
+
+    return report
 
 
 def log_dataset_inputs(client: MlflowClient, run_id: str, datamodule: CohortDataModule, split_path: str) -> None:

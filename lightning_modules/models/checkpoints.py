@@ -55,6 +55,7 @@ def build_module(recipe: DictConfig) -> SegmentationModule:
         sw_overlap=float(recipe.trainer.sw_overlap),
         small_tumor_mm=float(recipe.detection.small_tumor_mm),
         sw_roi_size=[int(v) for v in recipe.trainer.sw_roi_size] or None,
+        min_component_mm3=float(recipe.detection.min_component_mm3),
     )
 
 

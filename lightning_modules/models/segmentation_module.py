@@ -34,6 +34,7 @@ from lightning_modules.models.tumor_outputs import (
     multilabel_target,
     predicted_labels,
     tumor_probability,
+    tumor_scan_scores,
 )
 
 
@@ -76,6 +77,8 @@ class SegmentationModule(pl.LightningModule):
         loss: ``dice_weight, ce_weight, deep_supervision_decay``.
         sw_batch_size / sw_overlap: sliding-window inference settings.
         sw_roi_size: inference window (default: ``patch_size``).
+        min_component_mm3: predicted tumor components below this size are removed before the
+            scan-level score (:func:`lightning_modules.models.tumor_outputs.tumor_scan_scores`).
         small_tumor_mm: the 'small' tumor-size boundary for the records (``docs/design.md "Lesion size and location"``).
     """
 
@@ -93,6 +96,7 @@ class SegmentationModule(pl.LightningModule):
         sw_overlap: float = 0.5,
         small_tumor_mm: float = 20.0,
         sw_roi_size: Sequence[int] | None = None,
+        min_component_mm3: float = 0.0,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["network"])
@@ -183,7 +187,7 @@ class SegmentationModule(pl.LightningModule):
             label = recorded if recorded in (0, 1) else int(true_tumor.any())
             record.update(
                 label=label,
-                volume_mm3=float(pred_tumor.sum()) * voxel_mm3,
+                **tumor_scan_scores(pred_tumor, voxel_mm3, float(self.hparams.get("min_component_mm3", 0.0))),
                 max_prob=float(tumor_prob[i].max()),
                 true_volume_mm3=float(true_tumor.sum()) * voxel_mm3,
             )

@@ -11,13 +11,21 @@ both kinds are judged by the same rule:
 
 A tumor voxel is a voxel whose label is the tumor class, and the tumor probability is the tumor
 channel's softmax or sigmoid probability.
+
+Scan-level tumor score (``docs/design.md "Scan-level detection"``): as nnU-Net's post-processing
+does, predicted tumor components smaller than ``detection.min_component_mm3`` are removed first
+(:func:`remove_small_components`, 26-connected), so scattered false-positive voxels in a healthy
+scan neither add volume nor make it positive; the score is then the remaining predicted tumor volume
+(:func:`tumor_scan_scores`, record column ``volume_mm3``; ``largest_component_mm3`` is recorded beside it).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
+from scipy import ndimage
 
 SIGMOID_THRESHOLD = 0.5
 
@@ -74,3 +82,61 @@ def multilabel_target(labels: torch.Tensor, classes: Sequence[str]) -> torch.Ten
                 member = member | (labels == classes.index(lesion) + 1)
         channels.append(member)
     return torch.stack(channels, dim=1).float()
+
+
+# 26-connectivity: voxels touching by a face, an edge or a corner belong to one component.
+_CONNECTIVITY = np.ones((3, 3, 3), dtype=bool)
+
+
+def component_sizes(mask: torch.Tensor | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Connected components of a 3-D boolean mask: (component index per voxel, 0 outside; voxels per component).
+
+    ``sizes[k - 1]`` is the size of component ``k``.
+    """
+    array = mask.detach().cpu().numpy() if isinstance(mask, torch.Tensor) else np.asarray(mask)
+    if array.ndim != 3:
+        raise ValueError(f"expected a 3-D mask, got shape {tuple(array.shape)}")
+    components, count = ndimage.label(array.astype(bool), structure=_CONNECTIVITY)
+    sizes = np.bincount(components.ravel(), minlength=count + 1)[1:]
+    return components, sizes
+
+
+def remove_small_components(mask: torch.Tensor, min_voxels: float) -> torch.Tensor:
+    """The mask without its connected components of fewer than ``min_voxels`` voxels (same shape, bool).
+
+    Args:
+        mask: 3-D boolean mask (one scan, spatial dimensions only).
+        min_voxels: smallest component kept; 0 or less keeps every component.
+    """
+    if min_voxels <= 0 or not bool(mask.any()):
+        return mask.bool()
+    components, sizes = component_sizes(mask)
+    keep = np.concatenate([[False], sizes >= min_voxels])
+    return torch.from_numpy(keep[components]).to(mask.device)
+
+
+def tumor_scan_scores(tumor_mask: torch.Tensor, voxel_mm3: float, min_component_mm3: float = 0.0) -> dict[str, float]:
+    """Scan-level scores of one scan's predicted tumor mask after removing components below a size.
+
+    Args:
+        tumor_mask: 3-D boolean mask of voxels predicted as tumor (:func:`tumor_voxels` of one scan).
+        voxel_mm3: the volume of one voxel (mm^3).
+        min_component_mm3: components smaller than this (mm^3) are removed before scoring (nnU-Net style).
+
+    Returns:
+        ``volume_mm3`` (the detection score: predicted tumor volume left after the removal),
+        ``largest_component_mm3`` and ``components`` (the number of components left).
+    """
+    if voxel_mm3 <= 0:
+        raise ValueError(f"voxel volume must be positive, got {voxel_mm3}")
+    if min_component_mm3 < 0:
+        raise ValueError(f"min_component_mm3 must be >= 0, got {min_component_mm3}")
+    if not bool(tumor_mask.any()):
+        return {"volume_mm3": 0.0, "largest_component_mm3": 0.0, "components": 0}
+    _, sizes = component_sizes(tumor_mask)
+    kept = sizes[sizes * voxel_mm3 >= min_component_mm3] if min_component_mm3 > 0 else sizes
+    return {
+        "volume_mm3": float(kept.sum()) * voxel_mm3,
+        "largest_component_mm3": float(kept.max()) * voxel_mm3 if len(kept) else 0.0,
+        "components": int(len(kept)),
+    }

@@ -1,6 +1,7 @@
-"""Tests of the phantom cohort generator (lightning_modules/data/phantom.py) on tiny volumes.
+"""Tests of the phantom cohort generator (lightning_modules/data/phantom/) on tiny volumes, its
+designed gaps (docs/design.md "The phantom cohort") and the committed split of the main job's cohort.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_phantom.py -x -q
+Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/data/test_phantom.py -x -q
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import pandas as pd
 import pytest
 from scipy import ndimage
 
+from lightning_modules.commands import phantom as phantom_command
 from lightning_modules.data import phantom
 from lightning_modules.data.cohort import load_cohort
 from lightning_modules.data.metadata import PHASES, normalize_metadata
+from lightning_modules.data.splits import load_split, split_problems
 
 SHAPE = (48, 48, 32)
 SPACING = (2.5, 2.5, 3.0)
@@ -303,12 +306,69 @@ def test_bad_arguments_are_named(tmp_path, kwargs, message):
 
 def test_cli_writes_a_cohort_and_prints_a_summary(tmp_path, capsys):
     out = tmp_path / "cli"
-    code = phantom.main(["--out", str(out), "--cases", "3", "--seed", "2", "--shape", *map(str, SHAPE)])
+    code = phantom_command.main(["--out", str(out), "--cases", "3", "--seed", "2", "--shape", *map(str, SHAPE)])
     assert code == 0
     printed = capsys.readouterr().out
     assert "3 cases written" in printed and "phase:" in printed and "age band:" in printed
     assert len(load_cohort(out)) == 3
 
-    code = phantom.main(["--out", str(out), "--cases", "3", "--seed", "9", "--shape", *map(str, SHAPE)])
+    code = phantom_command.main(["--out", str(out), "--cases", "3", "--seed", "9", "--shape", *map(str, SHAPE)])
     assert code == 2
     assert "overwrite" in capsys.readouterr().err
+
+
+def _pancreas_and_tumor_hu(scan) -> tuple[float, float]:
+    """(mean HU of the pancreas interior away from the lesion, mean HU of the lesion core)."""
+    lesion = scan.masks["pancreatic_lesion"].astype(bool)
+    core = ndimage.binary_erosion(lesion)
+    pancreas = ndimage.binary_erosion(scan.masks["pancreas"].astype(bool)) & ~ndimage.binary_dilation(lesion, iterations=2)
+    assert core.sum() >= 8 and pancreas.sum() >= 8
+    return float(scan.ct[pancreas].mean()), float(scan.ct[core].mean())
+
+
+def test_designed_gaps_show_in_rendered_contrast_to_noise_per_phase():
+    # The same 30 mm tumor rendered at the main job's shape in each phase, at the quietest and the
+    # noisiest site, averaged over four patients (per-scan enhancement, jitter, texture and noise differ).
+    plan = _plan_with_every_lesion(diameter_mm=30.0)
+    for site in (phantom.SITES_BY_NAME["PH-Academic"], phantom.SITES_BY_NAME["PH-Rural"]):
+        measured = {}
+        for phase in ("non-contrast", "arterial", "venous"):
+            values = [
+                _pancreas_and_tumor_hu(phantom.render_scan(dataclasses.replace(plan, phase=phase, site=site),
+                                                           (96, 96, 64), SPACING, seed=seed))
+                for seed in range(4)
+            ]
+            measured[phase] = np.mean(values, axis=0)
+        cnr = {phase: (pancreas - tumor) / site.noise_sigma_hu for phase, (pancreas, tumor) in measured.items()}
+        # Physics gap: the non-contrast tumor is nearly iso-attenuating against the noise.
+        assert abs(cnr["non-contrast"]) < 1.0, (site.name, cnr)
+        # Scarcity gap: the arterial tumor is clearly visible, more than the venous one...
+        assert cnr["arterial"] > 2.5 and cnr["arterial"] > cnr["venous"] > 1.5, (site.name, cnr)
+        # ...on a much brighter pancreas, at about the attenuation of healthy venous pancreas.
+        assert measured["arterial"][0] > measured["venous"][0] + 40, (site.name, measured)
+        assert abs(measured["arterial"][1] - measured["venous"][0]) < 30, (site.name, measured)
+    gaps = phantom.designed_gaps()
+    assert (gaps["scarcity"]["phase"], gaps["physics"]["phase"], gaps["reference"]["phase"]) == (
+        "arterial", "non-contrast", "venous")
+    assert abs(gaps["physics"]["contrast_hu"]) < min(site.noise_sigma_hu for site in phantom.SITES)
+    assert abs(gaps["scarcity"]["tumor_hu"] - gaps["reference"]["pancreas_hu"]) < 10
+
+
+def test_committed_split_has_a_scarce_arterial_training_set_and_a_large_test_set():
+    """splits/phantom.csv belongs to the default cohort: arterial rare among training positives, >= 150 test scans."""
+    metadata = phantom.sample_phantom_metadata(phantom.DEFAULT_CASES, seed=0)
+    split_path = Path(__file__).resolve().parents[2] / "splits" / "phantom.csv"
+    split = load_split(split_path)
+    assert split_problems(split) == []
+    assert sorted(split["case_id"]) == sorted(metadata["case_id"])
+    table = metadata.merge(split[["case_id", "split"]], on="case_id")
+    positives = table[table["tumor"] == 1]
+    train_phases = positives[positives["split"] == "train"]["phase"].value_counts(normalize=True)
+    assert train_phases["arterial"] < 0.15 and train_phases["venous"] > 0.5
+    test = table[table["split"] == "test"]
+    assert len(test) >= 150
+    test_positives = test[test["tumor"] == 1]["phase"].value_counts()
+    test_negatives = test[test["tumor"] == 0]["phase"].value_counts()
+    for phase, least in (("arterial", 10), ("non-contrast", 10), ("venous", 40)):
+        assert test_positives[phase] >= least, (phase, test_positives.to_dict())
+        assert test_negatives[phase] >= 5, (phase, test_negatives.to_dict())

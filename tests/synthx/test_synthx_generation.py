@@ -1,10 +1,10 @@
-"""SynthX generation: valid layout-A cases, canvas rules, determinism, resumption after a kill, quarantine, CLI.
+"""SynthX generation: valid layout-A cases, canvas rules, unfillable cells, provenance, determinism, resumption, CLI.
 
 The fast tests use an untrained tiny pipeline (2 inference steps) on a hand-made 28x28x16 cohort.
 The slow test trains the generator on the phantom cohort and checks that the requested phase moves
 the synthetic tumors' contrast the way it moves the real ones'.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_synthx_generation.py -x -q [--run-slow]
+Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/synthx/test_synthx_generation.py -x -q [--run-slow]
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ from scipy import ndimage
 
 from lightning_modules.data.cohort import load_cohort, write_case, write_metadata
 from lightning_modules.data.validation import validate_cohort
-from synthx import generation
+from synthx.commands.synthesize import main
 from synthx.generation import (
     GenerationError,
     SynthesisRequest,
-    main,
+    SynthesisSettings,
     synthesize,
 )
+from synthx.generation import run as generation
+from synthx.provenance import GeneratorProvenance, ProvenanceError
 
 SHAPE = (28, 28, 16)
 MODEL_SPACING = (2.5, 2.5, 3.0)
@@ -59,6 +61,8 @@ def tiny_pipeline(tmp_path_factory):
     scheduler = DDPMScheduler(num_train_timesteps=100, prediction_type="sample")
     folder = tmp_path_factory.mktemp("pipeline")
     SynthXPipeline(unet=unet, scheduler=scheduler).save_pretrained(str(folder))
+    # Trained (as far as provenance goes) on the fixture cohort's only training tumor, with condition dropout.
+    GeneratorProvenance(training_cases=["T1"], split_sha256="", condition_dropout_all=0.1).write(folder)
     return folder
 
 
@@ -108,8 +112,13 @@ def cohort(tmp_path):
     return root, split
 
 
-REQUESTS = {("F", "60-80", "venous"): 2, ("M", "le20", "arterial"): 1, ("M", "40-60", "venous"): 1}
+REQUESTS = {("F", "60-80", "venous"): 2, ("F", "20-40", "arterial"): 1, ("M", "40-60", "venous"): 1}
 FAST = dict(num_inference_steps=2, size_classes={"tiny": 1.0}, log_to_mlflow=False, progress=False)
+
+
+def run(root, split, pipeline, out, requests, **settings):
+    """synthesize() with the fast test settings, any of them overridden."""
+    return synthesize(SynthesisSettings(root, split, pipeline, out, **{**FAST, **settings}), requests)
 
 
 def _ct(path):
@@ -119,22 +128,25 @@ def _ct(path):
 def test_generated_cases_are_valid_layout_a_with_full_metadata(cohort, tiny_pipeline, tmp_path):
     root, split = cohort
     out = tmp_path / "synthetic"
-    summary = synthesize(root, split, tiny_pipeline, out, REQUESTS, seed=3, **FAST)
-    assert summary.complete and len(summary.generated) == 4 and not summary.failed
+    summary = run(root, split, tiny_pipeline, out, REQUESTS, seed=3)
+    assert summary.complete and len(summary.generated) == 4 and not summary.failed and summary.unfillable.empty
     assert validate_cohort(out, classes=("pancreas", "pancreatic_lesion", "liver")) == []
 
     synthetic = load_cohort(out)
     table = synthetic.metadata.set_index("case_id")
     assert sorted(table.index) == sorted(
-        ["SX3_F_60-80_venous_0000", "SX3_F_60-80_venous_0001", "SX3_M_le20_arterial_0000", "SX3_M_40-60_venous_0000"]
+        ["SX3_F_60-80_venous_0000", "SX3_F_60-80_venous_0001", "SX3_F_20-40_arterial_0000", "SX3_M_40-60_venous_0000"]
     )
     assert (table["synthetic"] == 1).all() and (table["tumor"] == 1).all()
     real = load_cohort(root).metadata.set_index("case_id")
     for case_id, row in table.iterrows():
         canvas = row["source_case_id"]
         assert canvas in {"H1", "H2", "H3"}  # healthy training canvases only
-        assert row["phase"] == real.loc[canvas, "phase"]  # the canvas' own phase
-        assert row["patient_id"] == real.loc[canvas, "patient_id"]
+        # The metadata describes the scan the tumor was painted into, which is of the requested cell.
+        for column in ("phase", "sex", "age_band", "patient_id"):
+            assert row[column] == real.loc[canvas, column], (case_id, column)
+        assert float(row["age"]) == float(real.loc[canvas, "age"])
+        assert row["synthx_request"].startswith(f"{row['sex']}/{row['age_band']}/{row['phase']}#")
         assert row["tumor_location"] in {"head", "body", "tail"}
         assert 2.0 < float(row["tumor_diameter_mm"]) <= 10.0  # the tiny size class
         case = synthetic.case(case_id)
@@ -149,39 +161,96 @@ def test_generated_cases_are_valid_layout_a_with_full_metadata(cohort, tiny_pipe
         changed = _ct(case.ct_path) != _ct(canvas_case.ct_path)
         near_tumor = ndimage.binary_dilation(lesion, iterations=6)
         assert changed.any() and not (changed & ~near_tumor).any()
-    # An exact (sex, age band) canvas is used when one exists; otherwise the conditions are recorded as requested.
-    exact = table.loc["SX3_F_60-80_venous_0000"]
-    assert exact["source_case_id"] == "H1" and exact["canvas_matches_condition"] == "1" and float(exact["age"]) == 65.0
-    fallback = table.loc["SX3_M_le20_arterial_0000"]
-    assert fallback["source_case_id"] == "H3" and fallback["sex"] == "M" and float(fallback["age"]) == 15.0
-    assert fallback["canvas_sex"] == "F" and fallback["canvas_matches_condition"] == "0"
-    assert json.loads((out / "synthx_generation.json").read_text())["seed"] == 3
+    # Several tumors into one canvas across requests are fine: both F/60-80/venous cases use H1.
+    assert set(table.loc[["SX3_F_60-80_venous_0000", "SX3_F_60-80_venous_0001"], "source_case_id"]) == {"H1"}
+    manifest = json.loads((out / "synthx_generation.json").read_text())
+    assert manifest["seed"] == 3 and manifest["guidance_scale"] == 2.0 and len(manifest["split_sha256"]) == 64
     assert not (out / "split.csv").exists()  # synthetic cases are training data by construction
 
 
 def test_val_and_test_canvases_are_refused(cohort, tiny_pipeline, tmp_path):
     root, split = cohort
     with pytest.raises(GenerationError, match="canvas X1 is in the test split"):
-        synthesize(root, split, tiny_pipeline, tmp_path / "out", REQUESTS, canvas_ids=["H3", "X1"], **FAST)
+        run(root, split, tiny_pipeline, tmp_path / "out", REQUESTS, canvas_ids=["H3", "X1"])
     with pytest.raises(GenerationError, match="canvas V1 is in the val split"):
-        synthesize(root, split, tiny_pipeline, tmp_path / "out", REQUESTS, canvas_ids=["V1"], **FAST)
+        run(root, split, tiny_pipeline, tmp_path / "out", REQUESTS, canvas_ids=["V1"])
     with pytest.raises(GenerationError, match="canvas T1 has a tumor"):
-        synthesize(root, split, tiny_pipeline, tmp_path / "out", REQUESTS, canvas_ids=["T1"], **FAST)
+        run(root, split, tiny_pipeline, tmp_path / "out", REQUESTS, canvas_ids=["T1"])
     assert not (tmp_path / "out").exists()
 
 
-def test_a_phase_without_canvas_is_refused_before_any_work(cohort, tiny_pipeline, tmp_path):
+def test_unmatched_cells_are_reported_unfillable_and_never_relabeled(cohort, tiny_pipeline, tmp_path):
     root, split = cohort
-    with pytest.raises(GenerationError, match=r"phase non-contrast \(2 requested\)"):
-        synthesize(root, split, tiny_pipeline, tmp_path / "out", {("F", "le20", "non-contrast"): 2}, **FAST)
+    out = tmp_path / "out"
+    # No healthy training scan is F/le20/non-contrast nor M/le20/arterial (H3, the only arterial one, is F 30).
+    requests = {("F", "le20", "non-contrast"): 2, ("M", "le20", "arterial"): 1, ("F", "60-80", "venous"): 1}
+    summary = run(root, split, tiny_pipeline, out, requests)
+    assert summary.complete and summary.generated == ["SX0_F_60-80_venous_0000"] and summary.requested == 1
+    unfillable = summary.unfillable.set_index(["sex", "age_band", "phase"])["requested"].to_dict()
+    assert unfillable == {("F", "le20", "non-contrast"): 2, ("M", "le20", "arterial"): 1} and summary.unfillable_cases == 3
+    per_cell = summary.per_cell.set_index(["sex", "age_band", "phase"])
+    assert per_cell.loc[("M", "le20", "arterial"), "unfillable"] == 1 and per_cell.loc[("M", "le20", "arterial"), "generated"] == 0
+    assert per_cell.loc[("F", "60-80", "venous"), "generated"] == 1
+    metadata = pd.read_csv(out / "metadata.csv")
+    assert list(metadata["case_id"]) == ["SX0_F_60-80_venous_0000"]  # nothing relabeled into another cell
+    assert not any(p.name.startswith("SX0_M_") or "non-contrast" in p.name for p in out.iterdir())
+
+
+def test_a_generator_trained_on_other_cases_is_refused(cohort, tiny_pipeline, tmp_path):
+    import shutil
+
+    root, split = cohort
+    foreign = tmp_path / "foreign"
+    shutil.copytree(tiny_pipeline, foreign)
+    GeneratorProvenance(training_cases=["T1", "V1"], split_sha256="0" * 64, condition_dropout_all=0.1).write(foreign)
+    with pytest.raises(ProvenanceError, match=r"learned from case V1, which is in the 'val' split"):
+        run(root, split, foreign, tmp_path / "out", REQUESTS)
+    GeneratorProvenance(training_cases=["GHOST"], condition_dropout_all=0.1).write(foreign)
+    with pytest.raises(ProvenanceError, match="GHOST.*not in the current split"):
+        run(root, split, foreign, tmp_path / "out", REQUESTS)
+    GeneratorProvenance(training_cases=[], split_sha256="0" * 64, condition_dropout_all=0.1).write(foreign)
+    with pytest.raises(ProvenanceError, match="split sha256 0000"):
+        run(root, split, foreign, tmp_path / "out", REQUESTS)
+    (foreign / "synthx_provenance.json").unlink()
+    with pytest.raises(ProvenanceError, match="no synthx_provenance.json"):
+        run(root, split, foreign, tmp_path / "out", REQUESTS)
+    # Guidance needs a generator that saw the null condition in training.
+    GeneratorProvenance(training_cases=["T1"], condition_dropout_all=0.0).write(foreign)
+    with pytest.raises(GenerationError, match="condition_dropout.all > 0"):
+        run(root, split, foreign, tmp_path / "out", REQUESTS, guidance_scale=2.0)
+    assert not (tmp_path / "out").exists()
+    assert run(root, split, foreign, tmp_path / "out", {("F", "60-80", "venous"): 1}, guidance_scale=1.0).complete
+
+
+def test_settings_come_from_the_recipe_and_its_overrides(cohort, tiny_pipeline, tmp_path):
+    from synthx.config import load_synthx_recipe
+
+    root, split = cohort
+    recipe = load_synthx_recipe(
+        RECIPES / "generator" / "synthx.yaml",
+        ["profile=cpu", "sampling.guidance_scale=3.5", "sampling.scheduler=dpm_solver", "sampling.num_inference_steps=3",
+         "mask_prior.erosion_mm=0.5", "mask_prior.size_class_weights.small=0", "mask_prior.size_class_weights.medium=0", "seed=5"],
+    )
+    settings = SynthesisSettings.from_recipe(recipe, root, split, tiny_pipeline, tmp_path / "out", log_to_mlflow=False, progress=False)
+    assert (settings.guidance_scale, settings.scheduler, settings.num_inference_steps, settings.erosion_mm, settings.seed) == (
+        3.5, "dpm_solver", 3, 0.5, 5
+    )
+    assert settings.size_classes == {"tiny": 1.0, "small": 0.0, "medium": 0.0, "large": 0.0}
+    summary = synthesize(settings, {("F", "60-80", "venous"): 1})
+    manifest = json.loads((tmp_path / "out" / "synthx_generation.json").read_text())
+    assert summary.generated == ["SX5_F_60-80_venous_0000"]
+    assert (manifest["guidance_scale"], manifest["scheduler"], manifest["num_inference_steps"], manifest["erosion_mm"]) == (
+        3.5, "dpm_solver", 3, 0.5
+    )
+    assert pd.read_csv(tmp_path / "out" / "metadata.csv")["synthx_size_class"].tolist() == ["tiny"]
 
 
 def test_generation_is_deterministic_for_a_seed(cohort, tiny_pipeline, tmp_path):
     root, split = cohort
     requests = {("F", "60-80", "venous"): 1, ("M", "40-60", "venous"): 1}
-    synthesize(root, split, tiny_pipeline, tmp_path / "a", requests, seed=7, **FAST)
-    synthesize(root, split, tiny_pipeline, tmp_path / "b", requests, seed=7, **FAST)
-    synthesize(root, split, tiny_pipeline, tmp_path / "c", requests, seed=8, **FAST)
+    run(root, split, tiny_pipeline, tmp_path / "a", requests, seed=7)
+    run(root, split, tiny_pipeline, tmp_path / "b", requests, seed=7)
+    run(root, split, tiny_pipeline, tmp_path / "c", requests, seed=8)
     for case in ("SX7_F_60-80_venous_0000", "SX7_M_40-60_venous_0000"):
         for name in ("ct.nii.gz", "segmentations/pancreatic_lesion.nii.gz"):
             assert np.array_equal(_ct(tmp_path / "a" / case / name), _ct(tmp_path / "b" / case / name))
@@ -212,14 +281,14 @@ def test_resume_after_a_kill_redoes_nothing_finished(cohort, tiny_pipeline, tmp_
 
     monkeypatch.setattr(generation, "write_case", killed_on_third_case)
     with pytest.raises(KeyboardInterrupt):
-        synthesize(root, split, tiny_pipeline, out, REQUESTS, seed=1, **FAST)
+        run(root, split, tiny_pipeline, out, REQUESTS, seed=1)
     finished = calls[:2]
     assert sorted(pd.read_csv(out / "metadata.csv")["case_id"]) == sorted(finished)
     assert not (out / calls[2]).exists()
     before = {case_id: _stat(out, case_id) for case_id in finished}
 
     monkeypatch.setattr(generation, "write_case", real_write_case)
-    summary = synthesize(root, split, tiny_pipeline, out, REQUESTS, seed=1, **FAST)
+    summary = run(root, split, tiny_pipeline, out, REQUESTS, seed=1)
     assert sorted(summary.skipped) == sorted(finished)
     assert len(summary.generated) == 2 and summary.complete
     assert {case_id: _stat(out, case_id) for case_id in finished} == before  # not rewritten
@@ -229,7 +298,7 @@ def test_resume_after_a_kill_redoes_nothing_finished(cohort, tiny_pipeline, tmp_
     # A case whose files were damaged since is not "complete": the next rerun makes it again.
     damaged = finished[0]
     (out / damaged / "segmentations" / "pancreatic_lesion.nii.gz").unlink()
-    repaired = synthesize(root, split, tiny_pipeline, out, REQUESTS, seed=1, **FAST)
+    repaired = run(root, split, tiny_pipeline, out, REQUESTS, seed=1)
     assert repaired.generated == [damaged] and len(repaired.skipped) == 3
     assert validate_cohort(out, classes=("pancreas", "pancreatic_lesion")) == []
 
@@ -237,10 +306,10 @@ def test_resume_after_a_kill_redoes_nothing_finished(cohort, tiny_pipeline, tmp_
 def test_max_cases_leaves_the_rest_for_a_rerun(cohort, tiny_pipeline, tmp_path):
     root, split = cohort
     out = tmp_path / "out"
-    first = synthesize(root, split, tiny_pipeline, out, REQUESTS, max_cases=1, **FAST)
+    first = run(root, split, tiny_pipeline, out, REQUESTS, max_cases=1)
     assert len(first.generated) == 1 and first.not_reached == 3 and not first.complete
     assert first.per_cell["pending"].sum() == 3
-    second = synthesize(root, split, tiny_pipeline, out, REQUESTS, **FAST)
+    second = run(root, split, tiny_pipeline, out, REQUESTS)
     assert second.skipped == first.generated and len(second.generated) == 3
 
 
@@ -261,7 +330,7 @@ def test_a_failing_case_is_quarantined_and_the_others_are_made(cohort, tiny_pipe
     real_generate = generation.generate_case
 
     monkeypatch.setattr(generation, "generate_case", fail_one_of(real_generate, index=1))
-    summary = synthesize(root, split, tiny_pipeline, out, REQUESTS, **FAST)
+    summary = run(root, split, tiny_pipeline, out, REQUESTS)
     bad = "SX0_F_60-80_venous_0001"
     assert list(summary.failed) == [bad] and "simulated generator failure" in summary.failed[bad]
     assert len(summary.generated) == 3
@@ -271,7 +340,7 @@ def test_a_failing_case_is_quarantined_and_the_others_are_made(cohort, tiny_pipe
     assert record["request"] == "F/60-80/venous#1" and "RuntimeError" in record["error"]
 
     monkeypatch.setattr(generation, "generate_case", real_generate)
-    rerun = synthesize(root, split, tiny_pipeline, out, REQUESTS, **FAST)
+    rerun = run(root, split, tiny_pipeline, out, REQUESTS)
     assert rerun.generated == [bad] and rerun.complete
     assert not (out / ".quarantine" / f"{bad}.json").exists()
 
@@ -279,7 +348,7 @@ def test_a_failing_case_is_quarantined_and_the_others_are_made(cohort, tiny_pipe
     good = "SX0_F_60-80_venous_0000"
     (out / good / "ct.nii.gz").unlink()
     monkeypatch.setattr(generation, "generate_case", fail_one_of(real_generate, index=0))
-    third = synthesize(root, split, tiny_pipeline, out, REQUESTS, **FAST)
+    third = run(root, split, tiny_pipeline, out, REQUESTS)
     assert list(third.failed) == [good] and not (out / good).exists()
     assert (out / ".quarantine" / f"{good}.incomplete" / "segmentations").is_dir()
     assert good not in set(pd.read_csv(out / "metadata.csv")["case_id"])
@@ -290,9 +359,9 @@ def test_rerun_with_other_settings_is_refused(cohort, tiny_pipeline, tmp_path):
     root, split = cohort
     out = tmp_path / "out"
     requests = {("F", "60-80", "venous"): 1}
-    synthesize(root, split, tiny_pipeline, out, requests, **FAST)
+    run(root, split, tiny_pipeline, out, requests)
     with pytest.raises(GenerationError, match="num_inference_steps: 2 before, 3 now"):
-        synthesize(root, split, tiny_pipeline, out, requests, **{**FAST, "num_inference_steps": 3})
+        run(root, split, tiny_pipeline, out, requests, num_inference_steps=3)
 
 
 def test_request_ids_and_random_streams_depend_on_seed_cell_and_index_only():
@@ -312,25 +381,29 @@ def test_cli_with_an_mlflow_run_id_logs_lineage(cohort, tiny_pipeline, tmp_path,
     counts = tmp_path / "counts.csv"
     counts.write_text("sex,age_band,phase,requested\nF,20-40,arterial,1\nM,gt80,venous,1\n")
     argv = ["--root", str(root), "--split", str(split), "--pipeline", generator_run.info.run_id, "--out", str(out),
-            "--target", f"counts:{counts}", "--steps", "2", "--size-classes", "tiny=1",
-            "--tracking-uri", mlflow_uri, "--device", "cpu"]
+            "--target", f"counts:{counts}", "--recipe", str(RECIPES / "generator" / "synthx.yaml"), "--device", "cpu",
+            "profile=cpu", "sampling.num_inference_steps=2", "mask_prior.size_class_weights.small=0",
+            "mask_prior.size_class_weights.medium=0", f"tracking.uri={mlflow_uri}"]
     assert main(argv) == 0
     metadata = pd.read_csv(out / "metadata.csv")
-    assert sorted(metadata["case_id"]) == ["SX0_F_20-40_arterial_0000", "SX0_M_gt80_venous_0000"]
+    # M/gt80/venous has no healthy training scan: reported, not painted into another patient.
+    assert sorted(metadata["case_id"]) == ["SX0_F_20-40_arterial_0000"]
     assert (metadata["generator_run_id"] == generator_run.info.run_id).all()
     runs = mlflow.search_runs(experiment_names=["synthx"], filter_string="tags.mlflow.runName = 'synthesize'", output_format="list")
     assert len(runs) == 1
     run = runs[0]
-    assert run.data.metrics["synthx/cases_generated"] == 2 and run.data.metrics["synthx/seconds_per_case"] > 0
+    assert run.data.metrics["synthx/cases_generated"] == 1 and run.data.metrics["synthx/seconds_per_case"] > 0
+    assert run.data.metrics["synthx/cases_unfillable"] == 1 and run.data.metrics["synthx/cells_unfillable"] == 1
     assert run.data.tags["generator_run_id"] == generator_run.info.run_id
+    assert len(run.data.tags["split_sha256"]) == 64 and run.data.params["guidance_scale"] == "2.0"
     assert (metadata["synthesis_run_id"] == run.info.run_id).all()
     import io
 
     per_cell = pd.read_csv(io.StringIO(mlflow.artifacts.load_text(f"runs:/{run.info.run_id}/synthx/per_cell.csv")))
-    assert per_cell["generated"].sum() == 2
+    assert per_cell["generated"].sum() == 1 and per_cell["unfillable"].sum() == 1
     assert main(argv) == 0  # a rerun finds everything done
     again = mlflow.search_runs(experiment_names=["synthx"], filter_string="tags.mlflow.runName = 'synthesize'", output_format="list")
-    assert max(r.data.metrics["synthx/cases_skipped"] for r in again) == 2
+    assert max(r.data.metrics["synthx/cases_skipped"] for r in again) == 1
 
 
 @pytest.mark.slow
@@ -354,17 +427,15 @@ def test_trained_generator_follows_the_phase_contrast_of_real_phantom_tumors(tmp
 
     phases = ("non-contrast", "arterial", "venous")
     out = tmp_path / "synthetic"
-    summary = synthesize(
-        root, split, trained.pipeline_dir, out, {("F", "60-80", phase): 4 for phase in phases},
-        num_inference_steps=20, generator_run_id=trained.run_id, log_to_mlflow=False, progress=False,
-    )
+    settings = SynthesisSettings.from_recipe(recipe, root, split, trained.pipeline_dir, out, log_to_mlflow=False, progress=False)
+    summary = synthesize(settings, {(sex, band, phase): 2 for sex in ("F", "M") for band in ("40-60", "60-80") for phase in phases})
     assert summary.complete, summary.failed
     assert validate_cohort(out, classes=("pancreas", "pancreatic_lesion")) == []
     table = quality_report(root, split, out).intensity
     by_phase = table[table["attribute"] == "phase"].set_index("group")
     real = by_phase.loc[list(phases), "contrast_real"]
     synthetic = by_phase.loc[list(phases), "contrast_synthetic"]
-    # The phantom's design (DESIGN.md section 8): non-contrast is the least, arterial the most hypo-attenuating.
+    # The phantom's design (docs/design.md "The phantom cohort"): non-contrast is the least, arterial the most hypo-attenuating.
     assert real["non-contrast"] > real["arterial"]
     assert synthetic["non-contrast"] > synthetic["arterial"], by_phase[["contrast_real", "contrast_synthetic"]]
 
@@ -381,9 +452,9 @@ def test_generation_killed_with_sigkill_resumes_without_redoing_finished_cases(c
     out = tmp_path / "out"
     requests = {("F", "60-80", "venous"): 6, ("M", "40-60", "venous"): 6}
     script = (
-        "import sys; from synthx.generation import synthesize\n"
-        f"synthesize({str(root)!r}, {str(split)!r}, {str(tiny_pipeline)!r}, {str(out)!r}, {requests!r}, seed=1,"
-        " num_inference_steps=10, size_classes={'tiny': 1.0}, log_to_mlflow=False, progress=False)\n"
+        "import sys; from synthx.generation import SynthesisSettings, synthesize\n"
+        f"synthesize(SynthesisSettings({str(root)!r}, {str(split)!r}, {str(tiny_pipeline)!r}, {str(out)!r}, seed=1,"
+        f" num_inference_steps=10, size_classes={{'tiny': 1.0}}, log_to_mlflow=False, progress=False), {requests!r})\n"
     )
     process = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"},
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -401,8 +472,7 @@ def test_generation_killed_with_sigkill_resumes_without_redoing_finished_cases(c
     for case_id in case_dirs:  # a case folder is complete (atomic rename) even if its row was not yet written
         assert (out / case_id / "ct.nii.gz").exists() and (out / case_id / "segmentations" / "pancreatic_lesion.nii.gz").exists()
     before = {case_id: _stat(out, case_id) for case_id in finished}
-    summary = synthesize(root, split, tiny_pipeline, out, requests, seed=1, num_inference_steps=10,
-                         size_classes={"tiny": 1.0}, log_to_mlflow=False, progress=False)
+    summary = run(root, split, tiny_pipeline, out, requests, seed=1, num_inference_steps=10)
     assert summary.complete and set(finished) <= set(summary.skipped)
     assert len(summary.generated) + len(summary.skipped) == 12
     assert {case_id: _stat(out, case_id) for case_id in finished} == before, "finished cases were not rewritten"

@@ -12,11 +12,11 @@ import pandas as pd
 import pytest
 
 from lightning_modules.data.cohort import load_cohort, write_case, write_metadata
+from synthx.commands.synthx_quality import main
 from synthx.quality import (
     centred_patch,
     intensity_table,
     log_quality,
-    main,
     normalized_cross_correlation,
     quality_report,
     tumor_statistics,
@@ -24,7 +24,7 @@ from synthx.quality import (
 
 SHAPE = (20, 20, 12)
 SPACING = (2.0, 2.0, 3.0)
-# (organ HU, tumor HU) per phase: hypo-attenuating tumors, least contrast on non-contrast (DESIGN.md 8).
+# (organ HU, tumor HU) per phase: hypo-attenuating tumors, least contrast on non-contrast (docs/design.md "The phantom cohort").
 PHASE_HU = {"non-contrast": (45.0, 40.0), "arterial": (130.0, 65.0), "venous": (105.0, 90.0)}
 
 

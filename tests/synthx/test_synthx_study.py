@@ -18,7 +18,7 @@ from conftest import RECIPES, REPO_ROOT, tiny_overrides
 from lightning_modules.data.cohort import CohortError, load_cohort, write_metadata
 from lightning_modules.data.datamodule import CohortDataModule
 from lightning_modules.config.recipe import load_recipe
-from lightning_modules.data.mixing import RatioSampler, mixing_datamodule
+from lightning_modules.data.mixing import MixingSampler, mixing_datamodule
 from lightning_modules.training import train
 
 
@@ -41,7 +41,7 @@ def fake_synthetic_cohort(root, split, out, canvas_split: str = "train", n: int 
 
 
 def test_ratio_sampler_respects_the_ratio_within_sampling_error():
-    sampler = RatioSampler(n_real=200, n_synthetic=40, ratio=0.3, seed=0)
+    sampler = MixingSampler(n_real=200, n_synthetic=40, ratio=0.3, seed=0, mode="displace")
     draws = []
     for epoch in range(25):
         sampler.set_epoch(epoch)
@@ -54,7 +54,7 @@ def test_ratio_sampler_respects_the_ratio_within_sampling_error():
     sampler.set_epoch(3)
     assert list(sampler) == list(sampler), "deterministic for an epoch"
     with pytest.raises(ValueError, match="no cases"):
-        RatioSampler(10, 0, 0.2)
+        MixingSampler(10, 0, 0.2, mode="displace")
 
 
 def test_ratio_zero_is_exactly_the_baseline_data(tiny_phantom, tmp_path):
@@ -111,8 +111,8 @@ def _study_settings(root, split, tmp_path):
                           "model.num_head_channels=8", "data.patch_size=[16,16,16]", "trainer.log_every_n_steps=1",
                           f"tracking.output_dir={tmp_path / 'outputs'}"],
         ratio=0.5,
-        target="match:uniform",
-        budget=2,
+        target="match:uniform",  # need:B is tested below on records with a known deficit: a 2-step
+        budget=2,                # baseline may detect every validation tumor, leaving no need to fill
         synthesis_steps=2,
         experiment="study-test",
         output_dir=str(tmp_path / "study"),
@@ -121,7 +121,7 @@ def _study_settings(root, split, tmp_path):
 
 def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path, monkeypatch, capsys):
     import synthx.generation
-    from synthx.study import run_study
+    from synthx.study import STEPS, read_targets, run_study
 
     root, split = tiny_phantom
     settings = _study_settings(root, split, tmp_path)
@@ -134,14 +134,15 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     with pytest.raises(KeyboardInterrupt):
         run_study(settings)
     first = capsys.readouterr().out
-    assert "[study] baseline: done" in first and "[study] synthx_train: done" in first
+    for step in ("data", "baseline", "evaluate_baseline", "targeting", "synthx_train"):
+        assert f"[study] {step}: done" in first, step
 
     monkeypatch.setattr(synthx.generation, "synthesize", real_synthesize)
     table = run_study(settings)
     second = capsys.readouterr().out
-    for step in ("data", "baseline", "synthx_train"):
+    for step in ("data", "baseline", "evaluate_baseline", "targeting", "synthx_train"):
         assert f"[study] {step}: identical finished run" in second, step
-    for step in ("synthesize", "augmented", "evaluate_baseline", "evaluate_synthx", "compare"):
+    for step in ("synthesize", "augmented", "evaluate_synthx", "compare"):
         assert f"[study] {step}: done" in second, step
     assert {"attribute", "group", "metric", "delta", "ci_low", "ci_high", "significant"} <= set(table.columns)
     assert "phase" in set(table["attribute"])
@@ -153,17 +154,61 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     latest = parents[0]
     assert latest.info.status == "FINISHED"
     steps = {k[len("step."):]: v for k, v in latest.data.tags.items() if k.startswith("step.")}
-    assert set(steps) == {"data", "baseline", "synthx_train", "synthesize", "augmented", "evaluate_baseline", "evaluate_synthx", "compare"}
+    assert set(steps) == set(STEPS)
     for name, run_id in steps.items():
         assert client.get_run(run_id).info.status == "FINISHED", name
+        # A reused step keeps the parent of the study run that made it.
+        assert client.get_run(run_id).data.tags["mlflow.parentRunId"] in {p.info.run_id for p in parents}, name
     augmented = client.get_run(steps["augmented"])
     assert augmented.data.tags["variant"] == "synthx"
     assert {t.value for d in augmented.inputs.dataset_inputs for t in d.tags} >= {"training-synthetic"}
+    # The targeting step is linked to the baseline evaluation whose validation records it was given.
+    targeting = client.get_run(steps["targeting"])
+    assert targeting.data.params["baseline_evaluation_run"] == steps["evaluate_baseline"]
+    assert targeting.data.params["rule"] == "match:uniform"
+    assert read_targets(client, steps["targeting"])["requested"].sum() == 2
 
     # A third run finds every step finished and redoes nothing.
     run_study(settings)
     third = capsys.readouterr().out
-    assert third.count("identical finished run") == 8
+    assert third.count("identical finished run") == len(STEPS)
+
+
+def test_targeting_reads_validation_records_only(tiny_phantom, tmp_path):
+    """The targeting step needs only evaluation/val_records.csv: an evaluation run without test records suffices."""
+    from synthx.study import StudySettings, read_targets, targeting_action, validation_records
+
+    root, split = tiny_phantom
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("targeting-test")
+    split_table = pd.read_csv(split)
+    metadata = load_cohort(root).metadata.set_index("case_id")
+    val_ids = list(split_table.loc[split_table["split"] == "val", "case_id"])
+    records = pd.DataFrame({
+        "case_id": val_ids,
+        "patient_id": [metadata.loc[c, "patient_id"] for c in val_ids],
+        "label": [int(metadata.loc[c, "tumor"]) for c in val_ids],
+        "sex": [metadata.loc[c, "sex"] for c in val_ids],
+        "age_band": ["60-80"] * len(val_ids),
+        "phase": [metadata.loc[c, "phase"] for c in val_ids],
+        "volume_mm3": [0.0] * len(val_ids),  # the baseline misses everything
+    })
+    evaluation = client.create_run(experiment).info.run_id
+    client.log_text(evaluation, records.to_csv(index=False), "evaluation/val_records.csv")
+    client.log_metric(evaluation, "operating_point/val_chosen", 50.0)
+    read, threshold = validation_records(client, evaluation)
+    assert threshold == 50.0 and list(read["case_id"]) == val_ids
+    settings = StudySettings(target="need:3")
+    outputs = targeting_action(client, experiment, root, split, settings, evaluation, "volume")({})
+    assert read_targets(client, outputs["run_id"])["requested"].sum() == 3
+    # A test record among them is refused: targeting never sees test labels.
+    test_id = split_table.loc[split_table["split"] == "test", "case_id"].iloc[0]
+    leaked = pd.concat([records, records.iloc[[0]].assign(case_id=test_id)], ignore_index=True)
+    evaluation = client.create_run(experiment).info.run_id
+    client.log_text(evaluation, leaked.to_csv(index=False), "evaluation/val_records.csv")
+    with pytest.raises(ValueError, match=test_id):
+        targeting_action(client, experiment, root, split, settings, evaluation, "volume")({})
 
 
 def _sweep_recipe_args(root, split, tmp_path, synthetic):

@@ -1,6 +1,7 @@
-"""Targeting arithmetic on hand-computed examples: min_positives, match (water filling), explicit tables.
+"""Targeting arithmetic on hand-computed examples: need (validation deficit), min_positives, match (water filling),
+explicit tables; match:test refused.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_synthx_targeting.py -x -q
+Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/synthx/test_synthx_targeting.py -x -q
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from synthx.targeting import (
     TARGET_COLUMNS,
     TargetingError,
     cell_grid,
-    compute_targets,
     log_targets,
     parse_rule,
     plan_match,
     requests_from_targets,
+    resolve_targets,
 )
 
 
@@ -40,6 +41,8 @@ def cohort_with_split(tmp_path):
         + [_case("XN", "F", 61, "non-contrast", 1, "test"), _case("XA", "F", 79, "arterial", 1, "test")]
         + [_case(f"XV{i}", "F", 80, "venous", 1, "test") for i in range(2)]
         + [_case("VA", "M", 50, "arterial", 1, "val")]
+        # healthy training scans (canvases) of the F/60-80 cells the match examples spend their budget on
+        + [_case("HA", "F", 65, "arterial", 0, "train"), _case("HV", "F", 66, "venous", 0, "train")]
     )
     table = pd.DataFrame(rows)
     root = tmp_path / "cohort"
@@ -69,7 +72,7 @@ def test_grid_order_is_stable_whatever_the_argument_order():
 
 def test_min_positives_by_hand(cohort_with_split):
     root, split = cohort_with_split
-    targets = compute_targets(root, split, "min_positives:3")
+    targets = resolve_targets(root, split, "min_positives:3")
     assert list(targets.columns) == list(TARGET_COLUMNS)
     assert len(targets) == 40
     assert tuple(targets.iloc[0][["sex", "age_band", "phase"]]) == ("F", "le20", "non-contrast")
@@ -93,11 +96,13 @@ def test_min_positives_by_hand(cohort_with_split):
         (11, [4, 3, 4]),  # T=16: final counts [4, 4, 8] are proportional to the test's [1, 1, 2]
     ],
 )
-def test_match_test_by_hand(cohort_with_split, budget, expected):
+def test_match_by_hand(cohort_with_split, tmp_path, budget, expected):
     root, split = cohort_with_split
     # Restrict the grid to F/60-80 so the arithmetic is the hand example c=[0,1,4], p=[1/4,1/4,1/2].
-    targets = compute_targets(
-        root, split, "match_test", budget=budget, sexes=["F"], age_bands=["60-80"], phases=["non-contrast", "arterial", "venous"]
+    table = tmp_path / "weights.csv"
+    table.write_text("sex,age_band,phase,weight\nF,60-80,non-contrast,1\nF,60-80,arterial,1\nF,60-80,venous,2\n")
+    targets = resolve_targets(
+        root, split, f"match:{table}", budget=budget, sexes=["F"], age_bands=["60-80"], phases=["non-contrast", "arterial", "venous"]
     )
     assert targets["real_positives"].tolist() == [0, 1, 4]
     assert targets["requested"].tolist() == expected
@@ -115,20 +120,20 @@ def test_match_keeps_cells_missing_from_the_target_at_zero():
 def test_match_needs_a_budget_and_a_nonempty_target(cohort_with_split):
     root, split = cohort_with_split
     with pytest.raises(TargetingError, match="budget"):
-        compute_targets(root, split, "match:test")
+        resolve_targets(root, split, "match:uniform")
     with pytest.raises(TargetingError, match="val split has no positive"):
-        compute_targets(root, split, "match:val", budget=3, sexes=["F"])
+        resolve_targets(root, split, "match:val", budget=3, sexes=["F"])
 
 
 def test_match_uniform_and_weight_table(cohort_with_split, tmp_path):
     root, split = cohort_with_split
     kwargs = dict(sexes=["F"], age_bands=["60-80"], phases=["non-contrast", "arterial", "venous"])
-    uniform = compute_targets(root, split, "match:uniform", budget=7, **kwargs)
+    uniform = resolve_targets(root, split, "match:uniform", budget=7, **kwargs)
     # c=[0,1,4], p=1/3 each: T=12 -> [4, 3, 0]
     assert uniform["requested"].tolist() == [4, 3, 0]
     table = tmp_path / "weights.csv"
     table.write_text("sex,age_band,phase,weight\nF,60-80,non-contrast,1\nF,60-80,arterial,0.5\n")
-    weighted = compute_targets(root, split, f"match:{table}", budget=5, **kwargs)
+    weighted = resolve_targets(root, split, f"match:{table}", budget=5, **kwargs)
     # p=[2/3, 1/3, 0]: T=9 -> [6, 2, 0] exceeds B; kinks 0 then 3 -> T=(5+1)/1=6 -> [4, 1, 0]
     assert weighted["requested"].tolist() == [4, 1, 0]
 
@@ -137,13 +142,13 @@ def test_explicit_counts_from_csv_and_yaml(cohort_with_split, tmp_path):
     root, split = cohort_with_split
     csv = tmp_path / "counts.csv"
     csv.write_text("sex,age_band,phase,requested\nmale,20-40,plain,5\nF,60-80,pv,2\n")
-    targets = compute_targets(root, split, f"counts:{csv}")
+    targets = resolve_targets(root, split, f"counts:{csv}")
     assert _requested(targets, "M", "20-40", "non-contrast") == (5, 0)
     assert _requested(targets, "F", "60-80", "venous") == (2, 4)
     assert targets["requested"].sum() == 7
     yaml_path = tmp_path / "counts.yaml"
     yaml_path.write_text("cells:\n  - {sex: F, age_band: le20, phase: arterial, requested: 4}\n")
-    assert compute_targets(root, split, str(yaml_path))["requested"].sum() == 4
+    assert resolve_targets(root, split, str(yaml_path))["requested"].sum() == 4
 
 
 @pytest.mark.parametrize(
@@ -162,24 +167,25 @@ def test_explicit_counts_reject_bad_rows(cohort_with_split, tmp_path, content, m
     csv = tmp_path / "bad.csv"
     csv.write_text(content)
     with pytest.raises(TargetingError, match=message):
-        compute_targets(root, split, f"counts:{csv}")
+        resolve_targets(root, split, f"counts:{csv}")
 
 
 def test_rules_parse_and_errors_name_the_problem(cohort_with_split, tmp_path):
     assert parse_rule("min_positives:4") == ("min_positives", "4")
-    assert parse_rule("match_test") == ("match", "test")
+    assert parse_rule("match_val") == ("match", "val")
+    assert parse_rule("need:12") == ("need", "12")
     assert parse_rule("table.csv") == ("counts", "table.csv")
-    for rule in ("min_positives:-1", "min_positives:x", "median", "match:"):
+    for rule in ("min_positives:-1", "min_positives:x", "median", "match:", "need:", "need:-3"):
         with pytest.raises(TargetingError):
             parse_rule(rule)
     root, _ = cohort_with_split
     bad_split = tmp_path / "bad_split.csv"
     bad_split.write_text("case_id,patient_id,split\nGHOST,P1,train\n")
     with pytest.raises(ValueError, match="GHOST"):
-        compute_targets(root, bad_split, "min_positives:1")
+        resolve_targets(root, bad_split, "min_positives:1")
     bad_split.write_text("case_id,patient_id,split\nTV0,PTV0,holdout\n")
     with pytest.raises(ValueError, match="TV0.*holdout"):
-        compute_targets(root, bad_split, "min_positives:1")
+        resolve_targets(root, bad_split, "min_positives:1")
 
 
 def test_requests_expand_per_cell_indices():
@@ -195,9 +201,95 @@ def test_log_targets_round_trips_through_mlflow(cohort_with_split, mlflow_uri):
     import mlflow
 
     root, split = cohort_with_split
-    targets = compute_targets(root, split, "min_positives:2")
+    targets = resolve_targets(root, split, "min_positives:2")
     with mlflow.start_run() as run:
         log_targets(targets)
     loaded = mlflow.load_table("synthx/targets.json", run_ids=[run.info.run_id])
     assert loaded[list(TARGET_COLUMNS)].to_dict("records") == targets.to_dict("records")
     assert mlflow.get_run(run.info.run_id).data.metrics["synthx/requested_total"] == targets["requested"].sum()
+
+
+def test_match_test_is_refused_whatever_its_spelling(cohort_with_split):
+    root, split = cohort_with_split
+    for rule in ("match:test", "match_test", " match : test "):
+        with pytest.raises(TargetingError, match="TEST split's labels"):
+            resolve_targets(root, split, rule, budget=5)
+
+
+@pytest.fixture
+def need_cohort(tmp_path):
+    """Canvases (healthy training scans) in F/60-80 venous+arterial and M/40-60 venous+arterial; validation
+    positives with a known baseline outcome (see the hand computation in the test)."""
+    rows = [
+        _case("C1", "F", 70, "venous", 0, "train"), _case("C2", "F", 70, "arterial", 0, "train"),
+        _case("C3", "M", 50, "arterial", 0, "train"), _case("C4", "M", 50, "venous", 0, "train"),
+        _case("T1", "F", 70, "venous", 1, "train"), _case("X1", "F", 70, "arterial", 1, "test"),
+    ]
+    # (case, sex, age, phase, label, predicted volume mm^3): missed when the volume is <= 50.
+    outcomes = [
+        ("V1", "F", 70, "arterial", 1, 0.0), ("V2", "F", 70, "arterial", 1, 0.0), ("V3", "M", 50, "arterial", 1, 100.0),
+        ("V4", "M", 50, "arterial", 1, 0.0), ("V5", "F", 70, "venous", 1, 100.0), ("V6", "F", 70, "venous", 1, 100.0),
+        ("V7", "M", 50, "venous", 1, 100.0), ("V8", "M", 50, "venous", 1, 100.0), ("V9", "F", 70, "venous", 0, 0.0),
+    ]
+    rows += [_case(c, sex, age, phase, label, "val") for c, sex, age, phase, label, _ in outcomes]
+    table = pd.DataFrame(rows)
+    root = tmp_path / "cohort"
+    root.mkdir()
+    table.drop(columns=["split"]).to_csv(root / "metadata.csv", index=False)
+    split_path = tmp_path / "split.csv"
+    table[["case_id", "patient_id", "split"]].to_csv(split_path, index=False)
+    records = pd.DataFrame(
+        [{"case_id": c, "patient_id": f"P{c}", "label": label, "volume_mm3": volume, "sex": sex,
+          "age_band": "60-80" if age == 70 else "40-60", "phase": phase} for c, sex, age, phase, label, volume in outcomes]
+    )
+    return root, split_path, records
+
+
+NEED_GRID = dict(sexes=["F", "M"], age_bands=["40-60", "60-80"], phases=["arterial", "venous"])
+
+
+@pytest.mark.parametrize("budget, expected", [(18, [7, 4, 5, 2]), (10, [4, 2, 3, 1]), (0, [0, 0, 0, 0])])
+def test_need_allocates_by_the_validation_deficit_to_cells_with_canvases(need_cohort, budget, expected):
+    root, split, records = need_cohort
+    # Miss rates on validation: arterial 3/4, venous 0/4 (other phases: pooled 3/8); F 2/4, M 1/4; 60-80 2/4, 40-60 1/4.
+    # Need = mean of the three: F/60-80/arterial 7/12, F/60-80/venous 4/12, M/40-60/arterial 5/12, M/40-60/venous 2/12;
+    # the other four cells of the grid have no canvas and get nothing.
+    targets = resolve_targets(root, split, f"need:{budget}", baseline_records=records, threshold=50.0, **NEED_GRID)
+    by_cell = targets.set_index(["sex", "age_band", "phase"])
+    fillable = [("F", "60-80", "arterial"), ("F", "60-80", "venous"), ("M", "40-60", "arterial"), ("M", "40-60", "venous")]
+    assert [int(by_cell.loc[cell, "requested"]) for cell in fillable] == expected
+    assert targets["requested"].sum() == budget
+    assert by_cell.loc[("F", "40-60", "arterial"), "need"] == pytest.approx(0.5)  # in need, but no canvas
+    assert by_cell.loc[("F", "40-60", "arterial"), "requested"] == 0 and by_cell.loc[("F", "40-60", "arterial"), "canvases"] == 0
+    assert by_cell["unfillable"].sum() == 4 and not by_cell.loc[("F", "60-80", "arterial"), "unfillable"]
+    assert by_cell.loc[("F", "60-80", "arterial"), "need"] == pytest.approx(7 / 12)
+    # A prediction column (0/1) is the operating point itself: the same outcome, the same allocation.
+    predicted = records.drop(columns=["volume_mm3"]).assign(prediction=(records["volume_mm3"] > 50).astype(int))
+    again = resolve_targets(root, split, f"need:{budget}", baseline_records=predicted, **NEED_GRID)
+    assert again["requested"].tolist() == targets["requested"].tolist()
+
+
+def test_need_reads_validation_records_only_and_needs_a_deficit(need_cohort):
+    root, split, records = need_cohort
+    with pytest.raises(TargetingError, match="validation records"):
+        resolve_targets(root, split, "need:5", **NEED_GRID)
+    leaked = pd.concat([records, records.iloc[[0]].assign(case_id="X1")], ignore_index=True)
+    with pytest.raises(TargetingError, match="baseline record X1 is a test case"):
+        resolve_targets(root, split, "need:5", baseline_records=leaked, threshold=50.0, **NEED_GRID)
+    perfect = records.assign(volume_mm3=1000.0)
+    with pytest.raises(TargetingError, match="no cell with a canvas has a validation deficit"):
+        resolve_targets(root, split, "need:5", baseline_records=perfect, threshold=50.0, **NEED_GRID)
+    with pytest.raises(TargetingError, match="no positive case"):
+        resolve_targets(root, split, "need:5", baseline_records=records[records["label"] == 0], threshold=50.0, **NEED_GRID)
+
+
+def test_match_spends_the_budget_only_on_cells_with_a_canvas(cohort_with_split):
+    root, split = cohort_with_split
+    # F/60-80 has canvases (TNEG, HA, HV); F/le20 has none, so its uniform share is left out and marked.
+    targets = resolve_targets(root, split, "match:uniform", budget=7, sexes=["F"], age_bands=["le20", "60-80"],
+                              phases=["non-contrast", "arterial", "venous"])
+    assert targets["requested"].tolist() == [0, 0, 0, 4, 3, 0]
+    assert targets["unfillable"].tolist() == [True, True, True, False, False, False]
+    assert targets["canvases"].tolist() == [0, 0, 0, 1, 1, 1]
+    with pytest.raises(TargetingError, match="no cell of the target distribution has a healthy training scan"):
+        resolve_targets(root, split, "match:uniform", budget=3, sexes=["M"], age_bands=["le20"])

@@ -33,7 +33,7 @@ RECIPE = REPO_ROOT / "recipes" / "generator" / "synthx.yaml"
 SPACING = (2.5, 2.5, 3.0)
 SHAPE = (24, 24, 16)
 PATCH = 16
-# Pancreas and tumor HU by phase, as in DESIGN.md section 8.
+# Pancreas and tumor HU by phase, as in docs/design.md "The phantom cohort".
 PANCREAS_HU = {"non-contrast": 45, "arterial": 130, "venous": 105, "delayed": 75}
 TUMOR_HU = {"non-contrast": 40, "arterial": 70, "venous": 80, "delayed": 68}
 # case id, sex, age, phase, split, has tumor
@@ -270,3 +270,84 @@ def test_latent_mode_trains_the_autoencoder_then_the_generator_on_its_latents(co
     organ[2:14, 2:14, 2:14] = True
     out = pipeline(image, organ, phase="arterial", num_inference_steps=2, generator=torch.Generator().manual_seed(0))
     assert out.images.shape == (1, PATCH, PATCH, PATCH) and np.isfinite(out.images).all()
+
+
+def test_a_rerun_resumes_from_the_last_checkpoint_into_the_same_run(cohort_dir, mlflow_uri, tmp_path):
+    import mlflow
+
+    from synthx.provenance import read_provenance
+    from synthx.training import train_synthx
+
+    first = train_synthx(tiny_recipe(cohort_dir, "trainer.max_steps=2", "trainer.log_every_n_steps=1", f"tracking.uri={mlflow_uri}"),
+                         output_dir=tmp_path / "run", enable_progress_bar=False)
+    assert first.steps == 2 and (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()
+    provenance = read_provenance(first.pipeline_dir)
+    assert provenance.training_cases == ["C000", "C001", "C002", "C003"] and provenance.generator_run_id == first.run_id
+    assert len(provenance.split_sha256) == 64 and provenance.condition_dropout_all == 0.1
+
+    # The same recipe with more steps continues at step 2 into the same MLflow run.
+    second = train_synthx(tiny_recipe(cohort_dir, "trainer.max_steps=4", "trainer.log_every_n_steps=1", f"tracking.uri={mlflow_uri}"),
+                          output_dir=tmp_path / "run", enable_progress_bar=False)
+    assert second.run_id == first.run_id and second.steps == 4
+    client = mlflow.tracking.MlflowClient(mlflow_uri)
+    run = client.get_run(first.run_id)
+    assert run.data.tags["resumed"] == "true" and run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(first.run_id, "train/loss")][-1] >= 2
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+
+    # Another recipe in the same folder is refused, unless the caller starts over.
+    with pytest.raises(ValueError, match="holds a SynthX generator run of another recipe"):
+        train_synthx(tiny_recipe(cohort_dir, "optim.lr=0.5", f"tracking.uri={mlflow_uri}"), output_dir=tmp_path / "run")
+    fresh = train_synthx(tiny_recipe(cohort_dir, "optim.lr=0.5", "trainer.max_steps=1", f"tracking.uri={mlflow_uri}"),
+                         output_dir=tmp_path / "run", resume=False, enable_progress_bar=False)
+    assert fresh.run_id != first.run_id and fresh.steps == 1
+
+
+def test_each_rank_loads_only_its_share_and_all_ranks_draw_equally_many_patches(cohort_dir):
+    from types import SimpleNamespace
+
+    from synthx.training import TumorPatchDataModule
+    from synthx.training.dataset import EqualLengthShuffle
+
+    recipe = tiny_recipe(cohort_dir, "data.num_workers=0")
+    cases = ["C000", "C001", "C002", "C003"]
+    shares = {}
+    for rank in (0, 1, 2):
+        datamodule = TumorPatchDataModule(recipe, cases)
+        # The rank and world size a DDP trainer gives; the gather returns every rank's lesion count.
+        gather = SimpleNamespace(all_gather=lambda value: torch.tensor([2, 1, 1]))
+        datamodule.trainer = SimpleNamespace(global_rank=rank, world_size=3, strategy=gather)
+        datamodule.setup("fit")
+        shares[rank] = [region.case_id for region in datamodule.dataset.regions]
+        loader = datamodule.train_dataloader()
+        assert isinstance(loader.sampler, EqualLengthShuffle) and len(loader.sampler) == 2
+        assert datamodule.total_lesions == 4
+    assert shares == {0: ["C000", "C003"], 1: ["C001"], 2: ["C002"]}
+    sampler = EqualLengthShuffle(n_items=1, length=2, seed=0)
+    assert list(sampler) == [0, 0]
+
+
+def test_synthx_train_under_ddp_with_two_cpu_processes(cohort_dir, mlflow_uri, tmp_path):
+    """Lightning's own DDP launcher (gloo), through the CLI: one MLflow run, FINISHED, with the pipeline."""
+    import os
+    import subprocess
+    import sys
+
+    import mlflow
+
+    command = [
+        sys.executable, "-m", "lightning_modules.cli", "synthx-train", "--recipe", str(RECIPE),
+        "--root", str(cohort_dir / "cohort"), "--split", str(cohort_dir / "split.csv"), "--out", str(tmp_path / "ddp"),
+        *TINY_MODEL, "trainer.max_steps=2", "trainer.devices=2", "trainer.strategy=ddp", "trainer.accelerator=cpu",
+        "data.batch_size=1", f"tracking.uri={mlflow_uri}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(29500 + os.getpid() % 1000)}
+    env.pop("MLFLOW_RUN_ID", None)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = mlflow.tracking.MlflowClient(mlflow_uri)
+    runs = client.search_runs([client.get_experiment_by_name("synthx").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert runs[0].data.params["n_training_cases"] == "4" and runs[0].data.params["n_training_lesions"] == "4"
+    assert (tmp_path / "ddp" / "mlflow_run_id.txt").read_text() == runs[0].info.run_id
+    assert "pipeline" in {a.path for a in client.list_artifacts(runs[0].info.run_id)}

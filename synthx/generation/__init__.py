@@ -1,0 +1,38 @@
+"""SynthX generation: paint conditioned synthetic tumors into healthy training scans and write a synthetic cohort.
+
+Parts: :mod:`.canvases` (which scan each request is painted into; unfillable cells), :mod:`.source`
+(loading the generator), :mod:`.painting` (one case), :mod:`.writing` (the cohort on disk and the
+MLflow summary) and :mod:`.run` (the resumable run, :func:`synthesize`). The command is
+``benchx synthesize`` (:mod:`synthx.commands.synthesize`).
+"""
+
+from synthx.generation.canvases import (
+    GenerationError,
+    SynthesisRequest,
+    as_requests,
+    canvas_table,
+    choose_canvas,
+    partition_requests,
+)
+from synthx.generation.painting import PaintSettings, generate_case
+from synthx.generation.run import SynthesisSettings, SynthesisSummary, synthesize
+from synthx.generation.source import load_pipeline, resolve_pipeline_source
+from synthx.generation.writing import MANIFEST_FILE, QUARANTINE_DIR
+
+__all__ = [
+    "GenerationError",
+    "MANIFEST_FILE",
+    "PaintSettings",
+    "QUARANTINE_DIR",
+    "SynthesisRequest",
+    "SynthesisSettings",
+    "SynthesisSummary",
+    "as_requests",
+    "canvas_table",
+    "choose_canvas",
+    "generate_case",
+    "load_pipeline",
+    "partition_requests",
+    "resolve_pipeline_source",
+    "synthesize",
+]

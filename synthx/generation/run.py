@@ -1,0 +1,342 @@
+"""The resumable generation run: requests -> canvases of their cell -> painted cases -> a synthetic cohort.
+
+Steps of :func:`synthesize`: check the settings; read the cohort, split and canvases; turn the
+requests into cases and set aside the unfillable cells (no healthy training scan of that sex, age
+band and phase: reported, counted, logged, never relabeled); load the generator and check its
+provenance (:mod:`synthx.provenance`) and guidance; open the output folder (manifest, finished
+cases); open the MLflow run; paint each missing case; log the summary.
+
+Determinism and resumption: a request is identified by its cell and its index within the cell;
+its case id (``SX<seed>_<sex>_<age band>_<phase>_<index>``) and its random state (canvas, size,
+mask, diffusion noise) derive from (seed, cell, index) only. A rerun skips cases already complete
+and valid, so after a kill it does only the remainder, and raising one cell's count later only adds
+cases. A case that fails is reported and quarantined, and nothing of it is written.
+
+Synthetic cases are training data only: the output cohort gets no split file, and the mixing code
+(:mod:`lightning_modules.data.mixing`) checks that each canvas is a real training case of the split
+in use. Metadata: ``synthetic=1``, ``tumor=1``, ``source_case_id`` (the canvas), the canvas'
+``patient_id``, ``cohort``, ``sex``, ``age``, ``race`` and ``phase``, ``tumor_diameter_mm``,
+``tumor_location``, ``generator_run_id`` and ``synthesis_run_id``.
+
+Example::
+
+    recipe = load_synthx_recipe("recipes/generator/synthx.yaml", ["profile=cpu"])
+    settings = SynthesisSettings.from_recipe(recipe, "data/phantom", "splits/phantom.csv", "runs:/<id>/pipeline", "data/synthetic")
+    summary = synthesize(settings, "min_positives:4")
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+from omegaconf import DictConfig
+
+from lightning_modules.data.cohort import file_sha256, load_cohort, write_case, write_metadata
+from lightning_modules.data.lesions import SIZE_CLASS_NAMES
+from lightning_modules.data.metadata import PHASES, normalize_phase
+from lightning_modules.data.splits import load_split
+from synthx.config import MaskPriorConfig, SamplingConfig
+from synthx.generation.canvases import GenerationError, SynthesisRequest, as_requests, canvas_table, choose_canvas, partition_requests
+from synthx.generation.painting import PaintSettings, generate_case
+from synthx.generation.source import load_pipeline, set_scheduler
+from synthx.generation.writing import (
+    QUARANTINE_DIR,
+    case_is_complete,
+    check_manifest,
+    clear_quarantine,
+    log_summary,
+    metadata_table,
+    per_cell_table,
+    quarantine,
+    read_existing_rows,
+    remove_stale_staging,
+)
+from synthx.provenance import GeneratorProvenance, check_provenance, read_provenance
+from synthx.schedulers import SAMPLING_SCHEDULERS
+from synthx.targeting import log_targets, resolve_targets
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SynthesisSettings:
+    """Everything a generation run needs besides its requests.
+
+    Args:
+        cohort_root: the real cohort (canvases come from its healthy training cases).
+        split_path: its split CSV.
+        pipeline: a folder saved with ``save_pretrained``, ``runs:/<id>/pipeline``, a run id, or a
+            loaded :class:`synthx.pipeline.SynthXPipeline` (then ``provenance`` is required).
+        out_root: the synthetic cohort folder (created; an existing one is resumed).
+        seed: fixes every case id's canvas, tumor mask and diffusion noise.
+        scheduler / num_inference_steps / guidance_scale: the recipe's ``sampling`` section.
+        size_classes / erosion_mm: the recipe's ``mask_prior`` section (size class weights, border distance).
+        budget: total synthetic budget for ``match`` rules given as a string.
+        phases: restrict the targeted cells of a rule string to these phases.
+        baseline_records: the baseline's validation records, for a ``need`` rule given as a string.
+        need_threshold: the baseline's operating point for those records (default: the fixed m).
+        canvas_ids: restrict canvases to these cases (each must be a healthy real training case).
+        max_cases: generate at most this many new cases in this call (the rest on a rerun).
+        generator_run_id: the MLflow run that trained the generator (default: from its provenance).
+        provenance: the generator's provenance when ``pipeline`` is an in-memory object.
+        tracking_uri / experiment: MLflow tracking URI and experiment of the generation run.
+        log_to_mlflow: log the generation run (targets, per-cell counts, timings) to MLflow.
+        device: torch device of the denoiser.
+        progress: show a tqdm progress bar.
+    """
+
+    cohort_root: Path | str
+    split_path: Path | str
+    pipeline: Any
+    out_root: Path | str
+    seed: int = 0
+    scheduler: str = SamplingConfig.scheduler
+    num_inference_steps: int = SamplingConfig.num_inference_steps
+    guidance_scale: float = SamplingConfig.guidance_scale
+    size_classes: Mapping[str, float] = field(default_factory=lambda: dict(MaskPriorConfig().size_class_weights))
+    erosion_mm: float = MaskPriorConfig.erosion_mm
+    budget: int | None = None
+    phases: Sequence[str] | None = None
+    baseline_records: pd.DataFrame | None = None
+    need_threshold: float | None = None
+    canvas_ids: Sequence[str] | None = None
+    max_cases: int | None = None
+    generator_run_id: str | None = None
+    provenance: GeneratorProvenance | None = None
+    tracking_uri: str | None = None
+    experiment: str = "synthx"
+    log_to_mlflow: bool = True
+    device: str = "cpu"
+    progress: bool = True
+
+    @classmethod
+    def from_recipe(cls, recipe: DictConfig, cohort_root, split_path, pipeline, out_root, **values) -> "SynthesisSettings":
+        """Settings whose sampling, mask prior, seed and tracking come from a SynthX recipe; ``values`` override."""
+        sampling, prior = recipe.sampling, recipe.mask_prior
+        from_recipe = dict(
+            seed=int(recipe.seed),
+            scheduler=str(sampling.scheduler),
+            num_inference_steps=int(sampling.num_inference_steps),
+            guidance_scale=float(sampling.guidance_scale),
+            size_classes={str(k): float(v) for k, v in prior.size_class_weights.items()},
+            erosion_mm=float(prior.erosion_mm),
+            tracking_uri=recipe.tracking.uri,
+            experiment=str(recipe.tracking.experiment),
+        )
+        return cls(cohort_root, split_path, pipeline, out_root, **{**from_recipe, **values})
+
+    def paint_settings(self) -> PaintSettings:
+        return PaintSettings(int(self.seed), int(self.num_inference_steps), float(self.guidance_scale), dict(self.size_classes), float(self.erosion_mm))
+
+
+@dataclass
+class SynthesisSummary:
+    """What a :func:`synthesize` call did."""
+
+    out_root: Path
+    requested: int
+    generated: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    not_reached: int = 0
+    seconds_per_case: float = math.nan
+    generator_run_id: str = ""
+    generator_split_sha256: str = ""
+    synthesis_run_id: str = ""
+    unfillable: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=["sex", "age_band", "phase", "requested"]))
+    per_cell: pd.DataFrame | None = None
+
+    @property
+    def unfillable_cases(self) -> int:
+        return int(self.unfillable["requested"].sum()) if len(self.unfillable) else 0
+
+    @property
+    def complete(self) -> bool:
+        """Every fillable request is made (unfillable cells are reported, not failures)."""
+        return not self.failed and self.not_reached == 0
+
+
+def check_settings(settings: SynthesisSettings) -> None:
+    if settings.scheduler not in SAMPLING_SCHEDULERS:
+        raise GenerationError(f"unknown scheduler {settings.scheduler!r} (expected one of {', '.join(SAMPLING_SCHEDULERS)})")
+    unknown = [k for k in settings.size_classes if k not in SIZE_CLASS_NAMES]
+    if unknown:
+        raise GenerationError(f"unknown tumor size class(es) {unknown}; expected {', '.join(SIZE_CLASS_NAMES)}")
+    weights = list(settings.size_classes.values())
+    if any(v < 0 for v in weights) or sum(weights) <= 0:
+        raise GenerationError(f"size class weights must be non-negative with a positive sum, got {dict(settings.size_classes)}")
+    if settings.guidance_scale < 1.0 or settings.num_inference_steps < 1:
+        raise GenerationError(f"guidance scale must be >= 1 and inference steps >= 1, got {settings.guidance_scale}, {settings.num_inference_steps}")
+
+
+def _targets(settings: SynthesisSettings, cohort, requests) -> pd.DataFrame | None:
+    """The targeting table when ``requests`` is a rule or a table (to log it), else None."""
+    if isinstance(requests, str):
+        phases = [p for p in PHASES if settings.phases is None or p in {normalize_phase(x) for x in settings.phases}]
+        return resolve_targets(
+            cohort, settings.split_path, requests, budget=settings.budget, phases=phases,
+            baseline_records=settings.baseline_records, threshold=settings.need_threshold,
+        )
+    return requests if isinstance(requests, pd.DataFrame) else None
+
+
+def _generator(settings: SynthesisSettings, split: pd.DataFrame, split_hash: str, uri: str):
+    """The pipeline with the sampling scheduler, its run id and provenance, checked against this split."""
+    if isinstance(settings.pipeline, (str, Path)):
+        source = str(settings.pipeline)
+        pipeline, run_id, provenance = load_pipeline(source, settings.scheduler, uri, settings.device)
+    else:
+        pipeline, run_id, provenance = settings.pipeline, "", settings.provenance
+        set_scheduler(pipeline, settings.scheduler)
+        source = getattr(pipeline, "name_or_path", "") or "<in-memory pipeline>"
+        provenance = provenance or (read_provenance(source) if Path(source).is_dir() else None)
+    check_provenance(provenance, split, split_hash, source=f"generator {source}")
+    if settings.guidance_scale > 1.0 and provenance.condition_dropout_all <= 0.0:
+        raise GenerationError(
+            f"guidance scale {settings.guidance_scale} needs a generator trained with condition_dropout.all > 0; "
+            f"generator {source} never saw the null condition: set sampling.guidance_scale=1"
+        )
+    run_id = settings.generator_run_id or run_id or provenance.generator_run_id
+    return pipeline, source, run_id, provenance
+
+
+def _manifest(settings: SynthesisSettings, source: str, run_id: str, provenance: GeneratorProvenance, split_hash: str) -> dict:
+    return {
+        "seed": int(settings.seed),
+        "pipeline": source,
+        "generator_run_id": run_id,
+        "generator_split_sha256": provenance.split_sha256,
+        "scheduler": settings.scheduler,
+        "num_inference_steps": int(settings.num_inference_steps),
+        "guidance_scale": float(settings.guidance_scale),
+        "size_classes": {k: float(v) for k, v in sorted(settings.size_classes.items())},
+        "erosion_mm": float(settings.erosion_mm),
+        "cohort_root": str(Path(settings.cohort_root).resolve()),
+        "split_sha256": split_hash,
+    }
+
+
+def _open_run(settings: SynthesisSettings, uri: str, manifest: dict, out_root: Path, targets) -> tuple[Any, str]:
+    import mlflow
+
+    from lightning_modules.tracking import experiment_id, git_commit
+
+    mlflow.set_tracking_uri(uri)
+    client = mlflow.MlflowClient(uri)
+    tags = {
+        "generator_run_id": manifest["generator_run_id"],
+        "generator_split_sha256": manifest["generator_split_sha256"],
+        "split_sha256": manifest["split_sha256"],
+        "synthetic_cohort": str(out_root.resolve()),
+        "git_commit": git_commit(),
+    }
+    run_id = client.create_run(experiment_id(settings.experiment, uri), run_name="synthesize", tags=tags).info.run_id
+    for key, value in manifest.items():
+        client.log_param(run_id, key, json.dumps(value) if isinstance(value, dict) else value)
+    if targets is not None:
+        log_targets(targets, run_id=run_id)
+    return client, run_id
+
+
+def _make_case(context: dict, request: SynthesisRequest, rows: dict, summary: SynthesisSummary, seconds: list) -> None:
+    """Paint, write and record one request; a failure is quarantined and reported, never raised."""
+    settings, out_root = context["settings"], context["out_root"]
+    case_id = request.case_id(settings.seed)
+    started = time.perf_counter()
+    rng = request.rng(settings.seed)
+    try:
+        canvas = choose_canvas(context["canvases"], request, rng)
+        generated = generate_case(context["cohort"], canvas, request, rng, context["pipeline"], context["paint"])
+        generated.row["generator_run_id"] = summary.generator_run_id
+        generated.row["synthesis_run_id"] = summary.synthesis_run_id
+        write_case(out_root, case_id, generated.ct, generated.affine, generated.masks)
+    except Exception as error:  # one bad case must not stop the others; it is reported and kept aside
+        summary.failed[case_id] = f"{type(error).__name__}: {error}"
+        quarantine(out_root, case_id, request, error)
+        if rows.pop(case_id, None) is not None:
+            write_metadata(out_root, metadata_table(rows))
+        return
+    rows[case_id] = generated.row
+    write_metadata(out_root, metadata_table(rows))
+    clear_quarantine(out_root, case_id)
+    summary.generated.append(case_id)
+    seconds.append(time.perf_counter() - started)
+
+
+def _paint_all(context: dict, requests: Sequence[SynthesisRequest], rows: dict, summary: SynthesisSummary, seconds: list) -> None:
+    from tqdm.auto import tqdm
+
+    settings = context["settings"]
+    bar = tqdm(requests, desc="synthesize", unit="case", disable=not settings.progress)
+    for request in bar:
+        case_id = request.case_id(settings.seed)
+        if case_id in rows and case_is_complete(context["out_root"], case_id, rows[case_id], request):
+            summary.skipped.append(case_id)
+        elif settings.max_cases is not None and len(summary.generated) + len(summary.failed) >= settings.max_cases:
+            summary.not_reached += 1
+        else:
+            _make_case(context, request, rows, summary, seconds)
+            bar.set_postfix(done=len(summary.generated) + len(summary.skipped), failed=len(summary.failed))
+
+
+def synthesize(settings: SynthesisSettings, requests) -> SynthesisSummary:
+    """Generate the requested synthetic cases into ``settings.out_root`` (layout A + ``metadata.csv``), resumably.
+
+    Args:
+        settings: see :class:`SynthesisSettings` (usually :meth:`SynthesisSettings.from_recipe`).
+        requests: a targeting table (:func:`synthx.targeting.compute_targets`), a rule string such as
+            ``min_positives:4`` or ``need:40`` (computed on the real cohort), a ``{(sex, age band,
+            phase): n}`` mapping, or a list of :class:`SynthesisRequest`.
+    """
+    from lightning_modules.tracking import tracking_uri as resolve_uri
+
+    check_settings(settings)
+    uri = resolve_uri(settings.tracking_uri)
+    cohort = load_cohort(settings.cohort_root)
+    split = load_split(settings.split_path, cohort)
+    split_hash = file_sha256(settings.split_path)
+    canvases = canvas_table(cohort, split, settings.canvas_ids)
+    targets = _targets(settings, cohort, requests)
+    fillable, unfillable = partition_requests(as_requests(targets if targets is not None else requests), canvases)
+    for cell in unfillable.to_dict("records"):
+        log.warning("unfillable: no healthy training scan is %s, %s, %s; %d requested case(s) not made",
+                    cell["sex"], cell["age_band"], cell["phase"], cell["requested"])
+    pipeline, source, generator_run_id, provenance = _generator(settings, split, split_hash, uri)
+
+    out_root = Path(settings.out_root)
+    out_root.mkdir(parents=True, exist_ok=True)
+    manifest = _manifest(settings, source, generator_run_id, provenance, split_hash)
+    check_manifest(out_root, manifest)
+    rows = read_existing_rows(out_root)
+    remove_stale_staging(out_root)
+    summary = SynthesisSummary(out_root, len(fillable), generator_run_id=generator_run_id,
+                               generator_split_sha256=provenance.split_sha256, unfillable=unfillable)
+    client = None
+    if settings.log_to_mlflow:
+        client, summary.synthesis_run_id = _open_run(settings, uri, manifest, out_root, targets)
+    context = dict(settings=settings, out_root=out_root, canvases=canvases, cohort=cohort, pipeline=pipeline, paint=settings.paint_settings())
+    status, seconds = "FINISHED", []
+    try:
+        _paint_all(context, fillable, rows, summary, seconds)
+    except BaseException:
+        status = "KILLED"
+        raise
+    finally:
+        summary.seconds_per_case = float(np.mean(seconds)) if seconds else math.nan
+        marks = {**{c: "generated" for c in summary.generated}, **{c: "skipped" for c in summary.skipped}, **{c: "failed" for c in summary.failed}}
+        summary.per_cell = per_cell_table(fillable, marks, unfillable, settings.seed)
+        if client is not None:
+            log_summary(client, summary.synthesis_run_id, summary, rows)
+            client.set_terminated(summary.synthesis_run_id, status if status == "KILLED" else ("FAILED" if summary.failed else "FINISHED"))
+    return summary
+
+
+__all__ = ["QUARANTINE_DIR", "SynthesisSettings", "SynthesisSummary", "check_settings", "synthesize"]

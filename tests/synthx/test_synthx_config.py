@@ -1,0 +1,87 @@
+"""The SynthX recipe: every key of recipes/generator/synthx.yaml (and of its schema) is read by the code that uses it.
+
+A key nobody reads is a setting a user can change without effect. Each recipe section is mapped to
+the functions that consume it, and the test checks that one of them reads each key of the section.
+
+Run: .venv/bin/pytest tests/synthx/test_synthx_config.py -q
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from synthx.config import SynthXRecipe, load_synthx_recipe
+from synthx.generation.run import SynthesisSettings
+from synthx.schedulers import build_noise_scheduler
+from synthx.training import dataset, modules, run
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "generator" / "synthx.yaml"
+
+# recipe section -> the functions that consume it (the loader consumes `profiles` itself).
+READERS = {
+    "name": [run._logger],
+    "profile": [run._logger],
+    "seed": [run.train_synthx, run.train_autoencoder, dataset.TumorPatchDataModule.train_dataloader, SynthesisSettings.from_recipe],
+    "data": [dataset.recipe_training_cases, dataset.patch_dataset, dataset.TumorPatchDataModule.setup,
+             dataset.TumorPatchDataModule.train_dataloader, run._fit, run._logger, modules.build_denoiser],
+    "model": [modules.build_denoiser, modules.load_autoencoder],
+    "autoencoder": [modules.SynthXAutoencoderModule.from_recipe, run.train_autoencoder],
+    "scheduler": [build_noise_scheduler],
+    "condition_dropout": [modules.SynthXTrainingModule.from_recipe, run.train_synthx],
+    "loss": [modules.SynthXTrainingModule.from_recipe, modules.SynthXAutoencoderModule.from_recipe],
+    "optim": [modules.SynthXTrainingModule.from_recipe],
+    "ema": [modules.SynthXTrainingModule.from_recipe],
+    "trainer": [run._trainer, run.train_synthx],
+    "sampling": [SynthesisSettings.from_recipe, run.train_synthx],
+    "mask_prior": [SynthesisSettings.from_recipe],
+    "tracking": [run._logger, run.run_folder, SynthesisSettings.from_recipe],
+}
+
+
+def _leaves(config, prefix=()):
+    """Dotted key paths down to the values (a dict-valued setting such as size_class_weights counts as one key)."""
+    for key, value in config.items():
+        path = (*prefix, str(key))
+        if isinstance(value, dict) and path[0] != "profiles" and len(path) < 2:
+            yield from _leaves(value, path)
+        elif isinstance(value, dict) and path[0] == "profiles":
+            yield from _leaves(value, path)
+        else:
+            yield path
+
+
+def _reads(path: tuple[str, ...]) -> bool:
+    name = path[-1] if len(path) == 1 else path[1]
+    pattern = re.compile(rf"\.{re.escape(name)}\b|\[[\"']{re.escape(name)}[\"']\]")
+    return any(pattern.search(inspect.getsource(reader)) for reader in READERS[path[0]])
+
+
+def _recipe_keys() -> set[tuple[str, ...]]:
+    yaml_keys = set()
+    for path in _leaves(OmegaConf.to_container(OmegaConf.load(RECIPE))):
+        if path[0] == "profiles":
+            path = path[2:]  # profiles.<name>.<section>.<key> sets <section>.<key>
+        yaml_keys.add(path[:2])
+    schema_keys = {path[:2] for path in _leaves(OmegaConf.to_container(OmegaConf.structured(SynthXRecipe))) if path[0] != "profiles"}
+    return yaml_keys | schema_keys
+
+
+@pytest.mark.parametrize("path", sorted(_recipe_keys()), ids=".".join)
+def test_every_recipe_key_is_read(path):
+    assert path[0] in READERS, f"recipe section {path[0]!r} has no reader listed: who uses it?"
+    assert _reads(path), f"recipe key {'.'.join(path)} is read by none of {[r.__qualname__ for r in READERS[path[0]]]}"
+
+
+def test_the_check_catches_an_unread_key():
+    assert not _reads(("sampling", "temperature")) and _reads(("sampling", "guidance_scale"))
+
+
+def test_ddp_keys_exist_and_profiles_load():
+    recipe = load_synthx_recipe(RECIPE, ["profile=cpu", "trainer.devices=2", "trainer.strategy=ddp", "trainer.num_nodes=1"])
+    assert (recipe.trainer.devices, recipe.trainer.strategy, recipe.trainer.num_nodes) == (2, "ddp", 1)
+    assert recipe.sampling.guidance_scale > 1 and recipe.condition_dropout.all > 0
