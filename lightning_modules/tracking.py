@@ -145,13 +145,14 @@ def experiment_id(name: str, uri: str) -> str:
 
 def default_artifact_location(uri: str, experiment: str) -> str | None:
     """Where a new experiment's artifacts go, instead of MLflow's ``./mlruns`` in whatever folder the
-    process started: for SQLite beside the database (``<db folder>/mlartifacts/<experiment>``); for
+    process started: for SQLite beside the database (``<db folder>/mlruns/<experiment>``, the folder
+    ``mlflow run`` uses when started beside the database, so both land in one place); for
     another database (PostgreSQL) under ``$BENCHX_ARTIFACT_ROOT`` (default ``~/mlartifacts``); None
     for a tracking server (its ``--artifacts-destination`` decides)."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in experiment)
     if uri.startswith("sqlite:///"):
         database = Path(uri[len("sqlite:///") :])
-        return (database.resolve().parent / "mlartifacts" / safe).as_uri()
+        return (database.resolve().parent / "mlruns" / safe).as_uri()
     if uri.split(":", 1)[0].split("+", 1)[0] in DATABASE_SCHEMES:
         root = os.environ.get(ARTIFACT_ROOT_VARIABLE) or str(Path.home() / "mlartifacts")
         if "://" in root:
@@ -342,3 +343,23 @@ def ended_run(uri: str, run_id: str, writer: bool = True) -> Iterator[None]:
     if writer:
         end_run(uri, run_id, "FINISHED")
 
+
+
+def log_dataset_input(client: MlflowClient, run_id: str, frame, source: str, name: str, context: str) -> None:
+    """Log a metadata table as an MLflow dataset input of a run (``mlflow.data`` public API), with
+    its ``mlflow.data.context`` tag (e.g. ``evaluation-test``)."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    dataset = mlflow.data.from_pandas(frame.astype(str), source=source, name=name)
+    log_inputs(client, run_id, [DatasetInput(Dataset(**dataset.to_dict()), [InputTag("mlflow.data.context", context)])])
+
+
+def log_evaluation_inputs(client: MlflowClient, run_id: str, datamodule, stages) -> None:
+    """The cases an evaluation run scored, one dataset input per stage (``evaluation-val``, ``evaluation-test``)."""
+    datamodule._load()
+    source = str(Path(datamodule.cohort.root).resolve())
+    for stage in stages:
+        cases = datamodule.case_ids(stage)
+        if cases:
+            frame = datamodule.cohort.subset(cases)
+            log_dataset_input(client, run_id, frame, source, f"{stage}:{Path(str(datamodule.recipe.data.split)).name}", f"evaluation-{stage}")

@@ -46,6 +46,8 @@ from lightning_modules.evaluation.callback import SubgroupEvaluation
 from lightning_modules.evaluation.provenance import log_training_cases
 from lightning_modules.models.checkpoints import build_module
 from lightning_modules.models.planning import resolve_planned_recipe
+from lightning_modules.models.pyfunc import log_segmentation_model
+from lightning_modules.monitoring import system_callbacks
 from lightning_modules.run_folder import (
     CHECKPOINT_NAMES,
     RunFolderError,
@@ -156,6 +158,7 @@ def train(recipe: DictConfig, settings: TrainSettings | None = None, **options) 
             output_dir,
             logger=logger,
             callbacks=[best, periodic, LearningRateMonitor(logging_interval="step"), *evaluation, *settings.callbacks,
+                       *system_callbacks(recipe.trainer.accelerator, 10 * int(recipe.trainer.log_every_n_steps)),
                        FailWithLaunchedProcesses(start.uri, start.run_id)],
             max_steps=int(recipe.trainer.max_steps),
             val_every_n_steps=int(recipe.trainer.val_every_n_steps),
@@ -166,6 +169,8 @@ def train(recipe: DictConfig, settings: TrainSettings | None = None, **options) 
         best_path = Path(best.best_model_path) if best.best_model_path else None
         if trainer.is_global_zero:
             log_checkpoints(logger, [best_path, checkpoint_dir / "last.ckpt"])
+            model_checkpoint = best_path if best_path and best_path.exists() else checkpoint_dir / "last.ckpt"
+            log_segmentation_model(start.run_id, start.uri, recipe, model_checkpoint, recipe_to_yaml(recipe))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
     return TrainResult(start.run_id, output_dir, best_path, checkpoint_dir / "last.ckpt", metrics, trainer.global_step)
 
@@ -219,7 +224,7 @@ def claim_run(
     for name in CHECKPOINT_NAMES:
         (checkpoint_dir / name).unlink(missing_ok=True)
     tags = {**run_tags(recipe, split_sha256(recipe.data.split), settings.variant), **(settings.extra_tags or {})}
-    run_name = recipe.tracking.run_name or f"train-{recipe.name}"
+    run_name = recipe.tracking.run_name or f"train-{recipe.name}-{tags['variant']}"
     run_id = settings.run_id or start_run(uri, str(recipe.tracking.experiment), run_name, tags)
     if settings.run_id:
         for key, value in tags.items():

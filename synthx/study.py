@@ -90,6 +90,7 @@ class StudyRunner:
         if parent_run_id:
             self.client.set_tag(parent_run_id, "stage", "study")
             self.client.set_tag(parent_run_id, "git_commit", code_version)
+            self.client.set_tag(parent_run_id, "mlflow.runName", parent_name)
         self.outputs: dict[str, dict] = {}
 
     def key(self, name: str, params: dict) -> str:
@@ -236,7 +237,7 @@ def evaluate_action(recipe, trained: dict, variant: str) -> Callable[[dict], dic
         from lightning_modules.evaluation.runs import evaluate
 
         run_id, _ = evaluate(recipe, trained["checkpoint"], ("val", "test"), training_run_id=trained["run_id"],
-                             run_name=f"evaluate-{variant}", extra_tags={**tags, "variant": variant})
+                             run_name=f"evaluate-{recipe.name}-{variant}-test", extra_tags={**tags, "variant": variant})
         return {"run_id": run_id}
 
     return action
@@ -353,7 +354,8 @@ def _open_runner(settings: StudySettings) -> StudyRunner:
     if parent_run_id:
         client = MlflowClient(tracking_uri=uri)
         settings.experiment = client.get_experiment(client.get_run(parent_run_id).info.experiment_id).name
-    return StudyRunner(uri, settings.experiment, git_commit(), parent_run_id=parent_run_id)
+    return StudyRunner(uri, settings.experiment, git_commit(), parent_name=f"study-{segmentation_recipe(settings).name}",
+                       parent_run_id=parent_run_id)
 
 
 def _baseline_steps(runner: StudyRunner, settings: StudySettings, root: Path, split: Path) -> tuple:
@@ -425,6 +427,9 @@ def run_study(settings: StudySettings) -> pd.DataFrame:
             compare_action(evaluations, runner.uri, settings.experiment, int(base.detection.bootstrap_resamples)),
         )
         table = _publish_comparison(runner, comparison)
+        from synthx.report import publish_study
+
+        print(f"[study] report: {publish_study(runner.uri, runner.parent_id, settings.output_dir)}")
     except BaseException:
         runner.finish("FAILED")
         raise

@@ -305,6 +305,7 @@ def run_worker(study: optuna.Study, objective_fn, n_trials: int) -> None:
         n_trials=n_trials - done,
         callbacks=[MaxTrialsCallback(n_trials, states=(TrialState.COMPLETE, TrialState.PRUNED))],
         catch=(),
+        show_progress_bar=sys.stderr.isatty(),
     )
 
 

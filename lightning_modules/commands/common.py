@@ -1,13 +1,90 @@
-"""Argument helpers shared by the ``benchx`` commands: recipe overrides and the model source.
+"""Argument helpers shared by the ``benchx`` commands: the parser, recipe overrides and the model source.
 
 Commands only parse and call the library; these helpers keep the parsing rules identical across
-commands, so ``key=value`` overrides and ``--run-id | --checkpoint`` mean the same thing everywhere.
+commands, so ``key=value`` overrides and ``--run-id | --checkpoint`` mean the same thing everywhere,
+and every ``--help`` shows its defaults and an example the same way (:func:`command_help`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import re
 from typing import Iterable
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after each option's help; reStructuredText quoting removed; description and
+    example printed as written.
+
+    An empty default (None, False, an empty list or string) is not shown: "(default: None)" says nothing.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = plain_text(action.help or "")
+        if not _shown(action.default) or "%(default)" in text or "(default:" in text:
+            return text
+        action_help, action.help = action.help, text
+        try:
+            return super()._get_help_string(action)
+        finally:
+            action.help = action_help
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and action.help is not argparse.SUPPRESS and _shown(action.default):
+            action.help = "default: %(default)s"
+        return super()._format_action(action)
+
+    def _format_text(self, text: str) -> str:
+        # "``benchx train``: train a backbone ..." -> "Train a backbone ...": the usage line names the command.
+        text = re.sub(r"^\s*``benchx [^`]*``\s*(\([^)]*\))?:\s*(\w)", lambda m: m.group(2).upper(), text)
+        return super()._format_text(plain_text(text))
+
+
+def _shown(default) -> bool:
+    """Whether a default says something (None, False, an empty list or string, SUPPRESS do not)."""
+    return default is not argparse.SUPPRESS and default not in (None, False, [], "")
+
+
+def plain_text(text: str) -> str:
+    """Docstring prose for a terminal: reStructuredText ``literals`` and :role:`targets` unquoted."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    return text.replace("``", "'").replace("`", "'")
+
+
+def doc_example(doc: str | None) -> str:
+    """The ``Example::`` block of a module docstring, one indented command per line ('' if none)."""
+    match = re.search(r"(?:Examples?|Run|Usage)::\s*\n((?:\s*\n|[ \t]+.*\n?)+)", (doc or "") + "\n")
+    if not match:
+        return ""
+    return "\n".join(f"  {line.strip()}" for line in match.group(1).splitlines() if line.strip())
+
+
+@contextlib.contextmanager
+def command_help(command: str, doc: str | None):
+    """While a ``benchx`` command parses its arguments, every parser it builds uses :class:`HelpFormatter`,
+    and its top-level parser (``prog`` "benchx <command>") gets the module docstring's example as epilog.
+
+    Applied once, by the dispatcher (``lightning_modules.cli``), so every command's ``--help`` looks
+    the same without each command repeating it.
+    """
+    original = argparse.ArgumentParser.__init__
+    example = doc_example(doc)
+
+    def init(self, *args, **kwargs):
+        if kwargs.get("formatter_class", argparse.HelpFormatter) in (
+            argparse.HelpFormatter, argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter
+        ):
+            kwargs["formatter_class"] = HelpFormatter
+        if example and not kwargs.get("epilog") and str(kwargs.get("prog", "")).startswith(f"benchx {command}"):
+            kwargs["epilog"] = f"example:\n{example}"
+        original(self, *args, **kwargs)
+
+    argparse.ArgumentParser.__init__ = init
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.__init__ = original
 
 
 def split_overrides(values: Iterable[str]) -> list[str]:
@@ -25,9 +102,12 @@ def add_overrides_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def run_id(text: str) -> str:
-    """argparse type of an MLflow run id: its shape is checked before any look-up (``../../etc`` is refused)."""
+    """argparse type of an MLflow run id: its shape is checked before any look-up (``../../etc`` is refused).
+    A registered model URI (``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``) passes unchanged."""
     from lightning_modules.tracking import check_run_id
 
+    if text.startswith("models:/"):
+        return text
     try:
         return check_run_id(text)
     except ValueError as error:
@@ -35,8 +115,14 @@ def run_id(text: str) -> str:
 
 
 def add_model_source_arguments(parser: argparse.ArgumentParser, recipe_help: str | None = None) -> None:
-    """``--run-id RUN`` or ``--checkpoint FILE --recipe YAML``: the trained model a command uses."""
+    """``--run-id RUN`` (or ``models:/NAME@ALIAS``) or ``--checkpoint FILE --recipe YAML``: the trained model a command uses."""
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--run-id", type=run_id, help="MLflow training run (its recipe.yaml and best checkpoint are used)")
+    source.add_argument(
+        "--run-id",
+        type=run_id,
+        help="MLflow training run (its recipe.yaml and best checkpoint are used), or a registered model "
+        "URI such as models:/benchx-unet@baseline",
+    )
+    source.add_argument("--model-uri", dest="run_id", type=run_id, metavar="URI", help="same as --run-id, e.g. models:/benchx-unet/3")
     source.add_argument("--checkpoint", help="a checkpoint file (needs --recipe)")
     parser.add_argument("--recipe", help=recipe_help or "recipe for --checkpoint, or one that replaces the run's recipe")

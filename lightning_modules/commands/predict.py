@@ -2,11 +2,12 @@
 
 Parses the model source, the input and the output folder and calls
 :func:`lightning_modules.inference.predict_cases`. Exit status: 0 when every scan was predicted,
-1 on a bad model source or input, 3 when some files could not be read (they are listed at the end;
+2 on a bad model source or input (through the dispatcher), 3 when some files could not be read (they are listed at the end;
 the others were predicted).
 
 Example::
 
+    benchx predict --model-uri models:/benchx-unet@baseline --input data/example_ct --out predictions/
     benchx predict --run-id <training run> --input data/example_ct --out predictions/
     benchx predict --checkpoint best.ckpt --recipe recipes/unet.yaml --input scan.nii.gz --out predictions/
 """
@@ -39,19 +40,16 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from lightning_modules.inference import input_cases, predict_cases
-    from lightning_modules.models.checkpoints import ModelSourceError, load_module_from_checkpoint, resolve_model_source
+    from lightning_modules.models.checkpoints import load_module_from_checkpoint, resolve_model_source
 
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        with tempfile.TemporaryDirectory() as folder:
-            recipe, checkpoint = resolve_model_source(
-                Path(folder), args.run_id, args.checkpoint, args.recipe, split_overrides(args.overrides)
-            )
-            module = load_module_from_checkpoint(recipe, checkpoint)
-        summary = predict_cases(module, recipe, input_cases(Path(args.input)), Path(args.out), report=print)
-    except (ModelSourceError, FileNotFoundError) as error:
-        print(f"benchx predict: {error}", file=sys.stderr)
-        return 1
+    # A bad model source or input goes to the dispatcher (lightning_modules.cli): a short message, exit 2.
+    with tempfile.TemporaryDirectory() as folder:
+        recipe, checkpoint = resolve_model_source(
+            Path(folder), args.run_id, args.checkpoint, args.recipe, split_overrides(args.overrides)
+        )
+        module = load_module_from_checkpoint(recipe, checkpoint)
+    summary = predict_cases(module, recipe, input_cases(Path(args.input)), Path(args.out), report=print)
     if summary.skipped:
         print(f"benchx predict: {len(summary.skipped)} file(s) skipped, they could not be read:", file=sys.stderr)
         for path, reason in summary.skipped:

@@ -37,22 +37,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from lightning_modules.config.recipe import RecipeError, load_recipe
-    from lightning_modules.data.cohort import CohortError
-    from lightning_modules.run_folder import RunFolderError
+    from lightning_modules.config.recipe import load_recipe
     from lightning_modules.tracking import Terminated
-    from lightning_modules.trainer import RankZeroRefusal, global_rank
+    from lightning_modules.trainer import global_rank
     from lightning_modules.training import TrainSettings, train
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # Recipe, cohort and run-folder errors go to the dispatcher (lightning_modules.cli): two lines, exit 2.
     try:
         recipe = load_recipe(args.recipe, split_overrides(args.overrides))
         # Under `mlflow run`, log into the run it opened (Lightning would otherwise start another).
         settings = TrainSettings(output_dir=args.out, resume=not args.fresh, run_id=os.environ.get("MLFLOW_RUN_ID"))
         result = train(recipe, settings)
-    except (RecipeError, CohortError, RunFolderError, RankZeroRefusal) as error:
-        print(f"benchx train: {error}", file=sys.stderr)
-        return 1
     except Terminated as stopped:
         print(f"benchx train: {stopped}; rerun the same command to resume", file=sys.stderr)
         return stopped.exit_code

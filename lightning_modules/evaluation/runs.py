@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +50,7 @@ from lightning_modules.evaluation.thresholds import (
     specificity_at,
 )
 from lightning_modules.trainer import build_trainer
-from lightning_modules.tracking import check_run_id, experiment_id, log_metrics, run_tags, tracking_uri
+from lightning_modules.tracking import check_run_id, experiment_id, log_evaluation_inputs, log_metrics, run_tags, tracking_uri
 
 log = logging.getLogger(__name__)
 OVERLAP_OVERRIDE_TAG = "training_overlap_override"
@@ -181,6 +182,11 @@ def evaluate(
     from lightning_modules.data.splits import split_sha256
     from lightning_modules.models.checkpoints import load_module_from_checkpoint
 
+    from lightning_modules.models.pyfunc import is_model_uri, model_version_tags
+
+    # A registered model (models:/NAME@ALIAS) stands for its version's training run.
+    version_tags = model_version_tags(training_run_id, tracking_uri(recipe.tracking.uri)) if is_model_uri(training_run_id) else {}
+    training_run_id = version_tags.get("training_run_id", training_run_id)
     training_run_id = training_run_id or training_run_of_checkpoint(checkpoint)
     try:
         training_run_id = check_run_id(training_run_id) if training_run_id else None
@@ -197,13 +203,14 @@ def evaluate(
     if training_run_id:
         tags["training_run_id"] = training_run_id
     tags.update(extra_tags or {})
+    tags.update(version_tags or model_version_tags(training_run_id, uri))
     module = load_module_from_checkpoint(recipe, checkpoint)
     logger = MLFlowLogger(experiment_name=str(recipe.tracking.experiment), tracking_uri=uri,
                           run_name=run_name or f"evaluate-{recipe.name}", tags=tags)
     callback = SubgroupEvaluation.from_recipe(recipe, tables_on_val=True)
     # One process: evaluation under DDP is not supported yet (the records would need a rank-safe run).
     trainer = build_trainer(recipe.trainer, None, logger=logger, callbacks=[callback], devices=1, strategy="auto",
-                            num_nodes=1, enable_model_summary=False, enable_progress_bar=False)
+                            num_nodes=1, enable_model_summary=False, enable_progress_bar=sys.stderr.isatty())
     try:
         if datamodule.case_ids("val"):
             trainer.validate(module, datamodule=datamodule)
@@ -212,6 +219,7 @@ def evaluate(
         tables = dict(callback.results)
         points = _operating_points(recipe, callback)
         tables.update(_log_operating_points(logger.experiment, logger.run_id, recipe, callback, list(stages), points))
+        log_evaluation_inputs(logger.experiment, logger.run_id, datamodule, list(dict.fromkeys(["val", *stages])))
     except BaseException:
         logger.experiment.set_terminated(logger.run_id, "FAILED")
         raise

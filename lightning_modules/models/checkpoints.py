@@ -22,6 +22,11 @@ from lightning_modules.models.backbones import build_backbone, get_backbone
 from lightning_modules.models.segmentation_module import SegmentationModule
 
 
+# The pyfunc artifacts of a registered model (lightning_modules/models/pyfunc.py logs them).
+CHECKPOINT_ARTIFACT = "checkpoint"
+RECIPE_ARTIFACT = "recipe"
+
+
 class ModelSourceError(ValueError):
     """A run or checkpoint that does not name a usable trained model."""
 
@@ -80,6 +85,21 @@ def training_run_artifacts(run_id: str, uri: str, folder: Path) -> tuple[Path, P
     raise ModelSourceError(f"run {run_id} has no checkpoints/best.ckpt or last.ckpt artifact")
 
 
+def registered_model_artifacts(model_uri: str, uri: str, folder: Path) -> tuple[Path, Path]:
+    """Download a registered model (``models:/benchx-unet@baseline``); its recipe and checkpoint artifacts."""
+    import mlflow
+    from mlflow.models import Model
+
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(folder), tracking_uri=uri))
+    except mlflow.exceptions.MlflowException as error:
+        raise ModelSourceError(f"{model_uri}: no such registered model in {uri} ({str(error).splitlines()[0]})") from error
+    artifacts = Model.load(str(local)).flavors.get("python_function", {}).get("artifacts", {})
+    if CHECKPOINT_ARTIFACT not in artifacts or RECIPE_ARTIFACT not in artifacts:
+        raise ModelSourceError(f"{model_uri} is not a benchx segmentation model (no checkpoint and recipe artifacts)")
+    return local / artifacts[RECIPE_ARTIFACT]["path"], local / artifacts[CHECKPOINT_ARTIFACT]["path"]
+
+
 def resolve_model_source(
     folder: Path,
     run_id: str | None = None,
@@ -92,7 +112,8 @@ def resolve_model_source(
 
     Args:
         folder: where a run's artifacts are downloaded (the caller keeps it alive while it loads).
-        run_id: an MLflow training run; its resolved recipe is used unless ``recipe`` replaces it.
+        run_id: an MLflow training run, or a registered model URI (``models:/benchx-unet@baseline``);
+            its resolved recipe is used unless ``recipe`` replaces it.
         checkpoint: a checkpoint file (then ``recipe`` is required).
         recipe: the recipe YAML for ``checkpoint``, or one that replaces the run's recipe.
         overrides: ``key=value`` recipe overrides, applied last.
@@ -102,8 +123,11 @@ def resolve_model_source(
 
     if (run_id is None) == (checkpoint is None):
         raise ModelSourceError("name exactly one model source: --run-id RUN or --checkpoint FILE --recipe YAML")
-    if run_id is not None:
+    if run_id is not None and str(run_id).startswith("models:/"):
+        recipe_path, checkpoint_path = registered_model_artifacts(run_id, resolve_uri(tracking_uri), Path(folder))
+    elif run_id is not None:
         recipe_path, checkpoint_path = training_run_artifacts(run_id, resolve_uri(tracking_uri), Path(folder))
+    if run_id is not None:
         if recipe is not None:
             return load_recipe(recipe, list(overrides)), checkpoint_path
         return load_recipe(recipe_path, list(overrides), resolved=True), checkpoint_path

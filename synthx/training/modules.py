@@ -218,7 +218,6 @@ class SynthXTrainingModule(pl.LightningModule):
             self.ema.step(self.denoiser.parameters())
         seconds = time.perf_counter() - self._step_started
         self.step_seconds.append(seconds)
-        self.log("perf/step_seconds", seconds, batch_size=batch["image"].shape[0])
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.denoiser.parameters(), lr=self.lr, weight_decay=self.weight_decay)

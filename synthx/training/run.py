@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_modules.data.cohort import load_cohort
 from lightning_modules.data.splits import load_split, split_sha256
 from lightning_modules.trainer import build_trainer
+from lightning_modules.monitoring import system_callbacks
 from lightning_modules.tracking import experiment_id, flatten, git_commit, tracking_uri
 from synthx.config import recipe_to_yaml
 from synthx.provenance import GeneratorProvenance
@@ -176,7 +177,7 @@ def _trainer(recipe: DictConfig, max_steps: int, folder: Path, logger: MLFlowLog
         recipe.trainer,
         folder,
         logger=logger,
-        callbacks=[run, checkpoints],
+        callbacks=[run, checkpoints, *system_callbacks(recipe.trainer.accelerator, 10 * int(recipe.trainer.log_every_n_steps))],
         max_steps=max_steps,
         # Each rank already holds its own share of the cases (TumorPatchDataModule).
         use_distributed_sampler=False,
@@ -230,6 +231,9 @@ def train_synthx(
             condition_dropout_all=float(recipe.condition_dropout.all),
         ).write(pipeline_dir)
         logger.experiment.log_artifacts(run.run_id, str(pipeline_dir), artifact_path="pipeline")
+        from synthx.pyfunc import log_generator_model
+
+        log_generator_model(run.run_id, tracking_uri(recipe.tracking.uri), pipeline_dir)
         if math.isfinite(mean_step):
             logger.experiment.log_metric(run.run_id, "perf/mean_step_seconds", mean_step)
         logger.finalize("success")

@@ -1,0 +1,36 @@
+"""``benchx recipe show``: print a recipe as training would use it (all layers and overrides merged).
+
+The output is the fully resolved recipe (schema defaults, ``recipes/_base.yaml``, the recipe, its
+profile and the ``key=value`` overrides), the same YAML a training run logs as ``recipe.yaml``; a
+mistyped key or a wrong value is reported as an error, so this is also a cheap check of a command line.
+
+Example::
+
+    benchx recipe show recipes/unet.yaml profile=cpu trainer.max_steps=100
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+
+def show(path: str, overrides: Sequence[str]) -> str:
+    """The resolved recipe as YAML (raises RecipeError on a bad key or value)."""
+    from lightning_modules.config.recipe import load_recipe, recipe_to_yaml
+
+    return recipe_to_yaml(load_recipe(path, list(overrides)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from lightning_modules.commands.common import add_overrides_argument, split_overrides
+
+    parser = argparse.ArgumentParser(prog="benchx recipe", description="Recipes: print one as it is resolved.")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="show")
+    show_parser = actions.add_parser("show", help="print the resolved recipe", description=__doc__.split("\n\n")[0])
+    show_parser.add_argument("recipe", help="recipe YAML, e.g. recipes/unet.yaml")
+    add_overrides_argument(show_parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    print(show(args.recipe, split_overrides(args.overrides)), end="")
+    return 0

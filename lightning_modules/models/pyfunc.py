@@ -1,0 +1,264 @@
+"""A trained segmentation model as an MLflow Model (pyfunc) in the model registry.
+
+Every training run logs its model as ``model`` (a pyfunc with the checkpoint and the resolved recipe
+as artifacts, the ``lightning_modules`` package as code and an input/output signature) and registers
+it as ``benchx-<backbone>``; a study then points the aliases ``baseline``, ``synthx`` and
+``<study>-baseline`` / ``<study>-synthx`` at its two versions (:func:`set_aliases`).
+
+``predict`` takes a DataFrame with one row per scan: either ``ct_path`` (a NIfTI file) or ``ct`` (a
+3-D volume in HU) with an optional ``affine`` (4x4, default identity = 1 mm voxels). Each scan goes
+through :func:`lightning_modules.inference.predict_scan`, the same path as ``benchx predict``, and
+comes back as a row with ``mask`` (the label map on the scan's own grid, labels in recipe class
+order), ``tumor_volume_mm3`` (the scan-level score of docs/design.md "Scan-level detection") and
+``tumor_detected`` (that score above the recipe's ``detection.threshold_mm3``).
+
+Example::
+
+    import mlflow, pandas as pd
+    model = mlflow.pyfunc.load_model("models:/benchx-unet@baseline")
+    result = model.predict(pd.DataFrame({"ct_path": ["data/example_ct/TS_EXAMPLE/ct.nii.gz"]}))
+    mlflow models predict -m models:/benchx-unet@baseline -i scans.json -t json --env-manager local
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import mlflow.pyfunc
+import pandas as pd
+
+from lightning_modules.models.checkpoints import CHECKPOINT_ARTIFACT, RECIPE_ARTIFACT
+
+MODEL_NAME = "model"
+REGISTERED_PREFIX = "benchx-"
+REQUIREMENTS = ("torch", "lightning", "monai", "nibabel", "numpy", "pandas", "omegaconf", "einops", "mlflow")
+
+
+def registered_name(backbone: str) -> str:
+    return f"{REGISTERED_PREFIX}{backbone}"
+
+
+def signature():
+    """Input: ``ct_path`` or ``ct`` (+ ``affine``) per row; output: mask, tumor volume, decision."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Array, ColSpec, Schema
+
+    inputs = Schema(
+        [
+            ColSpec("string", "ct_path", required=False),
+            ColSpec(Array(Array(Array("float"))), "ct", required=False),
+            ColSpec(Array(Array("double")), "affine", required=False),
+        ]
+    )
+    outputs = Schema(
+        [
+            ColSpec("string", "case_id"),
+            ColSpec(Array(Array(Array("integer"))), "mask"),
+            ColSpec("double", "tumor_volume_mm3"),
+            ColSpec("boolean", "tumor_detected"),
+        ]
+    )
+    return ModelSignature(inputs=inputs, outputs=outputs)
+
+
+def pip_requirements(names=REQUIREMENTS) -> list[str]:
+    """The installed versions of what a model imports (no inference subprocess at log time)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    pins = []
+    for name in names:
+        try:
+            pins.append(f"{name}=={version(name)}")
+        except PackageNotFoundError:
+            pins.append(name)
+    return pins
+
+
+def package_dir(name: str) -> str:
+    """The folder of an importable top-level package (logged as the model's code)."""
+    import importlib
+
+    return str(Path(importlib.import_module(name).__file__).parent)
+
+
+class SegmentationModel(mlflow.pyfunc.PythonModel):
+    """The pyfunc wrapper: rebuilds the module from the recipe and checkpoint artifacts."""
+
+    def load_context(self, context) -> None:
+        from lightning_modules.config.recipe import load_recipe
+        from lightning_modules.models.checkpoints import load_module_from_checkpoint
+
+        self.recipe = load_recipe(context.artifacts[RECIPE_ARTIFACT], resolved=True)
+        self.module = load_module_from_checkpoint(self.recipe, context.artifacts[CHECKPOINT_ARTIFACT])
+        self.module.eval()
+
+    def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
+        frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
+        rows = [self._predict_row(index, row) for index, row in frame.iterrows()]
+        return pd.DataFrame(rows, columns=["case_id", "mask", "tumor_volume_mm3", "tumor_detected"])
+
+    def _predict_row(self, index, row) -> dict:
+        import numpy as np
+
+        from lightning_modules.inference import predict_scan
+
+        path = row.get("ct_path") if "ct_path" in row else None
+        if isinstance(path, str) and path:
+            labels, affine = predict_scan(self.module, self.recipe, path)
+            case_id = _case_id(path)
+        elif "ct" in row and row["ct"] is not None:
+            labels, affine = self._predict_volume(np.asarray(row["ct"], dtype=np.float32), row.get("affine"))
+            case_id = str(index)
+        else:
+            raise ValueError(f"row {index}: give ct_path (a NIfTI file) or ct (a 3-D volume in HU)")
+        voxel = float(abs(np.linalg.det(np.asarray(affine)[:3, :3])))
+        volume = float((labels == self.module.tumor_label).sum()) * voxel
+        return {
+            "case_id": case_id,
+            "mask": labels,
+            "tumor_volume_mm3": volume,
+            "tumor_detected": volume > float(self.recipe.detection.threshold_mm3),
+        }
+
+    def _predict_volume(self, volume, affine):
+        """An in-memory volume goes through a temporary NIfTI so it takes exactly ``predict_scan``'s path."""
+        import nibabel as nib
+        import numpy as np
+
+        from lightning_modules.inference import predict_scan
+
+        if volume.ndim != 3:
+            raise ValueError(f"ct must be a 3-D volume, got shape {volume.shape}")
+        affine = np.eye(4) if affine is None else np.asarray([np.asarray(r, dtype=float) for r in affine])
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "ct.nii.gz"
+            nib.save(nib.Nifti1Image(volume, affine), str(path))
+            return predict_scan(self.module, self.recipe, path)
+
+
+def _case_id(path: str) -> str:
+    path = Path(path)
+    if path.name in ("ct.nii.gz",):
+        return path.parent.name
+    return path.name[: -len(".nii.gz")] if path.name.endswith(".nii.gz") else path.stem
+
+
+def log_segmentation_model(run_id: str, uri: str, recipe, checkpoint: str | Path, recipe_yaml: str) -> str | None:
+    """Log the trained model of ``run_id`` as a pyfunc and register it as ``benchx-<backbone>``.
+
+    Returns the registered version (as a string); the version is tagged with the run's ``variant``.
+    """
+    from mlflow.tracking import MlflowClient
+
+    with tempfile.TemporaryDirectory() as folder:
+        recipe_path = Path(folder) / "recipe.yaml"
+        recipe_path.write_text(recipe_yaml)
+        with logging_into(run_id, uri), warnings.catch_warnings():
+            # No input example: it would be a whole CT volume stored with every model version.
+            warnings.filterwarnings("ignore", message=".*input example was not provided", category=UserWarning)
+            info = mlflow.pyfunc.log_model(
+                name=MODEL_NAME,
+                python_model=str(Path(__file__).with_name("pyfunc_code.py")),
+                artifacts={CHECKPOINT_ARTIFACT: str(checkpoint), RECIPE_ARTIFACT: str(recipe_path)},
+                code_paths=[package_dir("lightning_modules")],
+                signature=signature(),
+                pip_requirements=pip_requirements(),
+                registered_model_name=registered_name(str(recipe.model.backbone)),
+                await_registration_for=60,
+            )
+    version = getattr(info, "registered_model_version", None)
+    if version is not None:
+        client = MlflowClient(tracking_uri=uri)
+        run = client.get_run(run_id)
+        for key in ("variant", "recipe", "synthx_ratio", "split_sha256"):
+            if key in run.data.tags:
+                client.set_model_version_tag(registered_name(str(recipe.model.backbone)), str(version), key, run.data.tags[key])
+    return None if version is None else str(version)
+
+
+class logging_into:
+    """``mlflow.start_run(run_id)`` on the given store, restoring the fluent state afterwards.
+
+    The run's status is left as it was (a finished training run stays finished, a running one running).
+    """
+
+    def __init__(self, run_id: str, uri: str):
+        self.run_id, self.uri = run_id, uri
+
+    def __enter__(self):
+        from mlflow.tracking import MlflowClient
+
+        self.previous_uri = mlflow.get_tracking_uri()
+        mlflow.set_tracking_uri(self.uri)
+        self.status = MlflowClient(tracking_uri=self.uri).get_run(self.run_id).info.status
+        active = mlflow.active_run()
+        self.reused = active is not None and active.info.run_id == self.run_id
+        if not self.reused:
+            mlflow.start_run(run_id=self.run_id, nested=active is not None)
+        return self
+
+    def __exit__(self, *exc):
+        if not self.reused:
+            mlflow.end_run(status=self.status)
+        mlflow.set_tracking_uri(self.previous_uri)
+        return False
+
+
+def model_versions_of_run(run_id: str, uri: str) -> list:
+    """Registered versions whose source is the given training run."""
+    from mlflow.tracking import MlflowClient
+
+    return list(MlflowClient(tracking_uri=uri).search_model_versions(f"run_id = '{run_id}'"))
+
+
+def set_aliases(training_run_id: str, uri: str, aliases: list[str], prefix: str = REGISTERED_PREFIX) -> str | None:
+    """Point ``aliases`` at the registered version of a training run (the newest of the models whose
+    name starts with ``prefix``); returns ``name/version``, or None when the run registered none."""
+    from mlflow.tracking import MlflowClient
+
+    versions = [v for v in model_versions_of_run(training_run_id, uri) if v.name.startswith(prefix)]
+    if not versions:
+        return None
+    latest = max(versions, key=lambda v: int(v.version))
+    client = MlflowClient(tracking_uri=uri)
+    for alias in aliases:
+        client.set_registered_model_alias(latest.name, alias_name(alias), latest.version)
+    return f"{latest.name}/{latest.version}"
+
+
+def alias_name(text: str) -> str:
+    """An alias MLflow accepts (letters, digits, '_' and '-'; not 'latest' or 'v<number>')."""
+    alias = "".join(c if c.isalnum() or c in "-_" else "-" for c in text).strip("-") or "study"
+    return f"{alias}-model" if alias == "latest" or (alias[0] == "v" and alias[1:].isdigit()) else alias
+
+
+def is_model_uri(source: str | None) -> bool:
+    return bool(source) and str(source).startswith("models:/")
+
+
+def model_version_tags(source: str | None, uri: str) -> dict[str, str]:
+    """Tags naming the registered model version an evaluation used (``models:/`` URI or training run)."""
+    from mlflow.tracking import MlflowClient
+
+    if not source:
+        return {}
+    client = MlflowClient(tracking_uri=uri)
+    if is_model_uri(source):
+        path = source[len("models:/") :]
+        if "@" in path:
+            name, _, alias = path.partition("@")
+            version = client.get_model_version_by_alias(name, alias)
+        else:
+            name, _, number = path.partition("/")
+            version = client.get_model_version(name, number)
+        return {"model_uri": source, "registered_model": version.name, "model_version": str(version.version),
+                "training_run_id": str(version.run_id)}
+    versions = model_versions_of_run(source, uri)
+    if not versions:
+        return {}
+    latest = max(versions, key=lambda v: int(v.version))
+    return {"model_uri": f"models:/{latest.name}/{latest.version}", "registered_model": latest.name,
+            "model_version": str(latest.version)}

@@ -1,0 +1,78 @@
+"""Silence the library messages that say nothing to a ``benchx`` user, one by one, with the reason.
+
+Installed by the ``benchx`` command line when it starts (``lightning_modules.cli``), not on import
+of the package: a library user or a test still sees every warning. Each filter matches one message
+by its text and the module that emits it, so a new or different warning still shows.
+
+Example::
+
+    from lightning_modules.warnings_filter import install
+    install()
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+# (message regex, category, module regex, why it is noise here)
+WARNING_FILTERS: tuple[tuple[str, type[Warning], str, str], ...] = (
+    (
+        r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        FutureWarning,
+        r"(lightning|pytorch_lightning|torch)\..*",
+        "raised inside Lightning's own pytree helper on torch >= 2.10; nothing in this project to change",
+    ),
+    (
+        r"NvImgCodecPydicomReader: nvImageCodec decoder plugin did not register",
+        UserWarning,
+        r"monai\..*",
+        "an optional GPU DICOM decoder; MONAI falls back to pydicom's own decoders, which read every scan",
+    ),
+    (
+        r"The specified dataset source can be interpreted in multiple ways",
+        UserWarning,
+        r"mlflow\..*",
+        "a cohort folder logged as a dataset source matches both MLflow's local and HTTP resolvers; "
+        "MLflow picks the local one, which is right",
+    ),
+)
+
+# (logger name, message substring, why it is noise here)
+LOG_FILTERS: tuple[tuple[str, str, str], ...] = (
+    (
+        "monai.data.nvimgcodec_pydicom_plugin",
+        "nvImageCodec is not available",
+        "an optional GPU DICOM decoder; DICOM import falls back to pydicom's own decoders",
+    ),
+    (
+        "lightning.pytorch.utilities.rank_zero",
+        "try installing [litlogger]",
+        "an advertisement for a cloud logger; runs are tracked in MLflow",
+    ),
+)
+
+
+class _DropMessages(logging.Filter):
+    """Drops the records whose message contains one of the given substrings."""
+
+    def __init__(self, substrings: list[str]):
+        super().__init__()
+        self.substrings = substrings
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(text in message for text in self.substrings)
+
+
+def install() -> None:
+    """Add the filters above to :mod:`warnings` and to the emitting loggers (idempotent)."""
+    for message, category, module, _reason in WARNING_FILTERS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    by_logger: dict[str, list[str]] = {}
+    for name, text, _reason in LOG_FILTERS:
+        by_logger.setdefault(name, []).append(text)
+    for name, texts in by_logger.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages(texts))

@@ -1,0 +1,31 @@
+"""``benchx report``: rebuild a study's HTML report from what its runs logged in MLflow.
+
+The report is written to ``--out`` and logged to the study's parent run as
+``report/study_report.html`` (the MLflow UI previews it there).
+
+Example::
+
+    benchx report --run-id <study parent run> --out outputs/study/study_report.html
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="benchx report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-id", required=True, help="the study's parent run (its name is study-<backbone>)")
+    parser.add_argument("--out", default=None, help="HTML file to write (default: study_report_<run>.html here)")
+    parser.add_argument("--no-log", action="store_true", help="do not log the report to the parent run")
+    parser.add_argument("--tracking-uri", default=None, help="MLflow store (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+
+    from lightning_modules.tracking import tracking_uri
+    from synthx.report import build_report
+
+    path = build_report(args.run_id, tracking_uri(args.tracking_uri), args.out, log=not args.no_log)
+    print(f"report written to {path}" + ("" if args.no_log else f" and logged to run {args.run_id}"))
+    return 0

@@ -1,0 +1,99 @@
+"""The ``benchx`` dispatcher: version, help texts, and expected errors as short messages with exit code 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import RECIPES, REPO_ROOT
+from lightning_modules.cli import COMMANDS, EXIT_USAGE, main
+
+
+def benchx(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``benchx`` as a user runs it: a fresh process, this checkout first on the path."""
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "lightning_modules.cli", *args], cwd=REPO_ROOT, env=environment,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_version(capsys):
+    from lightning_modules import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"benchx {__version__}"
+
+
+def test_a_mistyped_recipe_key_exits_2_with_a_short_message_and_no_traceback(tmp_path):
+    done = benchx("train", "--recipe", str(RECIPES / "unet.yaml"), "trainer.max_stepz=1",
+                  env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}"})
+    assert done.returncode == EXIT_USAGE, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert "trainer.max_stepz" in done.stderr and "max_steps" in done.stderr, done.stderr
+    assert len([line for line in done.stderr.splitlines() if line.startswith("benchx train:")]) == 1
+    # --debug (anywhere on the line) shows the traceback instead.
+    debug = benchx("recipe", "show", str(RECIPES / "unet.yaml"), "trainer.max_stepz=1", "--debug")
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "RecipeError" in debug.stderr
+
+
+def test_recipe_show_prints_the_resolved_recipe(capsys):
+    from omegaconf import OmegaConf
+
+    assert main(["recipe", "show", str(RECIPES / "unet.yaml"), "profile=cpu", "trainer.max_steps=7"]) == 0
+    shown = OmegaConf.create(capsys.readouterr().out)
+    assert shown.trainer.max_steps == 7 and shown.profile == "cpu" and shown.model.backbone == "unet"
+
+
+def test_a_missing_run_or_model_is_named_with_exit_2(tmp_path, mlflow_uri, capsys):
+    code = main(["predict", "--run-id", "0123456789abcdef0123456789abcdef", "--input", str(tmp_path), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "0123456789abcdef0123456789abcdef" in err and "Traceback" not in err
+    code = main(["predict", "--model-uri", "models:/benchx-unet@nothing", "--input", str(tmp_path), "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "models:/benchx-unet@nothing" in err
+    assert len(err.strip().splitlines()) <= 3
+
+
+def test_a_split_naming_unknown_cases_exits_2(tiny_phantom, tmp_path, capsys):
+    from conftest import tiny_overrides
+
+    root, split = tiny_phantom
+    bad = tmp_path / "split.csv"
+    bad.write_text(split.read_text() + "NOT_A_CASE,NOT_A_PATIENT,train\n")
+    code = main(["train", "--recipe", str(RECIPES / "unet.yaml"), *tiny_overrides(root, split, tmp_path), f"data.split={bad}"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "NOT_A_CASE" in err and "Traceback" not in err, err
+
+
+def test_an_unknown_command_lists_the_commands(capsys):
+    assert main(["trian"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "unknown command 'trian'" in err and "train" in err
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_help_shows_defaults_and_an_example_without_rst_quoting(command, capsys, monkeypatch):
+    import argparse
+
+    shown = []
+    format_help = argparse.ArgumentParser.format_help
+
+    def recording(parser):
+        shown.append(parser)
+        return format_help(parser)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "format_help", recording)
+    args = [command, "show", "--help"] if command == "recipe" else [command, "--help"]
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert "`" not in text, text
+    assert "example:\n  benchx " in text or "example:\n  mlflow " in text, f"benchx {command} --help has no example"
+    flat = " ".join(text.split())
+    for action in shown[-1]._actions:
+        written = "(default:" in (action.help or "") or "%(default)" in (action.help or "")  # the help names it itself
+        if action.option_strings and action.default not in (None, False, [], "", argparse.SUPPRESS) and not written:
+            assert f"default: {action.default}" in flat, f"{command} {action.option_strings[0]}: default not shown"
