@@ -86,7 +86,7 @@ def test_training_with_additive_mixing_logs_each_epochs_exposures(tiny_phantom, 
     write_metadata(synthetic, pd.DataFrame(rows))
     steps = 2 * len(train_ids)  # about two epochs at batch size 2 with r = 1
     recipe = load_recipe(RECIPE, [*tiny_overrides(root, split, tmp_path, steps=steps), "synthx.ratio=1.0", f"synthx.cohort={synthetic}",
-                                  "data.batch_size=2", "data.cache=false"])
+                                  "data.batch_size=2", "data.cache=none"])
     result = train(recipe, evaluation=False)
     client = mlflow.tracking.MlflowClient(recipe.tracking.uri)
     real = client.get_metric_history(result.run_id, "mixing/real_exposures")
