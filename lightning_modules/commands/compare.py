@@ -31,9 +31,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    # Heavy imports after parsing, so --help answers at once.
     from lightning_modules.evaluation.runs import EvaluationError, compare, format_comparison
 
-    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         table, run_id = compare(args.run_ids, args.stage, experiment=args.experiment or None, n_resamples=args.resamples)
     except EvaluationError as error:

@@ -46,12 +46,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    # Heavy imports after parsing, so --help answers at once.
     from lightning_modules.data.cohort import CohortError
     from lightning_modules.data.splits import SplitError
     from lightning_modules.evaluation.runs import EvaluationError, evaluate
     from lightning_modules.models.checkpoints import ModelSourceError, resolve_model_source
 
-    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         with tempfile.TemporaryDirectory() as folder:
             recipe, checkpoint = resolve_model_source(

@@ -39,10 +39,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    # Heavy imports after parsing, so --help answers at once.
     from lightning_modules.inference import input_cases, predict_cases
     from lightning_modules.models.checkpoints import load_module_from_checkpoint, resolve_model_source
 
-    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     # A bad model source or input goes to the dispatcher (lightning_modules.cli): a short message, exit 2.
     with tempfile.TemporaryDirectory() as folder:
         recipe, checkpoint = resolve_model_source(

@@ -37,12 +37,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    # Heavy imports after parsing, so --help answers at once.
     from lightning_modules.config.recipe import load_recipe
     from lightning_modules.tracking import Terminated
     from lightning_modules.trainer import global_rank
     from lightning_modules.training import TrainSettings, train
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
     # Recipe, cohort and run-folder errors go to the dispatcher (lightning_modules.cli): two lines, exit 2.
     try:
         recipe = load_recipe(args.recipe, split_overrides(args.overrides))

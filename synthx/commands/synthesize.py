@@ -51,12 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_intermixed_args(argv)
+    # Heavy imports after parsing, so --help answers at once.
     import torch
 
     from synthx.config import load_synthx_recipe
     from synthx.generation import SynthesisSettings, synthesize
 
-    args = build_parser().parse_intermixed_args(argv)
     recipe = load_synthx_recipe(args.recipe, split_overrides(args.overrides))
     values = dict(
         budget=args.budget, phases=args.phases, max_cases=args.max_cases, generator_run_id=args.generator_run_id,
