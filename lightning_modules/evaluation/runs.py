@@ -74,11 +74,12 @@ def validation_rule(recipe: DictConfig) -> str:
 
 
 def training_run_of_checkpoint(checkpoint: str | Path) -> str | None:
-    """The MLflow run of a checkpoint written by ``benchx train`` (``<run folder>/checkpoints/*.ckpt``)."""
-    from lightning_modules.training import RUN_ID_FILE
+    """The MLflow run of a checkpoint written by ``benchx train`` (``<run folder>/checkpoints/*.ckpt``),
+    from the run folder's record (``run.json``)."""
+    from lightning_modules.run_folder import RunRecord
 
-    path = Path(checkpoint).resolve().parent.parent / RUN_ID_FILE
-    return path.read_text().strip() if path.is_file() else None
+    record = RunRecord.read(Path(checkpoint).resolve().parent.parent)
+    return record.run_id if record is not None else None
 
 
 def check_training_overlap(
