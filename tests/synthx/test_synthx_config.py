@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from lightning_modules.trainer import build_trainer
 from synthx.config import SynthXRecipe, load_synthx_recipe
 from synthx.generation.run import SynthesisSettings
 from synthx.schedulers import build_noise_scheduler
@@ -36,7 +37,7 @@ READERS = {
     "loss": [modules.SynthXTrainingModule.from_recipe, modules.SynthXAutoencoderModule.from_recipe],
     "optim": [modules.SynthXTrainingModule.from_recipe],
     "ema": [modules.SynthXTrainingModule.from_recipe],
-    "trainer": [run._trainer, run.train_synthx],
+    "trainer": [run._trainer, run.train_synthx, build_trainer],  # build_trainer: the shared Trainer construction
     "sampling": [SynthesisSettings.from_recipe, run.train_synthx],
     "mask_prior": [SynthesisSettings.from_recipe],
     "tracking": [run._logger, run.run_folder, SynthesisSettings.from_recipe],
@@ -57,7 +58,7 @@ def _leaves(config, prefix=()):
 
 def _reads(path: tuple[str, ...]) -> bool:
     name = path[-1] if len(path) == 1 else path[1]
-    pattern = re.compile(rf"\.{re.escape(name)}\b|\[[\"']{re.escape(name)}[\"']\]")
+    pattern = re.compile(rf"\.{re.escape(name)}\b|\[[\"']{re.escape(name)}[\"']\]|get\([\"']{re.escape(name)}[\"']")
     return any(pattern.search(inspect.getsource(reader)) for reader in READERS[path[0]])
 
 
