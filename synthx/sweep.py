@@ -37,6 +37,7 @@ import fcntl
 import math
 import os
 import socket
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
