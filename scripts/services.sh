@@ -47,7 +47,7 @@ start_postgres() {
   chmod 700 "$DIR/pg"
   as_service_user postgres "$PGBIN/initdb" -D "$DIR/pg/data" -U postgres --auth=trust -E UTF8 --locale=C.UTF-8 >"$DIR/pg/initdb.log"
   as_service_user postgres "$PGBIN/pg_ctl" -D "$DIR/pg/data" -l "$DIR/pg/server.log" -w start \
-    -o "-c listen_addresses=$HOST -c port=$port -c unix_socket_directories=$DIR/pg" >/dev/null
+    -o "-c listen_addresses=$HOST -c port=$port -c unix_socket_directories=$DIR/pg -c max_connections=400" >/dev/null
   for db in mlflow optuna; do psql -q -h "$HOST" -p "$port" -U postgres -c "CREATE DATABASE $db"; done
   env_line BENCHX_POSTGRES_URL "postgresql://postgres@$HOST:$port"
   env_line BENCHX_OPTUNA_STORAGE "postgresql+psycopg://postgres@$HOST:$port/optuna"

@@ -109,7 +109,7 @@ def test_uri_precedence_artifact_location_and_flatten(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     assert tracking_uri(None) == "sqlite:///mlflow.db"
     location = default_artifact_location(f"sqlite:///{tmp_path / 'm.db'}", "my exp/1")
-    assert location == (tmp_path / "mlartifacts" / "my_exp_1").as_uri()
+    assert location == (tmp_path / "mlruns" / "my_exp_1").as_uri()
     assert default_artifact_location("http://127.0.0.1:5000", "x") is None
     assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": None}) == {"a.b": "1", "a.c.d": "[1, 2]", "e": "None"}
     uri = f"sqlite:///{tmp_path / 'e.db'}"

@@ -204,7 +204,10 @@ def _wait_for_step(path, step: int, process, timeout: float = 300) -> int:
 def test_one_process_per_folder_sigterm_ends_killed_and_another_recipe_is_refused(tiny_phantom, tmp_path, capsys):
     """Two trainings on one folder: the second is refused naming the first; SIGTERM ends the run KILLED;
     the rerun resumes it to FINISHED; a changed recipe is then refused and the run stays FINISHED."""
-    from lightning_modules.commands.train import main
+    from lightning_modules.cli import main as benchx
+
+    def main(arguments):  # `benchx train ...`: expected errors are two lines on stderr and exit code 2
+        return benchx(["train", *arguments])
 
     root, split = tiny_phantom
     folder = tmp_path / "run"
@@ -214,7 +217,7 @@ def test_one_process_per_folder_sigterm_ends_killed_and_another_recipe_is_refuse
     first = subprocess.Popen([sys.executable, "-m", "lightning_modules.cli", "train", *arguments], cwd=REPO_ROOT, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert _wait_for_step(folder / "checkpoints" / "last.ckpt", 2, first) >= 2
-    assert main(arguments) == 1
+    assert main(arguments) == 2
     refusal = capsys.readouterr().err
     assert f"is in use by process {first.pid}" in refusal and str(folder) in refusal
     first.send_signal(signal.SIGTERM)
@@ -228,7 +231,7 @@ def test_one_process_per_folder_sigterm_ends_killed_and_another_recipe_is_refuse
 
     assert main(arguments) == 0
     assert client.get_run(run_id).info.status == "FINISHED"
-    assert main([*arguments, "trainer.max_steps=40"]) == 1
+    assert main([*arguments, "trainer.max_steps=40"]) == 2
     refusal = capsys.readouterr().err
     assert "trainer.max_steps: 30 -> 40" in refusal and "--fresh" in refusal
     assert client.get_run(run_id).info.status == "FINISHED", "a refusal never touches the finished run"
