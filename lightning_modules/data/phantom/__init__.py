@@ -33,6 +33,10 @@ What else it simulates:
 
 - sites (cohorts) with their own scanner, noise level, blur, phase mix and demographic mix;
 - organ size that follows age and sex (the pancreas atrophies with age, males are a bit larger);
+- patient placement: each patient lies off-centre on the table (about 12 mm sd in x and y) with
+  its own scan range (+-40 mm in z), organ positions vary by about 6 mm and the body's width-to-depth
+  ratio by about 7%, so two patients do not line up voxel for voxel (the leakage audit's coarse NCC
+  of different patients has a median near 0.8, where a centred phantom gave 0.975);
 - skewed prevalence: venous scans and older adults are common, non-contrast and arterial scans,
   young patients and some recorded race groups are rare; about 13% of patients have a second scan
   (another phase, same anatomy and tumor, new noise), so splits must group by patient;

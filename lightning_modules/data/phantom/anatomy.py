@@ -39,7 +39,9 @@ class _Grid:
     second toward Anterior, the third toward Superior; the volume centre is at the origin.
     """
 
-    def __init__(self, shape: Sequence[int], spacing: Sequence[float]):
+    def __init__(self, shape: Sequence[int], spacing: Sequence[float], placement_mm: Sequence[float] = (0.0, 0.0, 0.0)):
+        """``placement_mm``: where the anatomy's reference origin lies in the volume (reference mm from
+        the volume centre): the patient's position on the table and the scan range."""
         self.shape = tuple(int(n) for n in shape)
         self.spacing = np.asarray(spacing, dtype=float)
         self.scale = geometry_scale(shape, spacing)
@@ -47,7 +49,7 @@ class _Grid:
         self.affine = np.diag([*self.spacing, 1.0])
         self.affine[:3, 3] = origin
         self.axes = [
-            ((origin[i] + np.arange(n) * self.spacing[i]) / self.scale).astype(np.float32)
+            ((origin[i] + np.arange(n) * self.spacing[i]) / self.scale - placement_mm[i]).astype(np.float32)
             for i, n in enumerate(self.shape)
         ]
 
@@ -138,6 +140,10 @@ class _Anatomy:
     lesion_rotation: dict[str, np.ndarray]
     lesion_axes: dict[str, np.ndarray]
     disc_offset_mm: float
+    # Drawn last, so that the draws above keep their values for a seed.
+    placement_mm: np.ndarray  # (3,) where the anatomy sits in the field of view (table position, scan range)
+    body_aspect: float  # width / depth of the body section relative to the reference
+    organ_shift_mm: np.ndarray  # (n_structures, 3) mm, added to position_jitter
 
 
 _JITTERED = ("liver", "spleen", "kidney_left", "kidney_right", "stomach", "gall_bladder", "pancreas", "aorta")
@@ -173,6 +179,16 @@ def _draw_anatomy(rng: np.random.Generator) -> _Anatomy:
         lesion_rotation=lesion_rotation,
         lesion_axes=lesion_axes,
         disc_offset_mm=float(rng.uniform(0.0, 32.0)),
+        # Patients lie off-centre on the table and scan ranges differ, so different patients'
+        # volumes do not line up voxel for voxel (as in real CT, where the leakage audit's NCC of two
+        # different patients stays well below that of a copy).
+        placement_mm=np.array([
+            np.clip(rng.normal(0.0, 12.0), -24.0, 24.0),
+            np.clip(rng.normal(0.0, 12.0), -24.0, 24.0),
+            rng.uniform(-40.0, 40.0),
+        ]),
+        body_aspect=float(np.clip(rng.normal(1.0, 0.07), 0.86, 1.14)),
+        organ_shift_mm=np.clip(rng.normal(0.0, 5.0, size=(len(_JITTERED), 3)), -10.0, 10.0),
     )
 
 
@@ -240,9 +256,10 @@ def _body_section(grid: _Grid, anatomy: _Anatomy, factors: dict[str, float], b: 
     The cavity follows the skeleton frame ``b``; fat and muscle are added outside it and capped by the view.
     """
     x2, y2 = grid.axes[0][:, None], grid.axes[1][None, :]
-    cavity_a, cavity_b = 84.0 * b, 60.0 * b
+    cavity_a, cavity_b = 84.0 * b * anatomy.body_aspect, 60.0 * b / anatomy.body_aspect
     muscle = factors["muscle_mm"]
-    half_view = min(abs(grid.axes[0][0]), abs(grid.axes[1][0])) * 0.97
+    # The body's size does not depend on its placement: an off-centre patient may be cut by the view's edge.
+    half_view = min(grid.shape[0] * grid.spacing[0], grid.shape[1] * grid.spacing[1]) / 2.0 / grid.scale * 0.97
     fat = min(anatomy.fat_mm, half_view - muscle - max(cavity_a, cavity_b))
     section = np.zeros(grid.shape[:2], dtype=np.uint8)
     section[_superellipse(x2, y2, cavity_a + muscle + fat, cavity_b + muscle + fat)] = Tissue.SUBCUTANEOUS_FAT
@@ -291,7 +308,8 @@ def _paint_bowel(labels: np.ndarray, grid: _Grid, anatomy: _Anatomy, b: float) -
 
 
 def _jitter(anatomy: _Anatomy, name: str) -> np.ndarray:
-    return anatomy.position_jitter[_JITTERED.index(name)]
+    index = _JITTERED.index(name)
+    return anatomy.position_jitter[index] + anatomy.organ_shift_mm[index]
 
 
 def _paint_solid_organs(

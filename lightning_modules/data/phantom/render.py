@@ -44,8 +44,8 @@ def render_scan(plan: ScanPlan, shape: Sequence[int], spacing: Sequence[float], 
         seed: the cohort seed; with the plan's patient index and scan number it keys the random streams.
     """
     _check_shape_and_spacing(shape, spacing)
-    grid = _Grid(shape, spacing)
     anatomy = _draw_anatomy(_stream(seed, plan.patient_index, _ANATOMY_STREAM))
+    grid = _Grid(shape, spacing, anatomy.placement_mm)
     layout = _build_labels(plan, grid, anatomy)
     _place_lesions(plan, grid, anatomy, layout)
     labels = layout.labels
