@@ -36,6 +36,27 @@ WARNING_FILTERS: tuple[tuple[str, type[Warning], str, str], ...] = (
         "a cohort folder logged as a dataset source matches both MLflow's local and HTTP resolvers; "
         "MLflow picks the local one, which is right",
     ),
+    (
+        r"Setting affine, but the applied meta contains an affine",
+        UserWarning,
+        r"monai\..*",
+        "MONAI's MetaTensor when a resampling transform writes the new affine over the one it read; "
+        "the new affine is the intended one (the masks and CT stay on one grid)",
+    ),
+    (
+        r"The `srun` command is available on your system but is not used",
+        UserWarning,
+        r"lightning\..*",
+        "Slurm's client tools are installed (the project's own Slurm scripts use them); a run started "
+        "without srun is a one-machine run on purpose, and the README says how to start under Slurm",
+    ),
+    (
+        r"When using the `ThroughputMonitor`, you need to define a `flops_per_batch`",
+        UserWarning,
+        r"lightning\..*",
+        "the throughput monitor logs samples and batches per second; FLOPs are not computed for 3D "
+        "backbones here",
+    ),
 )
 
 # (logger name, message substring, why it is noise here)

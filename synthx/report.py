@@ -221,14 +221,18 @@ def synthetic_html(study: StudyRuns) -> str:
     parts = ["<h3>Cells</h3>", _table_html(per_cell)]
     filled = per_cell["generated"] + per_cell.get("skipped", 0)
     unfilled = per_cell[filled < per_cell["requested"]]
+    note = ""
     try:
         targets = _logged_table(study.artifact("synthesize", "synthx/targets.json"))
+    except LookupError as missing_targets:
+        # Explicit requests (not a targeting rule) log no targets table: only the painted cells are known.
+        note = f"<p>requested cells without a painted case: not available ({missing_targets}).</p>"
+    else:
         merged = targets.merge(per_cell, on=["sex", "age_band", "phase"], how="left", suffixes=("", "_made"))
         missing = merged[(merged["requested"] > 0) & merged["generated"].isna()]
         unfilled = pd.concat([unfilled, missing[["sex", "age_band", "phase", "requested"]]], ignore_index=True)
-    except LookupError:
-        pass
     parts.append("<h3>Unfillable cells</h3>")
+    parts.append(note)
     parts.append(_table_html(unfilled) if len(unfilled) else "<p>none: every requested cell was filled.</p>")
     parts.append("<h3>Examples per phase</h3>")
     parts.append(_section_body(lambda: example_grid_html(study)))

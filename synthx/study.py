@@ -43,6 +43,7 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from lightning_modules.config.recipe import load_recipe
+from lightning_modules.run_folder import RunFolderLock
 from lightning_modules.tracking import experiment_id, git_commit, tracking_uri
 
 STEP_KEY_TAG = "study_step_key"
@@ -324,6 +325,16 @@ def synthesize_action(client: MlflowClient, root: Path, split: Path, settings: S
         summary = synthesize(synthesis, read_targets(client, targeting["run_id"]))
         if not summary.complete:
             raise RuntimeError(f"synthesis incomplete: {len(summary.failed)} failed: {summary.failed}")
+        if not summary.generated and not summary.skipped:
+            from synthx.generation.canvases import GenerationError
+
+            cells = summary.unfillable.to_dict("records") if summary.unfillable is not None else []
+            shown = ", ".join(f"{c['sex']}/{c['age_band']}/{c['phase']}" for c in cells[:6]) or "none requested"
+            raise GenerationError(
+                f"no synthetic case was made, so there is nothing to add to training: every targeted cell is "
+                f"unfillable (no healthy training scan of that sex, age band and phase: {shown}); "
+                "choose another rule with --target (e.g. need:B with a larger B, or counts:<table>)"
+            )
         return {"run_id": summary.synthesis_run_id, "cohort": str(synthetic_root),
                 "cases": len(summary.generated) + len(summary.skipped)}
 
@@ -403,7 +414,17 @@ def _publish_comparison(runner: StudyRunner, comparison: dict) -> pd.DataFrame:
 
 
 def run_study(settings: StudySettings) -> pd.DataFrame:
-    """Run (or resume) the study, step by step (see the module docstring); returns the comparison table."""
+    """Run (or resume) the study, step by step (see the module docstring); returns the comparison table.
+
+    One study per output folder at a time: a second process is refused, naming the holder.
+    """
+    with RunFolderLock(settings.output_dir, "benchx study") as lock:
+        if lock.takeover_note:
+            print(f"[study] {lock.takeover_note}")
+        return _run_study(settings)
+
+
+def _run_study(settings: StudySettings) -> pd.DataFrame:
     runner = _open_runner(settings)
     base = segmentation_recipe(settings)
     root, split = Path(base.data.root), Path(base.data.split)

@@ -97,3 +97,32 @@ def test_every_help_shows_defaults_and_an_example_without_rst_quoting(command, c
         written = "(default:" in (action.help or "") or "%(default)" in (action.help or "")  # the help names it itself
         if action.option_strings and action.default not in (None, False, [], "", argparse.SUPPRESS) and not written:
             assert f"default: {action.default}" in flat, f"{command} {action.option_strings[0]}: default not shown"
+
+
+NOISE = [
+    ("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning, "lightning.pytorch.utilities.data"),
+    ("NvImgCodecPydicomReader: nvImageCodec decoder plugin did not register", UserWarning, "monai.data.image_reader"),
+    ("The specified dataset source can be interpreted in multiple ways: ...", UserWarning, "mlflow.data.dataset_source_registry"),
+    ("Setting affine, but the applied meta contains an affine. This will be overwritten.", UserWarning, "monai.data.meta_tensor"),
+    ("The `srun` command is available on your system but is not used. HINT: ...", UserWarning,
+     "lightning.fabric.plugins.environments.slurm"),
+    ("When using the `ThroughputMonitor`, you need to define a `flops_per_batch` attribute", UserWarning,
+     "lightning.pytorch.callbacks.throughput_monitor"),
+]
+
+
+def test_the_command_line_silences_each_known_noise_warning_and_nothing_else():
+    import warnings
+
+    from lightning_modules import warnings_filter
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings_filter.install()
+        for message, category, module in NOISE:
+            warnings.warn_explicit(message, category, f"{module.replace('.', '/')}.py", 1, module=module)
+        assert caught == []
+        # The same text from another library, and another text from the same module, still show.
+        warnings.warn_explicit(NOISE[3][0], UserWarning, "elsewhere.py", 1, module="lightning_modules.data.datamodule")
+        warnings.warn_explicit("The model has no parameters", UserWarning, "x.py", 1, module="lightning.pytorch.trainer")
+    assert [str(w.message) for w in caught] == [NOISE[3][0], "The model has no parameters"]

@@ -376,28 +376,69 @@ def paired_difference(
         ValueError: the two record sets have different case ids, or a case's patient, label or
             attributes differ between them.
     """
+    (result,) = paired_differences(
+        records_a, [(records_b, threshold_a, threshold_b)], n_resamples, confidence, score, metrics, attributes, seed,
+        memory_budget_mb,
+    )  # fmt: skip
+    return result
+
+
+def paired_differences(
+    records_a: pd.DataFrame,
+    comparisons: Sequence[tuple[pd.DataFrame, float, float]],
+    n_resamples: int = 2000,
+    confidence: float = 0.95,
+    score: str = "volume",
+    metrics: Sequence[str] = CI_METRICS,
+    attributes: Sequence[str] = ATTRIBUTES,
+    seed: int | None = None,
+    memory_budget_mb: float = DEFAULT_MEMORY_BUDGET_MB,
+) -> list[pd.DataFrame]:
+    """Several :func:`paired_difference` comparisons with one reference run, in one pass over the resamples.
+
+    ``comparisons`` holds ``(records_b, threshold_a, threshold_b)`` per comparison (another model,
+    or the same model at another operating point). The reference run is evaluated once per distinct
+    ``threshold_a`` and every run on the same patient resamples, so comparing 12 models with one
+    baseline evaluates 13 models per resample instead of 24, and each result equals the one
+    :func:`paired_difference` gives for that pair alone.
+
+    Returns:
+        one table per comparison, in order (the columns of :func:`paired_difference`).
+    """
     _check_settings(n_resamples, confidence)
     unknown = [m for m in metrics if m not in CI_METRICS]
     if unknown:
         raise ValueError(f"unknown metrics {unknown}: expected a subset of {CI_METRICS}")
-    _check_same_evaluation_set(records_a, records_b, attributes)
-    evaluators = [
-        WeightedSubgroupEvaluator(records, threshold, score=score, attributes=attributes)
-        for records, threshold in ((records_a, threshold_a), (records_b, threshold_b))
-    ]
+    for records_b, _, _ in comparisons:
+        _check_same_evaluation_set(records_a, records_b, attributes)
+    evaluators: list[WeightedSubgroupEvaluator] = []
+    reference: dict[float, int] = {}
+    pairs = []
+    for records_b, threshold_a, threshold_b in comparisons:
+        if float(threshold_a) not in reference:
+            reference[float(threshold_a)] = len(evaluators)
+            evaluators.append(WeightedSubgroupEvaluator(records_a, threshold_a, score=score, attributes=attributes))
+        pairs.append((reference[float(threshold_a)], len(evaluators)))
+        evaluators.append(WeightedSubgroupEvaluator(records_b, threshold_b, score=score, attributes=attributes))
     ones = np.ones(evaluators[0].n_patients)
-    points = tuple(evaluator.evaluate(ones) for evaluator in evaluators)
+    points = [evaluator.evaluate(ones) for evaluator in evaluators]
     seed = _resolve_seed(evaluators[0].case_ids, seed)
-    samples = tuple(resample_statistics(evaluators, n_resamples, seed, metrics, memory_budget_mb))
-    frames = [_difference_frame(evaluators[0], metric, points, samples, confidence) for metric in metrics]
-    result = pd.concat(frames, ignore_index=True)
-    result.attrs.update(
-        {
-            "n_resamples": int(n_resamples),
-            "confidence": float(confidence),
-            "evaluation_set_sha256": evaluation_set_hash(evaluators[0].case_ids),
-            "threshold_a": float(threshold_a),
-            "threshold_b": float(threshold_b),
-        }
-    )
-    return result
+    samples = resample_statistics(evaluators, n_resamples, seed, metrics, memory_budget_mb)
+    results = []
+    for (a, b), (_, threshold_a, threshold_b) in zip(pairs, comparisons):
+        frames = [
+            _difference_frame(evaluators[a], metric, (points[a], points[b]), (samples[a], samples[b]), confidence)
+            for metric in metrics
+        ]
+        result = pd.concat(frames, ignore_index=True)
+        result.attrs.update(
+            {
+                "n_resamples": int(n_resamples),
+                "confidence": float(confidence),
+                "evaluation_set_sha256": evaluation_set_hash(evaluators[0].case_ids),
+                "threshold_a": float(threshold_a),
+                "threshold_b": float(threshold_b),
+            }
+        )
+        results.append(result)
+    return results

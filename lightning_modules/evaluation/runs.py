@@ -37,7 +37,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig
 
 from lightning_modules.evaluation.artifacts import download_records, log_evaluation_artifacts
-from lightning_modules.evaluation.bootstrap import bootstrap_subgroup_metrics, evaluation_set_hash, paired_difference
+from lightning_modules.evaluation.bootstrap import bootstrap_subgroup_metrics, evaluation_set_hash, paired_differences
 from lightning_modules.evaluation.callback import FALLBACK_TAG, SubgroupEvaluation
 from lightning_modules.evaluation.figures import close, comparison_figure
 from lightning_modules.evaluation.metric_keys import mlflow_metric_keys
@@ -296,9 +296,10 @@ def _compare_pair(baseline: EvaluatedRun, other: EvaluatedRun, settings: dict, n
         "val_chosen": (baseline.thresholds["val_chosen"], other.thresholds["val_chosen"]),
         "matched_specificity": (baseline.thresholds["val_chosen"], matched.threshold),
     }
+    # One pass over the resamples for the three points (the baseline evaluated once per threshold).
+    tables = paired_differences(baseline.records, [(other.records, a, b) for a, b in pairs.values()], **settings)
     frames = []
-    for point, (threshold_a, threshold_b) in pairs.items():
-        table = paired_difference(baseline.records, other.records, threshold_a, threshold_b, **settings)
+    for (point, (threshold_a, threshold_b)), table in zip(pairs.items(), tables):
         table.insert(0, "run", other.name)
         table.insert(1, "run_id", other.run_id)
         table.insert(2, "operating_point", point)

@@ -39,10 +39,11 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
-from lightning_modules.data.cohort import file_sha256, load_cohort, write_case, write_metadata
+from lightning_modules.data.cohort import atomic_write_bytes, file_sha256, load_cohort, write_case, write_metadata
 from lightning_modules.data.lesions import SIZE_CLASS_NAMES
 from lightning_modules.data.metadata import PHASES, normalize_phase
 from lightning_modules.data.splits import load_split
+from lightning_modules.run_folder import RunFolderLock
 from synthx.config import MaskPriorConfig, SamplingConfig
 from synthx.generation.canvases import GenerationError, SynthesisRequest, as_requests, canvas_table, choose_canvas, partition_requests
 from synthx.generation.painting import PaintSettings, generate_case
@@ -224,23 +225,46 @@ def _manifest(settings: SynthesisSettings, source: str, run_id: str, provenance:
     }
 
 
+SYNTHESIS_RUN_FILE = "synthesis_run.json"
+
+
 def _open_run(settings: SynthesisSettings, uri: str, manifest: dict, out_root: Path, targets) -> tuple[Any, str]:
+    """Continue the folder's synthesis run (an interrupted or extended synthesis) or start one.
+
+    The run id is kept in ``synthesis_run.json`` beside the manifest; the manifest check has
+    already refused other settings, so the run's parameters stay the same.
+    """
     import mlflow
+    from mlflow.exceptions import MlflowException
 
     from lightning_modules.tracking import experiment_id, git_commit
 
     mlflow.set_tracking_uri(uri)
     client = mlflow.MlflowClient(uri)
-    tags = {
-        "generator_run_id": manifest["generator_run_id"],
-        "generator_split_sha256": manifest["generator_split_sha256"],
-        "split_sha256": manifest["split_sha256"],
-        "synthetic_cohort": str(out_root.resolve()),
-        "git_commit": git_commit(),
-    }
-    run_id = client.create_run(experiment_id(settings.experiment, uri), run_name="synthesize", tags=tags).info.run_id
-    for key, value in manifest.items():
-        client.log_param(run_id, key, json.dumps(value) if isinstance(value, dict) else value)
+    record_path = out_root / SYNTHESIS_RUN_FILE
+    run_id = None
+    if record_path.exists():
+        recorded = json.loads(record_path.read_text()).get("run_id")
+        try:
+            client.get_run(recorded)
+            run_id = recorded
+        except MlflowException:
+            log.warning("%s names run %s, which %s does not hold: starting a new synthesis run", record_path, recorded, uri)
+    if run_id is not None:
+        client.update_run(run_id, status="RUNNING")
+        log.info("continuing synthesis run %s", run_id)
+    else:
+        tags = {
+            "generator_run_id": manifest["generator_run_id"],
+            "generator_split_sha256": manifest["generator_split_sha256"],
+            "split_sha256": manifest["split_sha256"],
+            "synthetic_cohort": str(out_root.resolve()),
+            "git_commit": git_commit(),
+        }
+        run_id = client.create_run(experiment_id(settings.experiment, uri), run_name="synthesize", tags=tags).info.run_id
+        for key, value in manifest.items():
+            client.log_param(run_id, key, json.dumps(value) if isinstance(value, dict) else value)
+        atomic_write_bytes(record_path, json.dumps({"run_id": run_id, "tracking_uri": uri}).encode())
     if targets is not None:
         log_targets(targets, run_id=run_id)
     return client, run_id
@@ -312,31 +336,35 @@ def synthesize(settings: SynthesisSettings, requests) -> SynthesisSummary:
     pipeline, source, generator_run_id, provenance = _generator(settings, split, split_hash, uri)
 
     out_root = Path(settings.out_root)
-    out_root.mkdir(parents=True, exist_ok=True)
-    manifest = _manifest(settings, source, generator_run_id, provenance, split_hash)
-    check_manifest(out_root, manifest)
-    rows = read_existing_rows(out_root)
-    remove_stale_staging(out_root)
-    summary = SynthesisSummary(out_root, len(fillable), generator_run_id=generator_run_id,
-                               generator_split_sha256=provenance.split_sha256, unfillable=unfillable)
-    client = None
-    if settings.log_to_mlflow:
-        client, summary.synthesis_run_id = _open_run(settings, uri, manifest, out_root, targets)
-    context = dict(settings=settings, out_root=out_root, canvases=canvases, cohort=cohort, pipeline=pipeline, paint=settings.paint_settings())
-    status, seconds = "FINISHED", []
-    try:
-        _paint_all(context, fillable, rows, summary, seconds)
-    except BaseException:
-        status = "KILLED"
-        raise
-    finally:
-        summary.seconds_per_case = float(np.mean(seconds)) if seconds else math.nan
-        marks = {**{c: "generated" for c in summary.generated}, **{c: "skipped" for c in summary.skipped}, **{c: "failed" for c in summary.failed}}
-        summary.per_cell = per_cell_table(fillable, marks, unfillable, settings.seed)
-        if client is not None:
-            log_summary(client, summary.synthesis_run_id, summary, rows)
-            client.set_terminated(summary.synthesis_run_id, status if status == "KILLED" else ("FAILED" if summary.failed else "FINISHED"))
-    return summary
+    # One process per output folder for the synthesis's life (a second one is refused, naming this one).
+    with RunFolderLock(out_root, "benchx synthesize") as lock:
+        if lock.takeover_note:
+            log.warning(lock.takeover_note)
+        out_root.mkdir(parents=True, exist_ok=True)
+        manifest = _manifest(settings, source, generator_run_id, provenance, split_hash)
+        check_manifest(out_root, manifest)
+        rows = read_existing_rows(out_root)
+        remove_stale_staging(out_root)
+        summary = SynthesisSummary(out_root, len(fillable), generator_run_id=generator_run_id,
+                                   generator_split_sha256=provenance.split_sha256, unfillable=unfillable)
+        client = None
+        if settings.log_to_mlflow:
+            client, summary.synthesis_run_id = _open_run(settings, uri, manifest, out_root, targets)
+        context = dict(settings=settings, out_root=out_root, canvases=canvases, cohort=cohort, pipeline=pipeline, paint=settings.paint_settings())
+        status, seconds = "FINISHED", []
+        try:
+            _paint_all(context, fillable, rows, summary, seconds)
+        except BaseException:
+            status = "KILLED"
+            raise
+        finally:
+            summary.seconds_per_case = float(np.mean(seconds)) if seconds else math.nan
+            marks = {**{c: "generated" for c in summary.generated}, **{c: "skipped" for c in summary.skipped}, **{c: "failed" for c in summary.failed}}
+            summary.per_cell = per_cell_table(fillable, marks, unfillable, settings.seed)
+            if client is not None:
+                log_summary(client, summary.synthesis_run_id, summary, rows)
+                client.set_terminated(summary.synthesis_run_id, status if status == "KILLED" else ("FAILED" if summary.failed else "FINISHED"))
+        return summary
 
 
 __all__ = ["QUARANTINE_DIR", "SynthesisSettings", "SynthesisSummary", "check_settings", "synthesize"]

@@ -20,6 +20,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import json
 import math
@@ -36,7 +38,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.data.cohort import load_cohort
 from lightning_modules.data.splits import load_split, split_sha256
-from lightning_modules.trainer import build_trainer
+from lightning_modules.run_folder import RunFolderLock
+from lightning_modules.trainer import build_trainer, global_rank
 from lightning_modules.monitoring import system_callbacks
 from lightning_modules.tracking import experiment_id, flatten, git_commit, tracking_uri
 from synthx.config import recipe_to_yaml
@@ -185,12 +188,20 @@ def _trainer(recipe: DictConfig, max_steps: int, folder: Path, logger: MLFlowLog
     )
 
 
-def _fit(recipe: DictConfig, module: pl.LightningModule, variant: str, max_steps: int, output_dir, resume: bool, progress, extra: dict):
-    """Data, run folder, logger, trainer and fit, shared by the generator and the autoencoder."""
+def _fit(recipe: DictConfig, module: pl.LightningModule, variant: str, max_steps: int, output_dir, resume: bool, progress,
+         extra: dict, held: contextlib.ExitStack):
+    """Data, run folder (its lock entered into ``held``), logger, trainer and fit, shared by the
+    generator and the autoencoder."""
     cohort = load_cohort(recipe.data.root)
     case_ids = recipe_training_cases(recipe, cohort, load_split(recipe.data.split, cohort))
     datamodule = TumorPatchDataModule(recipe, case_ids)
     folder, run_id = run_folder(recipe, output_dir, variant, resume)
+    if global_rank() == 0:
+        # One training per folder, until the caller has logged the result (the other ranks of this
+        # training share rank 0's lock).
+        lock = held.enter_context(RunFolderLock(folder, f"benchx synthx-train ({variant})"))
+        if lock.takeover_note:
+            print(lock.takeover_note)
     logger = _logger(recipe, variant, run_id)
     run = RankZeroRun(logger, folder, recipe_key(recipe), run_id is not None, _describer(recipe, case_ids, datamodule, extra))
     trainer = _trainer(recipe, max_steps, folder, logger, run, progress)
@@ -215,9 +226,14 @@ def train_synthx(
     pl.seed_everything(int(recipe.seed), workers=True)
     module = SynthXTrainingModule.from_recipe(recipe)
     extra = {"denoiser_parameters": sum(p.numel() for p in module.denoiser.parameters())}
-    trainer, run, logger, folder, case_ids, _ = _fit(
-        recipe, module, "generator", int(recipe.trainer.max_steps), output_dir, resume, enable_progress_bar, extra
-    )
+    with contextlib.ExitStack() as held:
+        trainer, run, logger, folder, case_ids, _ = _fit(
+            recipe, module, "generator", int(recipe.trainer.max_steps), output_dir, resume, enable_progress_bar, extra, held
+        )
+        return _log_generator(recipe, module, trainer, run, logger, folder, case_ids)
+
+
+def _log_generator(recipe, module, trainer, run, logger, folder: Path, case_ids) -> SynthXTrainResult:
     pipeline_dir = folder / "pipeline"
     # The first steps include one-off setup; the steady-state time is what a user plans with.
     steady = module.step_seconds[min(5, len(module.step_seconds) - 1) :] if module.step_seconds else [math.nan]
@@ -249,9 +265,15 @@ def train_autoencoder(
     """
     pl.seed_everything(int(recipe.seed), workers=True)
     module = SynthXAutoencoderModule.from_recipe(recipe)
-    trainer, run, logger, folder, _, datamodule = _fit(
-        recipe, module, "autoencoder", int(recipe.autoencoder.max_steps), output_dir, resume, enable_progress_bar, {}
-    )
+    with contextlib.ExitStack() as held:
+        trainer, run, logger, folder, _, datamodule = _fit(
+            recipe, module, "autoencoder", int(recipe.autoencoder.max_steps), output_dir, resume, enable_progress_bar, {},
+            held,
+        )
+        return _log_autoencoder(module, trainer, run, logger, folder, datamodule)
+
+
+def _log_autoencoder(module, trainer, run, logger, folder: Path, datamodule) -> AutoencoderTrainResult:
     scaling = module.latent_scaling_factor(datamodule.train_dataloader())
     autoencoder = module.autoencoder.cpu().eval()
     autoencoder.register_to_config(scaling_factor=scaling)

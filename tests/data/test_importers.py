@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 
 import nibabel as nib
@@ -243,7 +244,8 @@ def test_label_on_another_grid_is_quarantined_with_nothing_half_written(tmp_path
     assert quarantine["case_id"].tolist() == ["tiny_001"]
     assert str(bad_label) in quarantine["reason"].iloc[0] and "another grid" in quarantine["reason"].iloc[0]
     assert not (out / "tiny_001").exists()
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    # No staging leftovers (the folder lock's files are the import's own, not case data).
+    assert not [p for p in out.iterdir() if p.name.startswith(".") and not p.name.startswith(".lock")]
     assert load_cohort(out).case_ids == ["tiny_000", "tiny_002"]
 
     # Fixing the source and rerunning imports the case and empties the quarantine.
@@ -279,7 +281,8 @@ def test_resume_after_a_kill_only_does_the_remainder(tmp_path, monkeypatch):
     report = importers.import_source("nnunet", src, out)
     assert report.skipped == ["tiny_000"] and report.imported == ["tiny_001", "tiny_002"]
     assert [(p.stat().st_ino, p.stat().st_mtime_ns) for p in finished] == before
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    # No staging leftovers (the folder lock's files are the import's own, not case data).
+    assert not [p for p in out.iterdir() if p.name.startswith(".") and not p.name.startswith(".lock")]
     assert load_cohort(out).case_ids == ["tiny_000", "tiny_001", "tiny_002"]
 
 
@@ -575,6 +578,20 @@ def test_a_refused_import_leaves_no_output_folder(tmp_path):
     assert not out.exists()
     assert import_main(["dicom", str(src), "--out", str(out), "--cohort", "site-g", "--salt", "s"]) == 2
     assert not out.exists()
+
+
+def test_an_import_into_a_folder_another_process_holds_is_refused(tmp_path):
+    from lightning_modules.run_folder import FolderLockedError, RunFolderLock
+
+    src = tmp_path / "export"
+    write_dicom_series(src / "scan_a", dicom_hu(), **GEOMETRY)
+    out = tmp_path / "cohort"
+    with RunFolderLock(out, "benchx import"):
+        with pytest.raises(FolderLockedError, match=f"{out} is in use by process {os.getpid()}.*benchx import"):
+            importers.import_source("dicom", src, out, cohort="site-h", salt="s3cret")
+        assert not (out / "metadata.csv").exists()
+    report = importers.import_source("dicom", src, out, cohort="site-h", salt="s3cret")
+    assert len(report.imported) == 1 and not (out / ".lock").exists()
 
 
 def test_dicom_patient_id_needs_a_salt_or_a_supplied_id(tmp_path, monkeypatch):

@@ -94,6 +94,24 @@ def test_incomplete_case_folder_is_rewritten(cohort_dir, tmp_path):
     assert _files(damaged) == _files(cohort_dir)
 
 
+def test_a_killed_runs_staging_folder_is_removed_and_a_held_folder_is_refused(cohort_dir, tmp_path):
+    from lightning_modules.run_folder import FolderLockedError, RunFolderLock
+
+    killed = tmp_path / "killed"
+    shutil.copytree(cohort_dir, killed)
+    # What a SIGKILL during write_case leaves: a hidden staging folder with a truncated file, no case folder.
+    shutil.rmtree(killed / "PH0003")
+    staging = killed / ".PH0003.x1y2z3"
+    (staging / "segmentations").mkdir(parents=True)
+    (staging / "ct.nii.gz").write_bytes((cohort_dir / "PH0003" / "ct.nii.gz").read_bytes()[:100])
+    with RunFolderLock(killed, "benchx phantom"):
+        with pytest.raises(FolderLockedError, match="in use by process"):
+            _generate(killed)
+    table = _generate(killed)
+    assert table.attrs["written"] == 1 and not staging.exists()
+    assert _files(killed) == _files(cohort_dir)
+
+
 def test_metadata_normalizes_without_problems(cohort_dir):
     raw = _raw_metadata(cohort_dir)
     assert list(raw.columns) == list(phantom.METADATA_COLUMNS)

@@ -20,6 +20,7 @@ from lightning_modules.evaluation.bootstrap import (
     case_weight_matrix,
     evaluation_set_hash,
     paired_difference,
+    paired_differences,
     patient_index,
     patient_weight_blocks,
     resample_indices,
@@ -217,6 +218,28 @@ def test_paired_difference_uses_the_same_resamples_for_both_runs():
         np.testing.assert_allclose(rows["ci_high"].to_numpy()[defined], high[defined], atol=1e-9, rtol=0)
     overall_sensitivity = result[(result["metric"] == "sensitivity") & (result["attribute"] == "overall")].iloc[0]
     assert overall_sensitivity.delta > 0 and overall_sensitivity.ci_low > 0 and overall_sensitivity.significant
+
+
+def test_many_comparisons_in_one_pass_equal_each_pair_alone():
+    """paired_differences evaluates the reference once per threshold; every table must equal the
+    pairwise paired_difference (same resamples, same thresholds), whatever the row order."""
+    records_a = random_records(seed=8)
+    others = []
+    for seed in (1, 2):
+        other = records_a.sample(frac=1.0, random_state=seed).reset_index(drop=True)
+        other["volume_mm3"] = other["volume_mm3"] * (1.0 + 0.5 * seed)
+        others.append(other)
+    comparisons = [(others[0], 40.0, 40.0), (others[1], 40.0, 80.0), (others[1], 120.0, 30.0)]
+    tables = paired_differences(records_a, comparisons, n_resamples=25, attributes=REFERENCE_ATTRIBUTES)
+    assert len(tables) == 3
+    for table, (records_b, threshold_a, threshold_b) in zip(tables, comparisons):
+        alone = paired_difference(records_a, records_b, threshold_a, threshold_b, n_resamples=25,
+                                  attributes=REFERENCE_ATTRIBUTES)
+        pd.testing.assert_frame_equal(table, alone)
+        assert table.attrs == alone.attrs
+    assert not tables[0].equals(tables[2])
+    with pytest.raises(ValueError, match="same evaluation set"):
+        paired_differences(records_a, [(others[0], 40.0, 40.0), (others[1].iloc[1:], 40.0, 40.0)], n_resamples=5)
 
 
 def test_paired_difference_refuses_different_evaluation_sets():

@@ -10,6 +10,7 @@ Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/synthx/test_synthx_generation.py -
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import nibabel as nib
@@ -401,9 +402,43 @@ def test_cli_with_an_mlflow_run_id_logs_lineage(cohort, tiny_pipeline, tmp_path,
 
     per_cell = pd.read_csv(io.StringIO(mlflow.artifacts.load_text(f"runs:/{run.info.run_id}/synthx/per_cell.csv")))
     assert per_cell["generated"].sum() == 1 and per_cell["unfillable"].sum() == 1
-    assert main(argv) == 0  # a rerun finds everything done
+    assert main(argv) == 0  # a rerun finds everything done, in the same synthesis run
     again = mlflow.search_runs(experiment_names=["synthx"], filter_string="tags.mlflow.runName = 'synthesize'", output_format="list")
-    assert max(r.data.metrics["synthx/cases_skipped"] for r in again) == 1
+    assert [r.info.run_id for r in again] == [run.info.run_id]
+    assert again[0].data.metrics["synthx/cases_skipped"] == 1 and again[0].info.status == "FINISHED"
+
+
+def test_an_interrupted_synthesis_continues_its_mlflow_run_and_a_held_folder_is_refused(
+    cohort, tiny_pipeline, tmp_path, mlflow_uri, monkeypatch
+):
+    import mlflow
+
+    from lightning_modules.run_folder import FolderLockedError, RunFolderLock
+
+    root, split = cohort
+    out = tmp_path / "out"
+    with RunFolderLock(out, "benchx synthesize"):
+        with pytest.raises(FolderLockedError, match=f"{out} is in use by process {os.getpid()}"):
+            run(root, split, tiny_pipeline, out, REQUESTS, log_to_mlflow=True, tracking_uri=mlflow_uri)
+    real_write_case = generation.write_case
+    calls = []
+
+    def killed_on_second_case(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_write_case(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "write_case", killed_on_second_case)
+    with pytest.raises(KeyboardInterrupt):
+        run(root, split, tiny_pipeline, out, REQUESTS, log_to_mlflow=True, tracking_uri=mlflow_uri)
+    [first] = mlflow.search_runs(experiment_names=["synthx"], output_format="list")
+    assert first.info.status == "KILLED" and not (out / ".lock").exists()
+    monkeypatch.setattr(generation, "write_case", real_write_case)
+    summary = run(root, split, tiny_pipeline, out, REQUESTS, log_to_mlflow=True, tracking_uri=mlflow_uri)
+    assert summary.synthesis_run_id == first.info.run_id and summary.complete
+    [after] = mlflow.search_runs(experiment_names=["synthx"], output_format="list")
+    assert after.info.run_id == first.info.run_id and after.info.status == "FINISHED"
 
 
 @pytest.mark.slow

@@ -53,6 +53,7 @@ from lightning_modules.data.metadata import (
     normalize_race,
     normalize_sex,
 )
+from lightning_modules.run_folder import LOCK_FILE, RunFolderLock
 
 logger = logging.getLogger("lightning_modules.data.importers")
 
@@ -566,15 +567,20 @@ def run_import(
     unused = sorted(set(overrides) - {case.case_id for case in cases})
     if unused:
         logger.warning("metadata overrides for %d case id(s) not in this source are not used: %s", len(unused), unused[:10])
-    state = _ImportState(out, _read_rows(out / METADATA_FILE), _read_rows(out / QUARANTINE_FILE))
     created = not out.exists()
     report = ImportReport(out=out)
     try:
-        for index, case in enumerate(cases, start=1):
-            _import_case(case, f"[{index}/{len(cases)}]", state, overrides.get(case.case_id, {}), report)
+        # One import per cohort folder at a time (a second one is refused, naming this one).
+        with RunFolderLock(out, "benchx import") as lock:
+            if lock.takeover_note:
+                logger.warning("%s", lock.takeover_note)
+            state = _ImportState(out, _read_rows(out / METADATA_FILE), _read_rows(out / QUARANTINE_FILE))
+            for index, case in enumerate(cases, start=1):
+                _import_case(case, f"[{index}/{len(cases)}]", state, overrides.get(case.case_id, {}), report)
     finally:
-        if created and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
+        lock_files = {LOCK_FILE, f"{LOCK_FILE}.guard"}
+        if created and out.is_dir() and all(path.name in lock_files for path in out.iterdir()):
+            shutil.rmtree(out, ignore_errors=True)
     logger.info("%s", report.summary())
     return report
 

@@ -22,9 +22,10 @@ from lightning_modules.data.phantom.plan import (
     plan_phantom_cohort,
 )
 from lightning_modules.data.phantom.render import render_scan
+from lightning_modules.run_folder import LOCK_FILE, RunFolderLock
 
 # Bump when the rendering changes, so a rerun into an older cohort refuses to mix the two.
-PHANTOM_VERSION = 2
+PHANTOM_VERSION = 3
 PARAMS_FILE = "phantom.json"
 
 
@@ -77,7 +78,7 @@ def generate_phantom_cohort(
     params_path = out / PARAMS_FILE
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out}: exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()):
+    if out.is_dir() and any(p.name not in (LOCK_FILE, f"{LOCK_FILE}.guard") for p in out.iterdir()):
         if not params_path.is_file():
             raise ValueError(
                 f"{out}: folder is not empty and holds no {PARAMS_FILE}, so it is not a phantom cohort; "
@@ -92,30 +93,42 @@ def generate_phantom_cohort(
                 f"{out}: holds a phantom cohort made with {existing}, not {params}; "
                 "pass overwrite=True (--overwrite) to replace it"
             )
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(params_path, (json.dumps(params, indent=2) + "\n").encode())
+    # One writer per cohort folder (a second one is refused, naming this one).
+    with RunFolderLock(out, "benchx phantom") as lock:
+        if lock.takeover_note:
+            print(lock.takeover_note)
+        _remove_staging_leftovers(out)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(params_path, (json.dumps(params, indent=2) + "\n").encode())
 
-    plans = plan_phantom_cohort(n_cases, seed)
-    written = kept = 0
-    for plan in plans:
-        case_dir = out / plan.case_id
-        if not overwrite and _case_is_complete(case_dir, plan):
-            kept += 1
-            continue
-        scan = render_scan(plan, shape, spacing, seed)
-        write_case(out, plan.case_id, scan.ct, scan.affine, scan.masks)
-        written += 1
-    if overwrite:
-        wanted = {plan.case_id for plan in plans}
-        for folder in out.iterdir():
-            if folder.is_dir() and _CASE_FOLDER.match(folder.name) and folder.name not in wanted:
-                shutil.rmtree(folder)
+        plans = plan_phantom_cohort(n_cases, seed)
+        written = kept = 0
+        for plan in plans:
+            case_dir = out / plan.case_id
+            if not overwrite and _case_is_complete(case_dir, plan):
+                kept += 1
+                continue
+            scan = render_scan(plan, shape, spacing, seed)
+            write_case(out, plan.case_id, scan.ct, scan.affine, scan.masks)
+            written += 1
+        if overwrite:
+            wanted = {plan.case_id for plan in plans}
+            for folder in out.iterdir():
+                if folder.is_dir() and _CASE_FOLDER.match(folder.name) and folder.name not in wanted:
+                    shutil.rmtree(folder)
 
-    table = metadata_table(plans, shape, spacing)
-    write_metadata(out, table)
+        table = metadata_table(plans, shape, spacing)
+        write_metadata(out, table)
     table.attrs["written"] = written
     table.attrs["kept"] = kept
     return table
+
+
+def _remove_staging_leftovers(out: Path) -> None:
+    """Hidden staging folders of cases (``.PH0001.<random>``) that a killed run left half written."""
+    for path in out.iterdir():
+        if path.is_dir() and path.name.startswith(".") and _CASE_FOLDER.match(path.name[1:].split(".")[0]):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def folder_size_bytes(root: Path) -> int:
