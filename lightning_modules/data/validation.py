@@ -18,6 +18,7 @@ Run::
 from __future__ import annotations
 
 import os
+import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 import dataclasses
@@ -196,12 +197,18 @@ def _load_for_validation(cohort_or_root: Cohort | Path | str) -> tuple[Cohort | 
     return cohort, problems
 
 
+def show_progress(progress: bool | None) -> bool:
+    """An explicit choice, else a bar only when stderr is a terminal (not in logs or tests)."""
+    return sys.stderr.isatty() if progress is None else bool(progress)
+
+
 def validate_cohort(
     cohort_or_root: Cohort | Path | str,
     classes: Sequence[str] = DEFAULT_CLASSES,
     check_voxels: bool = True,
     tumor_class: str | None = None,
     workers: int | None = None,
+    progress: bool | None = None,
 ) -> list[Problem]:
     """List every problem of a cohort at once: metadata first, then each case's files.
 
@@ -212,7 +219,10 @@ def validate_cohort(
         check_voxels: read voxel data, not only headers (see :func:`validate_case`).
         tumor_class: lesion class checked against the ``tumor`` column (default: first lesion class).
         workers: threads reading files (gzip inflation releases the GIL); default up to 4.
+        progress: a progress bar over the cases (default: when stderr is a terminal).
     """
+    from tqdm.auto import tqdm
+
     cohort, problems = _load_for_validation(cohort_or_root)
     if cohort is None:
         return problems
@@ -222,11 +232,12 @@ def validate_cohort(
     def check(case: Case) -> list[Problem]:
         return validate_case(cohort, case, classes, check_voxels, tumor_class)
 
+    bar = dict(total=len(cases), desc="validate", unit="case", disable=not show_progress(progress))
     if workers > 1 and len(cases) > 1:
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            per_case = list(pool.map(check, cases))
+            per_case = list(tqdm(pool.map(check, cases), **bar))
     else:
-        per_case = [check(case) for case in cases]
+        per_case = [check(case) for case in tqdm(cases, **bar)]
     for case_problems in per_case:
         problems.extend(case_problems)
     return problems

@@ -320,6 +320,7 @@ def synthesize(settings: SynthesisSettings, requests) -> SynthesisSummary:
             ``min_positives:4`` or ``need:40`` (computed on the real cohort), a ``{(sex, age band,
             phase): n}`` mapping, or a list of :class:`SynthesisRequest`.
     """
+    from lightning_modules.tracking import terminating_signals
     from lightning_modules.tracking import tracking_uri as resolve_uri
 
     check_settings(settings)
@@ -353,7 +354,9 @@ def synthesize(settings: SynthesisSettings, requests) -> SynthesisSummary:
         context = dict(settings=settings, out_root=out_root, canvases=canvases, cohort=cohort, pipeline=pipeline, paint=settings.paint_settings())
         status, seconds = "FINISHED", []
         try:
-            _paint_all(context, fillable, rows, summary, seconds)
+            # SIGTERM/SIGINT become an exception here, so the run is ended KILLED and a rerun continues it.
+            with terminating_signals():
+                _paint_all(context, fillable, rows, summary, seconds)
         except BaseException:
             status = "KILLED"
             raise

@@ -512,3 +512,45 @@ def test_generation_killed_with_sigkill_resumes_without_redoing_finished_cases(c
     assert len(summary.generated) + len(summary.skipped) == 12
     assert {case_id: _stat(out, case_id) for case_id in finished} == before, "finished cases were not rewritten"
     assert validate_cohort(out, classes=["pancreas", "pancreatic_lesion"]) == []
+
+
+def test_synthesis_stopped_with_sigterm_ends_its_run_killed_and_the_rerun_continues_it(
+    cohort, tiny_pipeline, tmp_path, mlflow_uri
+):
+    """SIGTERM (a scheduler's stop) ends the synthesis run KILLED, never RUNNING, and releases the
+    folder; the rerun continues the same MLflow run and finishes it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import mlflow
+
+    root, split = cohort
+    out = tmp_path / "out"
+    requests = {("F", "60-80", "venous"): 6, ("M", "40-60", "venous"): 6}
+    script = (
+        "import sys; from synthx.generation import SynthesisSettings, synthesize\n"
+        f"synthesize(SynthesisSettings({str(root)!r}, {str(split)!r}, {str(tiny_pipeline)!r}, {str(out)!r}, seed=1,"
+        f" num_inference_steps=10, size_classes={{'tiny': 1.0}}, tracking_uri={mlflow_uri!r}, progress=False),"
+        f" {requests!r})\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if (out / "metadata.csv").exists() and len(pd.read_csv(out / "metadata.csv")) >= 2:
+            break
+        time.sleep(0.2)
+    assert process.poll() is None, "generation finished before it could be stopped: " + (process.stderr.read() or "")[-2000:]
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=120)
+    assert process.returncode != 0
+    [stopped] = mlflow.search_runs(experiment_names=["synthx"], output_format="list")
+    assert stopped.info.status == "KILLED" and not (out / ".lock").exists()
+    summary = run(root, split, tiny_pipeline, out, requests, seed=1, num_inference_steps=10, log_to_mlflow=True,
+                  tracking_uri=mlflow_uri)
+    assert summary.complete and summary.synthesis_run_id == stopped.info.run_id
+    [finished] = mlflow.search_runs(experiment_names=["synthx"], output_format="list")
+    assert finished.info.status == "FINISHED"
+    assert finished.data.metrics["synthx/cases_generated"] + finished.data.metrics["synthx/cases_skipped"] == 12

@@ -125,9 +125,16 @@ def read_volumes(
     coarse_size: int,
     fine_size: int,
     workers: int | None,
+    progress: bool | None = None,
 ) -> list[AuditedVolume]:
-    """Read every audited case once (``cases``: case_id and the index of its cohort in ``cohorts``)."""
+    """Read every audited case once (``cases``: case_id and the index of its cohort in ``cohorts``);
+    ``progress``: a bar over the cases (default: when stderr is a terminal)."""
+    from tqdm.auto import tqdm
+
+    from lightning_modules.data.validation import show_progress
+
     workers = workers or min(4, os.cpu_count() or 1)
+    bar = dict(total=len(cases), desc="audit: read", unit="scan", disable=not show_progress(progress))
     jobs = [(cohorts[c], case_id) for case_id, c in zip(cases["case_id"], cases["cohort_index"])]
 
     def read(job):
@@ -135,7 +142,7 @@ def read_volumes(
 
     if workers > 1 and len(jobs) > 1:
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(pool.map(read, jobs))
-    return [read(job) for job in jobs]
+            return list(tqdm(pool.map(read, jobs), **bar))
+    return [read(job) for job in tqdm(jobs, **bar)]
 
 

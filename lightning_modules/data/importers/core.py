@@ -32,6 +32,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import nibabel as nib
 import numpy as np
 import pandas as pd
+from tqdm.auto import tqdm
 from nibabel.filebasedimages import ImageFileError
 
 from lightning_modules.data.cohort import (
@@ -53,6 +54,7 @@ from lightning_modules.data.metadata import (
     normalize_race,
     normalize_sex,
 )
+from lightning_modules.data.validation import show_progress
 from lightning_modules.run_folder import LOCK_FILE, RunFolderLock
 
 logger = logging.getLogger("lightning_modules.data.importers")
@@ -575,7 +577,8 @@ def run_import(
             if lock.takeover_note:
                 logger.warning("%s", lock.takeover_note)
             state = _ImportState(out, _read_rows(out / METADATA_FILE), _read_rows(out / QUARANTINE_FILE))
-            for index, case in enumerate(cases, start=1):
+            bar = tqdm(cases, desc="import", unit="case", disable=not show_progress(None))
+            for index, case in enumerate(bar, start=1):
                 _import_case(case, f"[{index}/{len(cases)}]", state, overrides.get(case.case_id, {}), report)
     finally:
         lock_files = {LOCK_FILE, f"{LOCK_FILE}.guard"}
