@@ -176,7 +176,6 @@ def evaluate(
     Raises:
         EvaluationError: a malformed run id, or an evaluation set that overlaps the training cases.
     """
-    import lightning.pytorch as pl
     from lightning.pytorch.loggers import MLFlowLogger
 
     from lightning_modules.data.datamodule import CohortDataModule

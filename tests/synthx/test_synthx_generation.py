@@ -475,21 +475,16 @@ def test_trained_generator_follows_the_phase_contrast_of_real_phantom_tumors(tmp
     assert synthetic["non-contrast"] > synthetic["arterial"], by_phase[["contrast_real", "contrast_synthetic"]]
 
 
-def test_generation_killed_with_sigkill_resumes_without_redoing_finished_cases(cohort, tiny_pipeline, tmp_path):
-    """A real SIGKILL of a generating process: every case is complete or absent, and a rerun only does the rest."""
-    import os
-    import signal
+def _generation_after_two_cases(root, split, pipeline, out, requests, settings: str):
+    """A generating process (``synthesize`` with ``settings``), returned once two cases are written."""
     import subprocess
     import sys
     import time
 
-    root, split = cohort
-    out = tmp_path / "out"
-    requests = {("F", "60-80", "venous"): 6, ("M", "40-60", "venous"): 6}
     script = (
         "import sys; from synthx.generation import SynthesisSettings, synthesize\n"
-        f"synthesize(SynthesisSettings({str(root)!r}, {str(split)!r}, {str(tiny_pipeline)!r}, {str(out)!r}, seed=1,"
-        f" num_inference_steps=10, size_classes={{'tiny': 1.0}}, log_to_mlflow=False, progress=False), {requests!r})\n"
+        f"synthesize(SynthesisSettings({str(root)!r}, {str(split)!r}, {str(pipeline)!r}, {str(out)!r}, seed=1,"
+        f" num_inference_steps=10, size_classes={{'tiny': 1.0}}, progress=False, {settings}), {requests!r})\n"
     )
     process = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"},
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -498,7 +493,18 @@ def test_generation_killed_with_sigkill_resumes_without_redoing_finished_cases(c
         if (out / "metadata.csv").exists() and len(pd.read_csv(out / "metadata.csv")) >= 2:
             break
         time.sleep(0.2)
-    assert process.poll() is None, "generation finished before it could be killed: " + (process.stderr.read() or "")[-2000:]
+    assert process.poll() is None, "generation finished before it could be stopped: " + (process.stderr.read() or "")[-2000:]
+    return process
+
+
+def test_generation_killed_with_sigkill_resumes_without_redoing_finished_cases(cohort, tiny_pipeline, tmp_path):
+    """A real SIGKILL of a generating process: every case is complete or absent, and a rerun only does the rest."""
+    import signal
+
+    root, split = cohort
+    out = tmp_path / "out"
+    requests = {("F", "60-80", "venous"): 6, ("M", "40-60", "venous"): 6}
+    process = _generation_after_two_cases(root, split, tiny_pipeline, out, requests, "log_to_mlflow=False")
     process.send_signal(signal.SIGKILL)
     process.wait()
     finished = list(pd.read_csv(out / "metadata.csv")["case_id"])
@@ -520,29 +526,13 @@ def test_synthesis_stopped_with_sigterm_ends_its_run_killed_and_the_rerun_contin
     """SIGTERM (a scheduler's stop) ends the synthesis run KILLED, never RUNNING, and releases the
     folder; the rerun continues the same MLflow run and finishes it."""
     import signal
-    import subprocess
-    import sys
-    import time
 
     import mlflow
 
     root, split = cohort
     out = tmp_path / "out"
     requests = {("F", "60-80", "venous"): 6, ("M", "40-60", "venous"): 6}
-    script = (
-        "import sys; from synthx.generation import SynthesisSettings, synthesize\n"
-        f"synthesize(SynthesisSettings({str(root)!r}, {str(split)!r}, {str(tiny_pipeline)!r}, {str(out)!r}, seed=1,"
-        f" num_inference_steps=10, size_classes={{'tiny': 1.0}}, tracking_uri={mlflow_uri!r}, progress=False),"
-        f" {requests!r})\n"
-    )
-    process = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and process.poll() is None:
-        if (out / "metadata.csv").exists() and len(pd.read_csv(out / "metadata.csv")) >= 2:
-            break
-        time.sleep(0.2)
-    assert process.poll() is None, "generation finished before it could be stopped: " + (process.stderr.read() or "")[-2000:]
+    process = _generation_after_two_cases(root, split, tiny_pipeline, out, requests, f"tracking_uri={mlflow_uri!r}")
     process.send_signal(signal.SIGTERM)
     process.wait(timeout=120)
     assert process.returncode != 0
