@@ -316,9 +316,10 @@ def versions_html(study: StudyRuns) -> str:
             rows.append({"what": f"{step} git commit", "value": commit})
     for package in ("torch", "lightning", "monai", "diffusers", "mlflow", "benchx-synthx"):
         try:
-            rows.append({"what": f"{package} (report built with)", "value": version(package)})
+            installed = version(package)
         except PackageNotFoundError:
-            pass
+            installed = "not installed"
+        rows.append({"what": f"{package} (report built with)", "value": installed})
     return _table_html(pd.DataFrame(rows))
 
 

@@ -112,3 +112,24 @@ def test_report_of_a_run_that_is_not_a_study_exits_2(finished_study, capsys):
     assert main(["report", "--run-id", other, "--tracking-uri", uri, "--no-log"]) == 2
     err = capsys.readouterr().err
     assert "names no study steps" in err and "parent run" in err and "Traceback" not in err
+
+
+def test_versions_name_a_package_that_is_not_installed(monkeypatch):
+    """A package the report lists but this environment lacks is shown as such, not silently left out."""
+    import importlib.metadata as metadata
+    from types import SimpleNamespace
+
+    from synthx import report
+
+    real_version = metadata.version
+
+    def version(package):
+        if package == "diffusers":
+            raise metadata.PackageNotFoundError(package)
+        return real_version(package)
+
+    monkeypatch.setattr(metadata, "version", version)
+    study = SimpleNamespace(parent=SimpleNamespace(data=SimpleNamespace(tags={"git_commit": "abc123"})), steps={})
+    page = report.versions_html(study)
+    assert re.search(r"diffusers \(report built with\)</td>\s*<td>not installed", page), page
+    assert "torch (report built with)" in page and "abc123" in page
