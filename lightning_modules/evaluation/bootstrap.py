@@ -27,7 +27,9 @@ which the metric (or both runs' metric, for a difference) was defined.
 from __future__ import annotations
 
 import hashlib
+import os
 import warnings
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -43,8 +45,8 @@ RESAMPLES_PER_BLOCK = 32
 
 
 def _clean_ids(case_ids: Iterable) -> list[str]:
-    if isinstance(case_ids, pd.Series):
-        return case_ids.astype(str).str.strip().tolist()
+    if isinstance(case_ids, (pd.Series, pd.Index, np.ndarray)):
+        return pd.Series(case_ids).astype(str).str.strip().tolist()
     return [str(c).strip() for c in case_ids]
 
 
@@ -202,25 +204,60 @@ def _defined(statistics: dict[str, np.ndarray], metric: str) -> np.ndarray:
     return np.where(metric_defined(metric, statistics["positives"], statistics["negatives"], values), values, np.nan)
 
 
+def bootstrap_threads() -> int:
+    """Threads for the resample blocks: the CPUs this process may use (``os.sched_getaffinity``), at most 8.
+
+    The sparse products and NumPy's reductions release the GIL, so blocks run in parallel threads.
+    """
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, available))
+
+
 def resample_statistics(
     evaluators: Sequence[WeightedSubgroupEvaluator],
     n_resamples: int,
     seed: int,
     metrics: Sequence[str] = CI_METRICS,
     memory_budget_mb: float = DEFAULT_MEMORY_BUDGET_MB,
+    threads: int | None = None,
 ) -> list[dict[str, np.ndarray]]:
     """Each evaluator's metrics on the same patient resamples: per evaluator, metric ->
     (n_resamples x subgroup rows), NaN where undefined. The evaluators must share their patients
-    (one evaluation set, e.g. two runs or two thresholds)."""
+    (one evaluation set, e.g. two runs or two thresholds).
+
+    Blocks of resamples are evaluated by ``threads`` threads (default :func:`bootstrap_threads`);
+    each block writes its own rows, so the result is identical for any thread count, and at most
+    ``threads`` blocks are in memory at once (``memory_budget_mb`` bounds all of them together).
+    """
+    threads = bootstrap_threads() if threads is None else int(threads)
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
     n_rows = len(evaluators[0].rows)
     samples = [{metric: np.empty((n_resamples, n_rows)) for metric in metrics} for _ in evaluators]
-    block_size = _block_size(evaluators, n_resamples, memory_budget_mb)
+    block_size = _block_size(evaluators, n_resamples, memory_budget_mb / threads)
     dtype = _exact_float_dtype(evaluators[0])
-    for start, block in patient_weight_blocks(evaluators[0].n_patients, n_resamples, seed, block_size, dtype):
+
+    def evaluate_block(start: int, block: np.ndarray) -> None:
         for evaluator, target in zip(evaluators, samples):
             statistics = evaluator.evaluate_columns(block)
             for metric in metrics:
                 target[metric][start : start + block.shape[1]] = _defined(statistics, metric)
+
+    blocks = patient_weight_blocks(evaluators[0].n_patients, n_resamples, seed, block_size, dtype)
+    if threads == 1:
+        for start, block in blocks:
+            evaluate_block(start, block)
+        return samples
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        pending: set = set()
+        for start, block in blocks:
+            if len(pending) >= threads:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    future.result()
+            pending.add(pool.submit(evaluate_block, start, block))
+        for future in pending:
+            future.result()
     return samples
 
 

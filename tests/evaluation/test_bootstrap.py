@@ -24,6 +24,7 @@ from lightning_modules.evaluation.bootstrap import (
     patient_index,
     patient_weight_blocks,
     resample_indices,
+    resample_statistics,
 )
 from lightning_modules.evaluation.detection import WeightedSubgroupEvaluator, subgroup_metrics
 from lightning_modules.evaluation.records import ATTRIBUTE_COLUMNS
@@ -175,6 +176,20 @@ def test_bootstrap_is_reproducible_across_row_order_and_block_size():
     overall = table.iloc[0]
     for metric in METRICS:
         assert overall[f"{metric}_ci_low"] <= overall[metric] <= overall[f"{metric}_ci_high"]
+
+
+def test_threaded_blocks_give_the_same_statistics_as_one_thread():
+    records = random_records(n=300, seed=6)
+    evaluators = [WeightedSubgroupEvaluator(records, m) for m in (20.0, 60.0)]
+    # Tiny blocks: many blocks in flight across the threads, each writing its own rows.
+    serial = resample_statistics(evaluators, 200, seed=3, memory_budget_mb=1e-3, threads=1)
+    threaded = resample_statistics(evaluators, 200, seed=3, memory_budget_mb=1e-3, threads=3)
+    for one, many in zip(serial, threaded):
+        for metric in METRICS:
+            np.testing.assert_array_equal(one[metric], many[metric])
+    assert np.isfinite(serial[0]["auc"]).any()
+    with pytest.raises(ValueError, match="threads"):
+        resample_statistics(evaluators, 10, seed=3, threads=0)
 
 
 def test_float32_blocks_give_the_same_statistics_as_float64():
