@@ -6,9 +6,10 @@ age or phase is Unknown belongs to no cell: Unknown is a value, never a guess, s
 counted nor requested. No rule reads the test split. The rules:
 
 - ``need:B``: spend a budget of ``B`` synthetic cases where the baseline fails: in proportion to
-  each cell's need, the mean over its three attributes (sex, age band, phase) of the baseline's
-  VALIDATION miss rate (1 - sensitivity) in the cell's value of that attribute. A value without
-  validation positives takes the attribute's pooled miss rate. Only cells holding at least one
+  each cell's need, the sum over its three attributes (sex, age band, phase) of the deficit of the
+  cell's value: how far the baseline's VALIDATION miss rate (1 - sensitivity) there exceeds the
+  attribute's pooled miss rate (0 when it does not, or when the value has no validation
+  positives; :func:`cell_needs`). Only cells holding at least one
   canvas (a healthy real training scan of that cell) receive cases, since the others cannot be
   filled. Needs the baseline's per-case validation records (``label``, ``sex``, ``age_band``,
   ``phase`` and ``prediction`` or a score column, as the evaluation callback writes them); a record
@@ -353,26 +354,34 @@ def validation_misses(
 
 
 def cell_needs(missed: pd.DataFrame, grid: pd.DataFrame) -> list[Fraction]:
-    """Each cell's need: the mean of the validation miss rates of its sex, its age band and its phase.
+    """Each cell's need: how much worse than average the baseline is in its sex, age band and phase.
 
-    A value without validation positives takes the attribute's pooled miss rate (over the positives
-    whose value is known).
+    For each attribute, a value's deficit is its validation miss rate minus the attribute's pooled
+    miss rate (over the positives whose value is known), or 0 when it is not worse; a cell's need
+    is the sum of its three deficits. So the budget goes to the subgroups that fall behind (the
+    gaps), not to every cell in proportion to an overall miss rate that all cells share. A value
+    without validation positives has no measured deficit (0). When no value of any attribute is
+    worse than its pooled rate (every subgroup misses alike), the need falls back to the mean of
+    the cell's three miss rates, which spreads the budget over the cells.
     """
     if missed.empty:
         raise TargetingError("the baseline's validation records hold no positive case: there is no deficit to target")
     rates: dict[str, dict[str, Fraction]] = {}
+    pooled: dict[str, Fraction] = {}
     for column in CELL_COLUMNS:
         known = missed[missed[column] != UNKNOWN]
-        pooled = Fraction(int(known["missed"].sum()), max(len(known), 1))
+        pooled[column] = Fraction(int(known["missed"].sum()), max(len(known), 1))
         rates[column] = {
             value: Fraction(int(part["missed"].sum()), len(part)) for value, part in known.groupby(column)
         }
-        rates[column]["*"] = pooled
-    needs = []
-    for row in grid.to_dict("records"):
-        values = [rates[c].get(row[c], rates[c]["*"]) for c in CELL_COLUMNS]
-        needs.append(sum(values, Fraction(0)) / len(values))
-    return needs
+    cells = grid.to_dict("records")
+    needs = [
+        sum((max(Fraction(0), rates[c].get(row[c], pooled[c]) - pooled[c]) for c in CELL_COLUMNS), Fraction(0))
+        for row in cells
+    ]
+    if any(needs):
+        return needs
+    return [sum((rates[c].get(row[c], pooled[c]) for c in CELL_COLUMNS), Fraction(0)) / len(CELL_COLUMNS) for row in cells]
 
 
 def plan_need(train_counts: pd.DataFrame, canvases: pd.DataFrame, needs: Sequence[Fraction], budget: int) -> pd.DataFrame:

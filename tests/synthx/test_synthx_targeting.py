@@ -248,12 +248,14 @@ def need_cohort(tmp_path):
 NEED_GRID = dict(sexes=["F", "M"], age_bands=["40-60", "60-80"], phases=["arterial", "venous"])
 
 
-@pytest.mark.parametrize("budget, expected", [(18, [7, 4, 5, 2]), (10, [4, 2, 3, 1]), (0, [0, 0, 0, 0])])
+@pytest.mark.parametrize("budget, expected", [(18, [9, 4, 5, 0]), (10, [5, 2, 3, 0]), (0, [0, 0, 0, 0])])
 def test_need_allocates_by_the_validation_deficit_to_cells_with_canvases(need_cohort, budget, expected):
     root, split, records = need_cohort
-    # Miss rates on validation: arterial 3/4, venous 0/4 (other phases: pooled 3/8); F 2/4, M 1/4; 60-80 2/4, 40-60 1/4.
-    # Need = mean of the three: F/60-80/arterial 7/12, F/60-80/venous 4/12, M/40-60/arterial 5/12, M/40-60/venous 2/12;
-    # the other four cells of the grid have no canvas and get nothing.
+    # Miss rates on validation: arterial 3/4, venous 0/4; F 2/4, M 1/4; 60-80 2/4, 40-60 1/4; pooled 3/8 for each
+    # attribute. Deficits above the pooled rate: arterial 3/8, F 1/8, 60-80 1/8, the rest 0 (other phases: no
+    # validation positives, no measured deficit). Need = their sum: F/60-80/arterial 5/8, F/60-80/venous 2/8,
+    # M/40-60/arterial 3/8, M/40-60/venous 0 (no subgroup of it falls behind); the other four cells of the grid
+    # have no canvas and get nothing.
     targets = resolve_targets(root, split, f"need:{budget}", baseline_records=records, threshold=50.0, **NEED_GRID)
     by_cell = targets.set_index(["sex", "age_band", "phase"])
     fillable = [("F", "60-80", "arterial"), ("F", "60-80", "venous"), ("M", "40-60", "arterial"), ("M", "40-60", "venous")]
@@ -262,11 +264,23 @@ def test_need_allocates_by_the_validation_deficit_to_cells_with_canvases(need_co
     assert by_cell.loc[("F", "40-60", "arterial"), "need"] == pytest.approx(0.5)  # in need, but no canvas
     assert by_cell.loc[("F", "40-60", "arterial"), "requested"] == 0 and by_cell.loc[("F", "40-60", "arterial"), "canvases"] == 0
     assert by_cell["unfillable"].sum() == 4 and not by_cell.loc[("F", "60-80", "arterial"), "unfillable"]
-    assert by_cell.loc[("F", "60-80", "arterial"), "need"] == pytest.approx(7 / 12)
+    assert by_cell.loc[("F", "60-80", "arterial"), "need"] == pytest.approx(5 / 8)
+    assert by_cell.loc[("M", "40-60", "venous"), "need"] == 0
     # A prediction column (0/1) is the operating point itself: the same outcome, the same allocation.
     predicted = records.drop(columns=["volume_mm3"]).assign(prediction=(records["volume_mm3"] > 50).astype(int))
     again = resolve_targets(root, split, f"need:{budget}", baseline_records=predicted, **NEED_GRID)
     assert again["requested"].tolist() == targets["requested"].tolist()
+
+
+def test_need_spreads_the_budget_when_every_subgroup_misses_alike(need_cohort):
+    root, split, records = need_cohort
+    # Every validation positive missed: no subgroup is worse than its attribute's pooled rate (1 everywhere),
+    # so the need falls back to the mean miss rate and the four fillable cells share the budget equally.
+    alike = records.assign(volume_mm3=0.0)
+    targets = resolve_targets(root, split, "need:8", baseline_records=alike, threshold=50.0, **NEED_GRID)
+    fillable = targets[targets["canvases"] > 0]
+    assert fillable["requested"].tolist() == [2, 2, 2, 2]
+    assert (fillable["need"] == 1.0).all()
 
 
 def test_need_reads_validation_records_only_and_needs_a_deficit(need_cohort):
