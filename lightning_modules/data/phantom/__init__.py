@@ -14,17 +14,24 @@ The phantom's subgroup effects are designed, so that the baseline-vs-SynthX stud
 
 - **Scarcity gap (positive control): the arterial phase.** Arterial scans are rare (about 9% of
   scans, about 12% of the training positives against about 60% venous) and their tumors look
-  different: the pancreas enhances to about 180 HU (115 HU venous) and the tumor is 70 HU darker
-  (50 HU venous), so an arterial tumor sits at about the attenuation of healthy *venous* pancreas.
-  The tumors are clearly visible (contrast-to-noise ratio above 3), but a model that learned
-  tumors from venous scans misses more of them. More arterial training tumors (real or synthetic)
-  should narrow this gap.
-- **Physics gap (negative control): the non-contrast phase.** Without contrast the tumor is nearly
-  iso-attenuating (5 HU darker than the pancreas, against 9-19 HU of noise: contrast-to-noise ratio
-  below 0.6). No amount of training data can make it visible; a method that "closes" this gap is
-  suspect.
+  different: in the arterial phase the tumor is hyper-attenuating, about 70 HU brighter than a
+  pancreas enhanced to about 150 HU (a hypervascular, neuroendocrine-like blush), where every
+  venous tumor is 50 HU darker than its gland. The tumors are clearly visible (contrast-to-noise
+  ratio above 3), but a model that learned tumors from venous scans misses them; only arterial
+  examples (real or synthetic) can teach it, so more of them should narrow this gap. Pancreatic
+  adenocarcinoma itself is hypo-attenuating in the arterial phase: the shift is designed, not
+  clinical (with a hypo-attenuating arterial tumor, measured in phantom version 3 and 4 drafts, a
+  detector found arterial tumors as well as venous ones once tumors sat inside the gland).
+- **Physics gap (negative control): the non-contrast phase.** Without contrast the tumor is
+  iso-attenuating (2 HU darker than the pancreas, with the parenchyma's texture, against 9-19 HU of
+  noise), and healthy glands have tumor-sized lobulations, so neither attenuation nor contour
+  gives it away. No amount of training data can make it visible; a method that "closes" this gap
+  is suspect.
 - Venous is the well-represented reference phase (clear contrast, common); delayed is in between
   (20 HU contrast, about 11% of scans).
+- A pancreatic tumor sits inside the gland: where it outgrows it, the gland expands around it with
+  a rim of parenchyma (``lesions.py``), so a tumor is never a bare round blob in the fat, which is
+  what a fluid-filled bowel loop looks like.
 
 :func:`designed_gaps` returns these numbers; ``tests/data/test_phantom.py`` checks them on rendered
 scans (contrast per phase measured in the volumes) and in the planned cohort (arterial rarity).

@@ -5,7 +5,6 @@ Shapes are smooth ellipsoids and tubes; organ sizes follow age and sex (:func:`o
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -14,9 +13,8 @@ from scipy.interpolate import CubicSpline
 from scipy.spatial.transform import Rotation
 
 from lightning_modules.data.cohort import ORGAN_CLASSES
-from lightning_modules.data.phantom.plan import LESION_CLASSES, REFERENCE_FOV_MM, ScanPlan, geometry_scale
+from lightning_modules.data.phantom.plan import LESION_CLASSES, ScanPlan, geometry_scale
 from lightning_modules.data.phantom.tissues import (
-    _CAVITY,
     _ON_CAVITY,
     _ON_FAT,
     _ON_LIVER_OR_CAVITY,
@@ -144,6 +142,8 @@ class _Anatomy:
     placement_mm: np.ndarray  # (3,) where the anatomy sits in the field of view (table position, scan range)
     body_aspect: float  # width / depth of the body section relative to the reference
     organ_shift_mm: np.ndarray  # (n_structures, 3) mm, added to position_jitter
+    # Focal lobulations of the gland: (fraction along the centreline, semi-axes mm, rotation).
+    pancreas_lobules: list[tuple[float, np.ndarray, np.ndarray]]
 
 
 _JITTERED = ("liver", "spleen", "kidney_left", "kidney_right", "stomach", "gall_bladder", "pancreas", "aorta")
@@ -189,6 +189,12 @@ def _draw_anatomy(rng: np.random.Generator) -> _Anatomy:
         ]),
         body_aspect=float(np.clip(rng.normal(1.0, 0.07), 0.86, 1.14)),
         organ_shift_mm=np.clip(rng.normal(0.0, 5.0, size=(len(_JITTERED), 3)), -10.0, 10.0),
+        pancreas_lobules=[
+            (float(rng.uniform(0.05, 0.92)),
+             (5.0 + 35.0 * rng.beta(1.6, 2.4)) / 2.0 * np.array([1.0, rng.uniform(0.75, 1.0), rng.uniform(0.7, 1.0)]) + 5.0,
+             _random_rotation(rng))
+            for _ in range(int(rng.integers(1, 4)))
+        ],
     )
 
 
@@ -379,6 +385,10 @@ def _paint_pancreas(labels: np.ndarray, grid: _Grid, anatomy: _Anatomy, factors:
     points = curve(t)
     radii = np.interp(t, chord / chord[-1], _PANCREAS_RADII * radius_scale)
     _paint(labels, _tube(grid, points, radii), Tissue.PANCREAS, _ON_CAVITY)
+    # Normal lobulation: focal bulges of parenchyma the size of a tumor with its rim (lesions.py), so
+    # that a bulging contour alone does not give a tumor away (without contrast it is all there is).
+    for fraction, semi, rotation in anatomy.pancreas_lobules:
+        _paint(labels, _ellipsoid(grid, curve(fraction), semi * b, rotation), Tissue.PANCREAS, _ON_CAVITY)
     return curve
 
 

@@ -1,8 +1,9 @@
 """Attenuation (HU) of every phantom tissue per contrast phase, and the per-scan intensity draws.
 
 The lesion-minus-organ contrast table is where the designed gaps live (see the package docstring,
-``docs/design.md "The phantom cohort"``): near iso without contrast (the physics gap), strong in the
-arterial phase on a much brighter pancreas (the scarcity gap), clear in the venous phase.
+``docs/design.md "The phantom cohort"``): iso without contrast (the physics gap), hyper-attenuating
+in the arterial phase (the scarcity gap: visible, but unlike any venous tumor), clearly
+hypo-attenuating in the venous phase.
 """
 
 from __future__ import annotations
@@ -42,21 +43,29 @@ _ATTENUATION: dict[Tissue, tuple[float, float, float, float]] = {
     Tissue.KIDNEY_LEFT_MEDULLA: (32, 85, 150, 140),
     Tissue.KIDNEY_RIGHT_CORTEX: (35, 180, 165, 125),
     Tissue.KIDNEY_RIGHT_MEDULLA: (32, 85, 150, 140),
-    Tissue.PANCREAS: (45, 180, 115, 75),
+    Tissue.PANCREAS: (45, 150, 115, 75),
     Tissue.AORTA: (40, 300, 165, 115),
     Tissue.POSTCAVA: (40, 95, 150, 110),
 }
-# Lesion minus its organ (HU). Pancreatic adenocarcinoma: near iso without contrast, most
-# conspicuous in the pancreatic (arterial) phase, clear in the venous phase (docs/design.md
-# "The phantom cohort"). The designed gaps: non-contrast stays at -5 HU against 9-19 HU of noise
-# (the physics gap); arterial puts a strong -70 HU tumor on a pancreas enhanced to 180 HU, so the
-# tumor sits near healthy venous pancreas (115 HU) and venous-trained models miss it (the
-# scarcity gap, with arterial scans rare). The arterial pancreas (180 HU in the table above) is
-# deliberately above the textbook 110-150 HU, to make that gap. Delayed is in between (-20 HU).
+# Lesion minus its organ (HU). The designed gaps (package docstring, docs/design.md "The phantom
+# cohort"):
+# - venous (the reference, common): a clear hypo-attenuating tumor, -50 HU on a 115 HU pancreas;
+# - arterial (the scarcity gap, rare): the tumor is HYPER-attenuating, +70 HU on a 150 HU pancreas,
+#   like the arterial blush of a hypervascular (neuroendocrine-like) tumor. It is clearly visible,
+#   but it looks the opposite of every venous tumor, so a model that learned tumors from venous scans
+#   misses it, and only arterial examples (real or synthetic) can teach it. Pancreatic
+#   adenocarcinoma itself is hypo-attenuating in the arterial phase: this is a designed appearance
+#   shift, not clinical truth. (Phantom version 3 made it a -70 HU tumor on a 180 HU pancreas; once
+#   tumors sat inside the gland (lesions.py), a model learned "darker than the parenchyma" and
+#   found those as well as venous ones, so that gap was gone.)
+# - non-contrast (the physics gap): -2 HU, with the parenchyma's texture, against 9-19 HU of noise:
+#   iso-attenuating, so no data can make it visible. (At -5 HU with a coarser texture, a detector
+#   averaging over a large tumor still found some: test AUC about 0.7.)
+# - delayed is in between (-20 HU).
 # Liver (hypovascular metastasis-like) and kidney (cyst/RCC-like) lesions have no source table:
 # chosen hypo-attenuating with the same near-iso non-contrast behaviour.
 _LESION_CONTRAST: dict[str, tuple[float, float, float, float]] = {
-    "pancreatic_lesion": (-5, -70, -50, -20),
+    "pancreatic_lesion": (-2, 70, -50, -20),
     "liver_lesion": (-12, -30, -50, -30),
     "kidney_lesion": (-8, -120, -105, -80),
 }
@@ -144,8 +153,10 @@ def _attenuation_table(plan: ScanPlan, rng: np.random.Generator) -> tuple[np.nda
     amplitude[[Tissue.AIR, Tissue.BOWEL_GAS, Tissue.STOMACH_GAS]] = 0.0
     amplitude[[Tissue.SUBCUTANEOUS_FAT, Tissue.VISCERAL_FAT]] = 4.0
     amplitude[[Tissue.CANCELLOUS_BONE, Tissue.CORTICAL_BONE]] = 25.0
+    # Tumors are a little more heterogeneous than parenchyma once contrast shows their vessels;
+    # without contrast they have the parenchyma's texture (no texture cue for the physics gap).
     amplitude[[Tissue.PANCREATIC_LESION, Tissue.LIVER_LESION, Tissue.KIDNEY_LEFT_LESION,
-               Tissue.KIDNEY_RIGHT_LESION]] = 7.0
+               Tissue.KIDNEY_RIGHT_LESION]] = 5.0 if plan.phase == "non-contrast" else 7.0
     if plan.phase == "arterial":
         # The spleen enhances heterogeneously in the arterial phase.
         amplitude[Tissue.SPLEEN] = 18.0

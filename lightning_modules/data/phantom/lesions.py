@@ -1,7 +1,19 @@
 """Where the phantom's planned lesions are painted: centred on a voxel of their organ, never empty.
 
-A pancreatic lesion lies along the pancreas centreline at its recorded location (head, body, tail);
-a large one may bulge into fat, bowel and neighbouring organs, never into vessels, bone or muscle.
+A pancreatic lesion lies along the pancreas centreline at its recorded location (head, body, tail)
+and sits inside the gland: where it grows beyond the pancreas into fat or bowel, the gland is
+locally expanded around it (a rim of parenchyma, :data:`PANCREATIC_RIM_MM`), as a pancreatic mass
+enlarges the gland's contour. Against neighbouring organs it may touch them directly; it never
+grows into vessels, bone or muscle.
+
+Why the rim: without it, a large tumor filled the whole thickness of the gland and bulged into the
+fat as a bare, round, uniform blob, the shape and attenuation of a fluid-filled bowel loop; a
+detector then had nothing in the image to tell the two apart (phantom version 3: confident
+false-positive blobs on bowel loops beside healthy pancreases, and large tumors missed). A
+hypo-attenuating mass inside enhancing parenchyma is what the pancreatic phase is read for, and it
+keeps the designed gaps: the rim enhances with the pancreas (no contrast without it: the physics gap
+stays), and an arterial tumor inside its bright rim still sits at healthy venous pancreas HU (the
+scarcity gap stays).
 """
 
 from __future__ import annotations
@@ -12,11 +24,13 @@ import numpy as np
 
 from lightning_modules.data.phantom.anatomy import _Anatomy, _ellipsoid, _Grid, _Layout, _paint
 from lightning_modules.data.phantom.plan import ScanPlan
-from lightning_modules.data.phantom.tissues import _CAVITY, _ON_SOFT_ORGANS, Tissue, _allowed
+from lightning_modules.data.phantom.tissues import _CAVITY, _ON_CAVITY, _ON_SOFT_ORGANS, Tissue, _allowed
 
 # Where a lesion centre lies along the pancreas centreline (0 = uncinate, 1 = tail tip; the neck
 # is at ~0.3 of its length), per recorded location.
 _LESION_CENTER_RANGES = {"head": (0.06, 0.26), "body": (0.36, 0.62), "tail": (0.73, 0.92)}
+# Thickness (reference mm) of the parenchyma kept around a pancreatic lesion where it meets fat or bowel.
+PANCREATIC_RIM_MM = 5.0
 
 
 def _nearest_voxel(labels: np.ndarray, grid: _Grid, target: np.ndarray, tissues: Sequence[Tissue]) -> np.ndarray:
@@ -43,8 +57,8 @@ def _place_lesions(plan: ScanPlan, grid: _Grid, anatomy: _Anatomy, layout: _Layo
             target = layout.pancreas_curve(low + (high - low) * anatomy.lesion_fraction[kind])
             organ_tissues = (Tissue.PANCREAS,)
             tissue = Tissue.PANCREATIC_LESION
-            # A large tumor bulges out of the pancreas into fat, bowel and neighbouring organs,
-            # never into vessels, bone or muscle; the pancreas mask then includes the bulge.
+            # A large tumor bulges out of the original gland (inside its rim, below) and may touch
+            # neighbouring organs, never vessels, bone or muscle; the pancreas mask includes the bulge.
             allowed = _ON_SOFT_ORGANS
         elif kind == "liver_lesion":
             depth = 0.6 * anatomy.lesion_fraction[kind]
@@ -68,6 +82,10 @@ def _place_lesions(plan: ScanPlan, grid: _Grid, anatomy: _Anatomy, layout: _Layo
             raise ValueError(f"{plan.case_id}: unknown lesion class {kind!r}")
         center = _nearest_voxel(labels, grid, np.asarray(target, dtype=float), organ_tissues)
         semi = lesion.diameter_mm / 2.0 * anatomy.lesion_axes[kind]
+        if kind == "pancreatic_lesion":
+            # The gland expands around the mass: a rim of parenchyma where the tumor meets fat or bowel.
+            rim = _ellipsoid(grid, center, semi + PANCREATIC_RIM_MM, anatomy.lesion_rotation[kind])
+            _paint(labels, rim, Tissue.PANCREAS, _ON_CAVITY)
         painted = _paint(labels, _ellipsoid(grid, center, semi, anatomy.lesion_rotation[kind]), tissue,
                          allowed | _allowed(*organ_tissues))
         if painted == 0:

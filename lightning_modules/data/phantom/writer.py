@@ -25,7 +25,7 @@ from lightning_modules.data.phantom.render import render_scan
 from lightning_modules.run_folder import LOCK_FILE, RunFolderLock
 
 # Bump when the rendering changes, so a rerun into an older cohort refuses to mix the two.
-PHANTOM_VERSION = 3
+PHANTOM_VERSION = 4
 PARAMS_FILE = "phantom.json"
 
 
