@@ -9,7 +9,8 @@ counted nor requested. No rule reads the test split. The rules:
   each cell's need, the sum over its three attributes (sex, age band, phase) of the deficit of the
   cell's value: how far the baseline's VALIDATION miss rate (1 - sensitivity) there exceeds the
   attribute's pooled miss rate (0 when it does not, or when the value has no validation
-  positives; :func:`cell_needs`). Only cells holding at least one
+  positives; :func:`cell_deficits`). Each subgroup's share is split evenly over its cells with a
+  canvas, so a gap gets its share however few fillable cells it has (:func:`plan_need`). Only cells holding at least one
   canvas (a healthy real training scan of that cell) receive cases, since the others cannot be
   filled. Needs the baseline's per-case validation records (``label``, ``sex``, ``age_band``,
   ``phase`` and ``prediction`` or a score column, as the evaluation callback writes them); a record
@@ -234,7 +235,7 @@ def resolve_targets(
         if baseline_records is None:
             raise TargetingError(f"rule {rule!r} needs the baseline's validation records (baseline_records)")
         missed = validation_misses(baseline_records, split, threshold, score)
-        return plan_need(train_counts, count_canvases(cases, grid), cell_needs(missed, grid), int(argument))
+        return plan_need(train_counts, count_canvases(cases, grid), cell_deficits(missed, grid), int(argument))
     if budget is None:
         raise TargetingError(f"rule {rule!r} needs a total synthetic budget (--budget N)")
     if argument in SPLIT_NAMES:
@@ -353,16 +354,16 @@ def validation_misses(
     return table[table["label"] == 1].reset_index(drop=True)
 
 
-def cell_needs(missed: pd.DataFrame, grid: pd.DataFrame) -> list[Fraction]:
-    """Each cell's need: how much worse than average the baseline is in its sex, age band and phase.
+def cell_deficits(missed: pd.DataFrame, grid: pd.DataFrame) -> list[tuple[Fraction, ...]]:
+    """Each cell's deficit per attribute (sex, age band, phase): how much worse than average the
+    baseline is in the cell's value of that attribute.
 
-    For each attribute, a value's deficit is its validation miss rate minus the attribute's pooled
-    miss rate (over the positives whose value is known), or 0 when it is not worse; a cell's need
-    is the sum of its three deficits. So the budget goes to the subgroups that fall behind (the
-    gaps), not to every cell in proportion to an overall miss rate that all cells share. A value
-    without validation positives has no measured deficit (0). When no value of any attribute is
-    worse than its pooled rate (every subgroup misses alike), the need falls back to the mean of
-    the cell's three miss rates, which spreads the budget over the cells.
+    A value's deficit is its validation miss rate minus the attribute's pooled miss rate (over the
+    positives whose value is known), or 0 when it is not worse; a value without validation
+    positives has no measured deficit (0). So the budget goes to the subgroups that fall behind
+    (the gaps), not to every cell in proportion to an overall miss rate that all cells share. When
+    no value of any attribute is worse than its pooled rate (every subgroup misses alike), each
+    part is the value's miss rate divided by 3 instead, which spreads the budget.
     """
     if missed.empty:
         raise TargetingError("the baseline's validation records hold no positive case: there is no deficit to target")
@@ -375,34 +376,56 @@ def cell_needs(missed: pd.DataFrame, grid: pd.DataFrame) -> list[Fraction]:
             value: Fraction(int(part["missed"].sum()), len(part)) for value, part in known.groupby(column)
         }
     cells = grid.to_dict("records")
-    needs = [
-        sum((max(Fraction(0), rates[c].get(row[c], pooled[c]) - pooled[c]) for c in CELL_COLUMNS), Fraction(0))
-        for row in cells
+    deficits = [
+        tuple(max(Fraction(0), rates[c].get(row[c], pooled[c]) - pooled[c]) for c in CELL_COLUMNS) for row in cells
     ]
-    if any(needs):
-        return needs
-    return [sum((rates[c].get(row[c], pooled[c]) for c in CELL_COLUMNS), Fraction(0)) / len(CELL_COLUMNS) for row in cells]
+    if any(any(parts) for parts in deficits):
+        return deficits
+    return [tuple(rates[c].get(row[c], pooled[c]) / len(CELL_COLUMNS) for c in CELL_COLUMNS) for row in cells]
 
 
-def plan_need(train_counts: pd.DataFrame, canvases: pd.DataFrame, needs: Sequence[Fraction], budget: int) -> pd.DataFrame:
-    """Spend ``budget`` across the cells that have a canvas, in proportion to their need.
+def cell_needs(missed: pd.DataFrame, grid: pd.DataFrame) -> list[Fraction]:
+    """Each cell's need: the sum of its three deficits (:func:`cell_deficits`)."""
+    return [sum(parts, Fraction(0)) for parts in cell_deficits(missed, grid)]
+
+
+def plan_need(
+    train_counts: pd.DataFrame, canvases: pd.DataFrame, deficits: Sequence[Sequence[Fraction]], budget: int
+) -> pd.DataFrame:
+    """Spend ``budget`` across the cells that have a canvas, in proportion to their subgroups' deficits.
+
+    Each subgroup (one value of sex, age band or phase) gets a share of the budget in proportion
+    to its deficit, split evenly over its cells that have a canvas. So a phase that falls behind
+    gets the same share whether it has two fillable cells or eight (with an allocation per cell,
+    a gap with few fillable cells, e.g. a rare phase, got little). A cell's ``need`` in the table
+    is the sum of its three deficits.
 
     Args:
         train_counts: the grid with the training positives in ``count``.
         canvases: the same grid with the canvases per cell in ``count`` (:func:`count_canvases`).
-        needs: one need per cell (:func:`cell_needs`).
+        deficits: one (sex, age band, phase) deficit triple per cell (:func:`cell_deficits`).
         budget: the total number of synthetic cases to request.
     """
     if budget < 0:
         raise TargetingError(f"the synthetic budget must be >= 0, got {budget}")
     open_cells = [int(n) > 0 for n in canvases["count"]]
-    weights = [need if fillable else Fraction(0) for need, fillable in zip(needs, open_cells)]
+    cells = train_counts[list(CELL_COLUMNS)].astype(str).to_dict("records")
+    open_per_value = {
+        (column, value): sum(1 for cell, fillable in zip(cells, open_cells) if fillable and cell[column] == value)
+        for cell in cells for column, value in cell.items()
+    }
+    weights = [
+        sum((part / open_per_value[(column, cell[column])] for column, part in zip(CELL_COLUMNS, parts)), Fraction(0))
+        if fillable else Fraction(0)
+        for cell, parts, fillable in zip(cells, deficits, open_cells)
+    ]
     total = sum(weights, Fraction(0))
     if budget > 0 and total == 0:
         raise TargetingError(
             "need: no cell with a canvas has a validation deficit (the baseline detects every validation tumor "
             "there, or no cell has a healthy training scan); use min_positives:k or match:val"
         )
+    needs = [sum(parts, Fraction(0)) for parts in deficits]
     table = _base_table(train_counts)
     exact = [budget * w / total for w in weights] if total else [Fraction(0)] * len(weights)
     table["requested"] = _round_largest_remainder(exact, budget) if total else 0

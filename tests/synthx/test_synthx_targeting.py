@@ -16,6 +16,7 @@ from synthx.targeting import (
     log_targets,
     parse_rule,
     plan_match,
+    plan_need,
     requests_from_targets,
     resolve_targets,
 )
@@ -270,6 +271,27 @@ def test_need_allocates_by_the_validation_deficit_to_cells_with_canvases(need_co
     predicted = records.drop(columns=["volume_mm3"]).assign(prediction=(records["volume_mm3"] > 50).astype(int))
     again = resolve_targets(root, split, f"need:{budget}", baseline_records=predicted, **NEED_GRID)
     assert again["requested"].tolist() == targets["requested"].tolist()
+
+
+def test_need_gives_each_lagging_subgroup_its_share_however_few_fillable_cells_it_has():
+    """Two phases fall equally far behind; arterial has one cell with a canvas, non-contrast three.
+    Each phase gets half the budget (allocating per cell gave non-contrast three quarters)."""
+    from fractions import Fraction
+
+    grid = pd.DataFrame(
+        [{"sex": sex, "age_band": band, "phase": phase} for sex in ("F",) for band in ("20-40", "40-60", "60-80")
+         for phase in ("arterial", "non-contrast", "venous")]
+    )
+    counts = grid.assign(count=0)
+    canvases = grid.assign(count=[int(phase != "arterial" or band == "60-80") for band, phase in zip(grid["age_band"], grid["phase"])])
+    half = Fraction(1, 2)
+    deficits = [(Fraction(0), Fraction(0), half if phase in ("arterial", "non-contrast") else Fraction(0)) for phase in grid["phase"]]
+    table = plan_need(counts, canvases, deficits, 12)
+    by_phase = table.groupby("phase")["requested"].sum()
+    assert by_phase["arterial"] == 6 and by_phase["non-contrast"] == 6 and by_phase["venous"] == 0
+    assert table.loc[(table["phase"] == "arterial") & (table["age_band"] == "60-80"), "requested"].item() == 6
+    assert table.loc[(table["phase"] == "arterial") & (table["age_band"] != "60-80"), "unfillable"].all()
+    assert (table.loc[table["phase"] == "non-contrast", "requested"] == 2).all()
 
 
 def test_need_spreads_the_budget_when_every_subgroup_misses_alike(need_cohort):
