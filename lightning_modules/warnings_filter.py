@@ -57,6 +57,20 @@ WARNING_FILTERS: tuple[tuple[str, type[Warning], str, str], ...] = (
         "the throughput monitor logs samples and batches per second; FLOPs are not computed for 3D "
         "backbones here",
     ),
+    (
+        r"Using `DistributedSampler` with the dataloaders. During `trainer.(validate|test)\(\)`",
+        UserWarning,
+        r"lightning\..*",
+        "evaluation under DDP: the sampler's padding repeats a few cases, and the per-case records are "
+        "gathered and de-duplicated by case id before any metric, so every case counts exactly once",
+    ),
+    (
+        r"It is recommended to use `self.log\('(val|test)/.*sync_dist=True\)` when logging on epoch level",
+        UserWarning,
+        r"lightning\..*",
+        "the evaluation metrics are computed from the per-case records gathered from every rank, so "
+        "every rank holds the same value; syncing would average identical numbers",
+    ),
 )
 
 # (logger name, message substring, why it is noise here)

@@ -108,6 +108,10 @@ NOISE = [
      "lightning.fabric.plugins.environments.slurm"),
     ("When using the `ThroughputMonitor`, you need to define a `flops_per_batch` attribute", UserWarning,
      "lightning.pytorch.callbacks.throughput_monitor"),
+    ("Using `DistributedSampler` with the dataloaders. During `trainer.test()`, it is recommended to use "
+     "`Trainer(devices=1, num_nodes=1)`", UserWarning, "lightning.pytorch.trainer.connectors.data_connector"),
+    ("It is recommended to use `self.log('test/f1/overall', ..., sync_dist=True)` when logging on epoch level in "
+     "distributed setting", UserWarning, "lightning.pytorch.trainer.connectors.logger_connector.result"),
 ]
 
 

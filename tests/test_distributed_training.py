@@ -124,3 +124,63 @@ def test_a_killed_rank_fails_the_run_and_the_rerun_resumes_it_under_ddp(tiny_pha
     lr_key = next(k for k in run.data.metrics if k.startswith("lr-"))
     steps = sorted({m.step for m in client.get_metric_history(run_id, lr_key)})
     assert steps[-1] == 29 and steps[0] == 0, "one learning-rate history across the kill"
+
+
+def _records(client: MlflowClient, run_id: str, stage: str, folder: Path):
+    import pandas as pd
+
+    path = client.download_artifacts(run_id, f"evaluation/{stage}_records.csv", str(folder))
+    return pd.read_csv(path).sort_values("case_id").reset_index(drop=True)
+
+
+@pytest.mark.slow
+def test_evaluate_under_ddp_and_torchrun_gives_the_single_process_records_in_one_finished_run(tiny_phantom, tmp_path):
+    """``benchx evaluate`` on 2 processes (Lightning's launcher, then torchrun): one FINISHED run each, and the
+    per-case records and metrics of the 1-process evaluation (the DistributedSampler's padding de-duplicated)."""
+    root, split = tiny_phantom
+    overrides = tiny_overrides(root, split, tmp_path, steps=4)
+    recipe = load_recipe(RECIPES / "unet.yaml", overrides)
+    client = MlflowClient(recipe.tracking.uri)
+    folder = tmp_path / "trained"
+    single_launch = [sys.executable]
+    done = subprocess.run(_train_command(single_launch, folder, overrides)[:-len(DDP)], cwd=REPO_ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    training_run = RunRecord.read(folder).run_id
+
+    def evaluate(launcher: list[str], extra: list[str]) -> str:
+        command = [*launcher, "-m", "lightning_modules.cli", "evaluate", "--run-id", training_run, "--stages", "val,test",
+                   *overrides, *extra]
+        env = {**ENV, "MLFLOW_TRACKING_URI": str(recipe.tracking.uri)}  # where --run-id is looked up
+        done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        reported = [line for line in done.stdout.splitlines() if line.startswith("evaluation run ")]
+        assert len(reported) == 1, f"only rank 0 reports: {done.stdout}"
+        if extra and launcher == single_launch:  # Lightning's launcher started a second process (torchrun: the world of 2 is torchrun's)
+            assert "MEMBER: 1/2" in done.stderr + done.stdout, done.stderr[-3000:]
+        return reported[0].split()[-1]
+
+    runs = {
+        "one process": evaluate(single_launch, []),
+        "lightning ddp": evaluate(single_launch, DDP),
+        "torchrun": evaluate([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"], DDP),
+    }
+    reference = client.get_run(runs["one process"])
+    for name, run_id in runs.items():
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED", name
+        assert run.data.tags["training_run_id"] == training_run
+        for stage in ("val", "test"):
+            records, expected = _records(client, run_id, stage, tmp_path / name / stage), _records(client, runs["one process"], stage, tmp_path / "ref" / stage)
+            assert records["case_id"].is_unique and len(records) == len(expected), (name, stage)
+            assert records["case_id"].tolist() == expected["case_id"].tolist(), (name, stage)
+            assert records["label"].tolist() == expected["label"].tolist(), (name, stage)
+            for column in ("volume_mm3", "max_prob"):
+                assert records[column].tolist() == pytest.approx(expected[column].tolist(), rel=1e-5, abs=1e-6), (name, stage, column)
+        compared = [key for key in reference.data.metrics if key.startswith(("test", "val", "operating_point")) and key.endswith(("overall", "val_chosen", "fixed"))]
+        assert len(compared) >= 5, sorted(reference.data.metrics)[:20]
+        for key in compared:
+            assert run.data.metrics[key] == pytest.approx(reference.data.metrics[key], rel=1e-5, abs=1e-7, nan_ok=True), (name, key)
+    experiment = client.get_experiment_by_name(str(recipe.tracking.experiment))
+    evaluations = [r for r in client.search_runs([experiment.experiment_id]) if r.data.tags.get("stage") == "evaluation"]
+    assert len(evaluations) == 3, "one MLflow run per evaluation, none from rank 1"

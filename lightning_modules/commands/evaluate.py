@@ -63,6 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (EvaluationError, ModelSourceError, SplitError, CohortError, FileNotFoundError) as error:
         print(f"benchx evaluate: {error}", file=sys.stderr)
         return 1
+    from lightning_modules.trainer import global_rank
+
+    if global_rank() > 0:  # under DDP only rank 0 reports
+        return 0
     print(f"evaluation run {run_id}")
     for stage, table in results.items():
         overall = table[table["attribute"] == "overall"].iloc[0]

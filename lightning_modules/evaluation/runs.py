@@ -49,8 +49,17 @@ from lightning_modules.evaluation.thresholds import (
     matched_specificity_point,
     specificity_at,
 )
-from lightning_modules.trainer import build_trainer
-from lightning_modules.tracking import check_run_id, experiment_id, log_evaluation_inputs, log_metrics, run_tags, tracking_uri
+from lightning_modules.trainer import FailWithLaunchedProcesses, RunLogger, build_trainer, global_rank, share_from_rank_zero
+from lightning_modules.tracking import (
+    check_run_id,
+    ended_run,
+    experiment_id,
+    log_evaluation_inputs,
+    log_metrics,
+    run_tags,
+    start_run,
+    tracking_uri,
+)
 
 log = logging.getLogger(__name__)
 OVERLAP_OVERRIDE_TAG = "training_overlap_override"
@@ -176,8 +185,6 @@ def evaluate(
     Raises:
         EvaluationError: a malformed run id, or an evaluation set that overlaps the training cases.
     """
-    from lightning.pytorch.loggers import MLFlowLogger
-
     from lightning_modules.data.datamodule import CohortDataModule
     from lightning_modules.data.splits import split_sha256
     from lightning_modules.models.checkpoints import load_module_from_checkpoint
@@ -193,38 +200,44 @@ def evaluate(
     except ValueError as error:
         raise EvaluationError(str(error)) from error
     uri = tracking_uri(recipe.tracking.uri)
-    experiment_id(str(recipe.tracking.experiment), uri)
     datamodule = CohortDataModule(recipe)
     datamodule._load()
     evaluated = datamodule.split[datamodule.split["split"].isin({"val", *stages})]
-    tags = run_tags(recipe, split_sha256(recipe.data.split))
-    tags.update(check_training_overlap(MlflowClient(tracking_uri=uri), training_run_id, evaluated, allow_training_overlap))
-    tags.update({"stage": "evaluation", "eval_cohort": str(recipe.data.root), "checkpoint": Path(checkpoint).name})
-    if training_run_id:
-        tags["training_run_id"] = training_run_id
-    tags.update(extra_tags or {})
-    tags.update(version_tags or model_version_tags(training_run_id, uri))
-    module = load_module_from_checkpoint(recipe, checkpoint)
-    logger = MLFlowLogger(experiment_name=str(recipe.tracking.experiment), tracking_uri=uri,
-                          run_name=run_name or f"evaluate-{recipe.name}", tags=tags)
-    callback = SubgroupEvaluation.from_recipe(recipe, tables_on_val=True)
-    # One process: evaluation under DDP is not supported yet (the records would need a rank-safe run).
-    trainer = build_trainer(recipe.trainer, None, logger=logger, callbacks=[callback], devices=1, strategy="auto",
-                            num_nodes=1, enable_model_summary=False, enable_progress_bar=sys.stderr.isatty())
-    try:
+
+    def start_evaluation_run() -> str:
+        """On rank 0: check the evaluation set against the model's training cases and open the run."""
+        experiment_id(str(recipe.tracking.experiment), uri)
+        tags = run_tags(recipe, split_sha256(recipe.data.split))
+        tags.update(check_training_overlap(MlflowClient(tracking_uri=uri), training_run_id, evaluated, allow_training_overlap))
+        tags.update({"stage": "evaluation", "eval_cohort": str(recipe.data.root), "checkpoint": Path(checkpoint).name})
+        if training_run_id:
+            tags["training_run_id"] = training_run_id
+        tags.update(extra_tags or {})
+        tags.update(version_tags or model_version_tags(training_run_id, uri))
+        return start_run(uri, str(recipe.tracking.experiment), run_name or f"evaluate-{recipe.name}", tags)
+
+    # Under DDP (trainer.devices/strategy/num_nodes, torchrun, srun) rank 0 opens the run and every
+    # process gets its id; each rank evaluates its share of the cases, the records are gathered
+    # (padding de-duplicated) and only rank 0 writes. A failure on any rank ends the run FAILED.
+    run_id = share_from_rank_zero(start_evaluation_run, str(recipe.trainer.get("accelerator", "auto")))
+    writer = global_rank() == 0
+    tables: dict[str, pd.DataFrame] = {}
+    with ended_run(uri, run_id, writer=writer):
+        module = load_module_from_checkpoint(recipe, checkpoint)
+        logger = RunLogger(experiment_name=str(recipe.tracking.experiment), tracking_uri=uri, run_id=run_id)
+        callback = SubgroupEvaluation.from_recipe(recipe, tables_on_val=True)
+        trainer = build_trainer(recipe.trainer, None, logger=logger, callbacks=[callback, FailWithLaunchedProcesses(uri, run_id)],
+                                enable_model_summary=False, enable_progress_bar=sys.stderr.isatty())
         if datamodule.case_ids("val"):
             trainer.validate(module, datamodule=datamodule)
         if "test" in stages:
             trainer.test(module, datamodule=datamodule)
         tables = dict(callback.results)
-        points = _operating_points(recipe, callback)
-        tables.update(_log_operating_points(logger.experiment, logger.run_id, recipe, callback, list(stages), points))
-        log_evaluation_inputs(logger.experiment, logger.run_id, datamodule, list(dict.fromkeys(["val", *stages])))
-    except BaseException:
-        logger.experiment.set_terminated(logger.run_id, "FAILED")
-        raise
-    logger.experiment.set_terminated(logger.run_id, "FINISHED")
-    return logger.run_id, tables
+        if trainer.is_global_zero:
+            points = _operating_points(recipe, callback)
+            tables.update(_log_operating_points(logger.experiment, run_id, recipe, callback, list(stages), points))
+            log_evaluation_inputs(logger.experiment, run_id, datamodule, list(dict.fromkeys(["val", *stages])))
+    return run_id, tables
 
 
 # ------------------------------------------------------------------------------------------------
