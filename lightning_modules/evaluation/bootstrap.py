@@ -319,9 +319,24 @@ def bootstrap_subgroup_metrics(
     return table
 
 
-def _check_same_evaluation_set(records_a: pd.DataFrame, records_b: pd.DataFrame, attributes: Sequence[str]) -> None:
-    ids_a = pd.Index(records_a["case_id"].astype(str).str.strip())
-    ids_b = pd.Index(records_b["case_id"].astype(str).str.strip())
+def _comparison_columns(records: pd.DataFrame, attributes: Sequence[str]) -> tuple[pd.Index, dict[str, np.ndarray]]:
+    """Case ids and the per-case values two runs of a paired comparison must share."""
+    ids = pd.Index(records["case_id"].astype(str).str.strip())
+    values = {"patient_id": records["patient_id"].astype(str).str.strip().to_numpy(), "label": labels(records)}
+    for attribute in attributes:
+        values[ATTRIBUTE_COLUMNS[attribute]] = attribute_values(records, attribute)
+    return ids, values
+
+
+def _check_same_evaluation_set(
+    records_a: pd.DataFrame, records_b: pd.DataFrame, attributes: Sequence[str], reference=None
+) -> None:
+    """Raise ValueError unless both runs hold the same cases with the same patients, labels and attributes.
+
+    ``reference``: :func:`_comparison_columns` of ``records_a``, when several runs are checked against it.
+    """
+    ids_a, values_a = reference or _comparison_columns(records_a, attributes)
+    ids_b, values_b = _comparison_columns(records_b, attributes)
     hash_a, hash_b = evaluation_set_hash(ids_a), evaluation_set_hash(ids_b)
     if hash_a != hash_b:
         only_a, only_b = ids_a.difference(ids_b), ids_b.difference(ids_a)
@@ -331,21 +346,15 @@ def _check_same_evaluation_set(records_a: pd.DataFrame, records_b: pd.DataFrame,
             f"{len(only_b)} only in B (e.g. {list(only_b[:3])}); "
             f"set sha256 A={hash_a[:12]} B={hash_b[:12]}"
         )
-    aligned_b = records_b.iloc[ids_b.get_indexer(ids_a)]
-    checks = {
-        "patient_id": (records_a["patient_id"].astype(str).str.strip().to_numpy(),
-                       aligned_b["patient_id"].astype(str).str.strip().to_numpy()),
-        "label": (labels(records_a), labels(aligned_b)),
-    }
-    for attribute in attributes:
-        checks[ATTRIBUTE_COLUMNS[attribute]] = (attribute_values(records_a, attribute), attribute_values(aligned_b, attribute))
-    for column, (values_a, values_b) in checks.items():
-        differs = np.flatnonzero(values_a != values_b)
+    order = ids_b.get_indexer(ids_a)
+    for column, column_a in values_a.items():
+        column_b = values_b[column][order]
+        differs = np.flatnonzero(column_a != column_b)
         if len(differs):
             i = differs[0]
             raise ValueError(
                 f"case {ids_a[i]}: column '{column}' differs between the two runs "
-                f"({values_a[i]!r} vs {values_b[i]!r}); a paired comparison needs identical case metadata"
+                f"({column_a[i]!r} vs {column_b[i]!r}); a paired comparison needs identical case metadata"
             )
 
 
@@ -446,17 +455,23 @@ def paired_differences(
     unknown = [m for m in metrics if m not in CI_METRICS]
     if unknown:
         raise ValueError(f"unknown metrics {unknown}: expected a subset of {CI_METRICS}")
+    if not comparisons:
+        return []
+    columns_a = _comparison_columns(records_a, attributes)
     for records_b, _, _ in comparisons:
-        _check_same_evaluation_set(records_a, records_b, attributes)
+        _check_same_evaluation_set(records_a, records_b, attributes, reference=columns_a)
+    # The subgroups are built once, on the reference run; every other evaluator reuses them (the
+    # checks above guarantee the same cases, patients, labels and attributes) and reads only its scores.
+    first = WeightedSubgroupEvaluator(records_a, comparisons[0][1], score=score, attributes=attributes)
     evaluators: list[WeightedSubgroupEvaluator] = []
     reference: dict[float, int] = {}
     pairs = []
     for records_b, threshold_a, threshold_b in comparisons:
         if float(threshold_a) not in reference:
             reference[float(threshold_a)] = len(evaluators)
-            evaluators.append(WeightedSubgroupEvaluator(records_a, threshold_a, score=score, attributes=attributes))
+            evaluators.append(WeightedSubgroupEvaluator.on_same_cases(first, records_a, threshold_a))
         pairs.append((reference[float(threshold_a)], len(evaluators)))
-        evaluators.append(WeightedSubgroupEvaluator(records_b, threshold_b, score=score, attributes=attributes))
+        evaluators.append(WeightedSubgroupEvaluator.on_same_cases(first, records_b, threshold_b))
     ones = np.ones(evaluators[0].n_patients)
     points = [evaluator.evaluate(ones) for evaluator in evaluators]
     seed = _resolve_seed(evaluators[0].case_ids, seed)

@@ -101,20 +101,48 @@ class WeightedSubgroupEvaluator:
         self.patients, self.case_patient = np.unique(
             records["patient_id"].astype(str).str.strip().to_numpy(), return_inverse=True
         )
-        self.rows, membership = subgroup_membership(records, attributes)
-        values, truth = scores(records, score), labels(records)
+        self.rows, self._membership = subgroup_membership(records, attributes)
+        self.cases_per_patient = np.bincount(self.case_patient, minlength=len(self.patients))
+        self.row_patients = np.array(
+            [len(np.unique(self.case_patient[self._membership[:, row]])) for row in range(len(self.rows))], dtype=np.int64
+        )
+        self._set_scores(scores(records, score), labels(records))
+
+    @classmethod
+    def on_same_cases(cls, reference: "WeightedSubgroupEvaluator", records: pd.DataFrame, threshold: float) -> "WeightedSubgroupEvaluator":
+        """Another run's evaluator on the reference's evaluation set, reusing its patients and subgroups.
+
+        For a paired comparison, where the caller has checked that ``records`` hold the same cases
+        with the same patients, labels and attributes (``bootstrap._check_same_evaluation_set``):
+        only the scores are read (and validated), in the reference's case order, so comparing
+        many runs with one reference does not rebuild the subgroups for each.
+
+        Raises:
+            ValueError: a case of the reference is missing, or a score is missing or not finite.
+        """
+        validate_records(records, score=reference.score, attributes=())
+        ids = pd.Index(records["case_id"].astype(str).str.strip())
+        order = ids.get_indexer(reference.case_ids)
+        if (order < 0).any():
+            raise ValueError(f"case {reference.case_ids[np.flatnonzero(order < 0)[0]]} of the reference is not in the records")
+        aligned = records.iloc[order]
+        evaluator = cls.__new__(cls)
+        evaluator.threshold, evaluator.score = float(threshold), reference.score
+        for name in ("case_ids", "patients", "case_patient", "rows", "_membership", "cases_per_patient", "row_patients"):
+            setattr(evaluator, name, getattr(reference, name))
+        evaluator._set_scores(scores(aligned, reference.score), labels(aligned))
+        return evaluator
+
+    def _set_scores(self, values: np.ndarray, truth: np.ndarray) -> None:
+        """The sparse projection for these scores and labels (cases in :attr:`case_ids` order)."""
         self._n_rows = len(self.rows)
-        entries, positive_offsets = self._row_entries(membership, values, truth)
+        entries, positive_offsets = self._row_entries(self._membership, values, truth)
         self._positive_offsets = positive_offsets
         self._rows_with_positives = np.flatnonzero(np.diff(positive_offsets) > 0)
         self._projection = self._build_projection(entries, int(positive_offsets[-1]))
         # For integer weights whose sums stay below 2**24, float32 gives the same exact counts at
         # half the memory traffic; the bootstrap checks that bound before using it.
         self._projection_float32 = self._projection.astype(np.float32)
-        self.cases_per_patient = np.bincount(self.case_patient, minlength=len(self.patients))
-        self.row_patients = np.array(
-            [len(np.unique(self.case_patient[membership[:, row]])) for row in range(self._n_rows)], dtype=np.int64
-        )
 
     def _row_entries(self, membership: np.ndarray, values: np.ndarray, truth: np.ndarray):
         """Per kind of column (counts, positive scores, negative slots): (patients, columns) pairs."""

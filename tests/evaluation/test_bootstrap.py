@@ -192,6 +192,23 @@ def test_threaded_blocks_give_the_same_statistics_as_one_thread():
         resample_statistics(evaluators, 10, seed=3, threads=0)
 
 
+def test_an_evaluator_sharing_the_reference_subgroups_equals_one_built_from_scratch():
+    records = random_records(n=200, seed=7)
+    other = records.assign(volume_mm3=np.random.default_rng(1).permutation(records["volume_mm3"].to_numpy()))
+    shuffled = other.sample(frac=1.0, random_state=2)
+    reference = WeightedSubgroupEvaluator(records, 40.0)
+    shared = WeightedSubgroupEvaluator.on_same_cases(reference, shuffled, 25.0)
+    alone = WeightedSubgroupEvaluator(other, 25.0)
+    _, block = next(patient_weight_blocks(reference.n_patients, 16, seed=5, block_size=16))
+    for name, values in alone.evaluate_columns(block).items():
+        np.testing.assert_array_equal(values, shared.evaluate_columns(block)[name], err_msg=name)
+    assert (shared.row_patients == alone.row_patients).all()
+    with pytest.raises(ValueError, match="C000 of the reference is not in the records"):
+        WeightedSubgroupEvaluator.on_same_cases(reference, shuffled[shuffled["case_id"] != "C000"], 25.0)
+    with pytest.raises(ValueError, match="volume_mm3"):
+        WeightedSubgroupEvaluator.on_same_cases(reference, shuffled.assign(volume_mm3=np.nan), 25.0)
+
+
 def test_float32_blocks_give_the_same_statistics_as_float64():
     records = random_records(seed=5)
     evaluator = WeightedSubgroupEvaluator(records, 40.0)
