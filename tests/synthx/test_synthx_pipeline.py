@@ -203,7 +203,9 @@ def test_save_and_load_round_trip_in_this_and_a_fresh_process(tmp_path):
     loaded = SynthXPipeline.from_pretrained(tmp_path / "pipe")
     loaded.set_progress_bar_config(disable=True)
     assert loaded.unet.config.spacing == list(SPACING)
-    assert np.array_equal(run(loaded, image, organ, seed=5).images, expected.images)
+    # A reloaded network may take another float32 convolution kernel on some CPUs (measured on an AMD
+    # EPYC host: 41 of 4,096 voxels differ by up to 1.5e-4 HU); a wrong load differs by tens of HU.
+    np.testing.assert_allclose(run(loaded, image, organ, seed=5).images, expected.images, rtol=0, atol=1e-2)
 
     np.save(tmp_path / "image.npy", image)
     np.save(tmp_path / "organ.npy", organ)
@@ -224,7 +226,7 @@ def test_save_and_load_round_trip_in_this_and_a_fresh_process(tmp_path):
         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    assert np.array_equal(np.load(tmp_path / "fresh.npy"), expected.images)
+    np.testing.assert_allclose(np.load(tmp_path / "fresh.npy"), expected.images, rtol=0, atol=1e-2)
 
 
 def test_latent_mode_encodes_diffuses_and_decodes_with_a_registered_vae(tmp_path):

@@ -47,8 +47,8 @@ _ATTENUATION: dict[Tissue, tuple[float, float, float, float]] = {
     Tissue.AORTA: (40, 300, 165, 115),
     Tissue.POSTCAVA: (40, 95, 150, 110),
 }
-# Lesion minus its organ (HU). The designed gaps (package docstring, docs/design.md "The phantom
-# cohort"):
+# Lesion minus its organ (HU). The designed gaps (package docstring and
+# docs/design.md "The phantom cohort"):
 # - venous (the reference, common): a clear hypo-attenuating tumor, -50 HU on a 115 HU pancreas;
 # - arterial (the scarcity gap, rare): the tumor is HYPER-attenuating, +70 HU on a 150 HU pancreas,
 #   like the arterial blush of a hypervascular (neuroendocrine-like) tumor. It is clearly visible,
