@@ -41,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+from collections import Counter
 from fractions import Fraction
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -384,11 +385,6 @@ def cell_deficits(missed: pd.DataFrame, grid: pd.DataFrame) -> list[tuple[Fracti
     return [tuple(rates[c].get(row[c], pooled[c]) / len(CELL_COLUMNS) for c in CELL_COLUMNS) for row in cells]
 
 
-def cell_needs(missed: pd.DataFrame, grid: pd.DataFrame) -> list[Fraction]:
-    """Each cell's need: the sum of its three deficits (:func:`cell_deficits`)."""
-    return [sum(parts, Fraction(0)) for parts in cell_deficits(missed, grid)]
-
-
 def plan_need(
     train_counts: pd.DataFrame, canvases: pd.DataFrame, deficits: Sequence[Sequence[Fraction]], budget: int
 ) -> pd.DataFrame:
@@ -410,12 +406,9 @@ def plan_need(
         raise TargetingError(f"the synthetic budget must be >= 0, got {budget}")
     open_cells = [int(n) > 0 for n in canvases["count"]]
     cells = train_counts[list(CELL_COLUMNS)].astype(str).to_dict("records")
-    open_per_value = {
-        (column, value): sum(1 for cell, fillable in zip(cells, open_cells) if fillable and cell[column] == value)
-        for cell in cells for column, value in cell.items()
-    }
+    open_per_value = Counter(item for cell, fillable in zip(cells, open_cells) if fillable for item in cell.items())
     weights = [
-        sum((part / open_per_value[(column, cell[column])] for column, part in zip(CELL_COLUMNS, parts)), Fraction(0))
+        sum((part / open_per_value[column, cell[column]] for column, part in zip(CELL_COLUMNS, parts)), Fraction(0))
         if fillable else Fraction(0)
         for cell, parts, fillable in zip(cells, deficits, open_cells)
     ]

@@ -19,6 +19,8 @@ Example::
 
 from __future__ import annotations
 
+import copy
+
 from typing import Sequence
 
 import numpy as np
@@ -126,10 +128,8 @@ class WeightedSubgroupEvaluator:
         if (order < 0).any():
             raise ValueError(f"case {reference.case_ids[np.flatnonzero(order < 0)[0]]} of the reference is not in the records")
         aligned = records.iloc[order]
-        evaluator = cls.__new__(cls)
-        evaluator.threshold, evaluator.score = float(threshold), reference.score
-        for name in ("case_ids", "patients", "case_patient", "rows", "_membership", "cases_per_patient", "row_patients"):
-            setattr(evaluator, name, getattr(reference, name))
+        evaluator = copy.copy(reference)  # shares the patients and subgroups; the projection is replaced below
+        evaluator.threshold = float(threshold)
         evaluator._set_scores(scores(aligned, reference.score), labels(aligned))
         return evaluator
 
