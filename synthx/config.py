@@ -45,6 +45,9 @@ class SynthXDataConfig:
     # Patch centres move up to this fraction of the free space around the lesion, so tumors are not always centred.
     centre_jitter: float = 0.5
     augment: bool = True
+    # Draw lesions so that each contrast phase is seen equally often (with replacement): a rare phase's
+    # tumors, the ones SynthX is asked for, are not drowned by the venous majority.
+    balance_phases: bool = True
     num_workers: int = 4
     # Restrict training to these (training-split) cases; empty means every training case with a tumor.
     case_ids: list[str] = field(default_factory=list)

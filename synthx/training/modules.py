@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
 from synthx.model import CONDITION_NAMES, SynthXAutoencoder, SynthXDenoiser
-from synthx.pipeline import SynthXPipeline
+from synthx.pipeline import SynthXPipeline, cpu_layout
 from synthx.schedulers import build_noise_scheduler, sampling_scheduler
 
 
@@ -174,7 +174,7 @@ class SynthXTrainingModule(pl.LightningModule):
             conditions: the condition indices (after dropout).
             generator: fixes the noise (a CPU generator), e.g. to compare losses before and after steps.
         """
-        clean, masked, region = self.prepare(batch)
+        clean, masked, region = (cpu_layout(t) for t in self.prepare(batch))
         # A seeded generator lives on the CPU; unseeded noise is drawn directly on the device.
         noise_device = "cpu" if generator is not None else clean.device
         noise = torch.randn(clean.shape, generator=generator, device=noise_device, dtype=clean.dtype).to(clean.device)
@@ -207,6 +207,8 @@ class SynthXTrainingModule(pl.LightningModule):
 
     def on_fit_start(self) -> None:
         self.noise_scheduler.alphas_cumprod = self.noise_scheduler.alphas_cumprod.to(self.device)
+        if self.device.type == "cpu":
+            self.denoiser.to(memory_format=torch.channels_last_3d)
         if self.ema is not None:
             self.ema.to(self.device)
 
@@ -237,7 +239,7 @@ class SynthXTrainingModule(pl.LightningModule):
 
     def ema_denoiser(self) -> SynthXDenoiser:
         """A copy of the denoiser carrying the EMA weights (the trained weights when EMA is off)."""
-        denoiser = copy.deepcopy(self.denoiser).cpu()
+        denoiser = copy.deepcopy(self.denoiser).cpu().to(memory_format=torch.contiguous_format)
         if self.ema is not None:
             self.ema.copy_to(denoiser.parameters())
         return denoiser.eval()

@@ -309,7 +309,7 @@ def test_each_rank_loads_only_its_share_and_all_ranks_draw_equally_many_patches(
     from synthx.training import TumorPatchDataModule
     from synthx.training.dataset import EqualLengthShuffle
 
-    recipe = tiny_recipe(cohort_dir, "data.num_workers=0")
+    recipe = tiny_recipe(cohort_dir, "data.num_workers=0", "data.balance_phases=false")
     cases = ["C000", "C001", "C002", "C003"]
     shares = {}
     for rank in (0, 1, 2):
@@ -325,6 +325,42 @@ def test_each_rank_loads_only_its_share_and_all_ranks_draw_equally_many_patches(
     assert shares == {0: ["C000", "C003"], 1: ["C001"], 2: ["C002"]}
     sampler = EqualLengthShuffle(n_items=1, length=2, seed=0)
     assert list(sampler) == [0, 0]
+
+
+def test_balanced_draws_give_every_phase_an_equal_share_of_the_patches(cohort_dir):
+    """``data.balance_phases`` (the default): three venous lesions (one case listed three times), one arterial
+    and one non-contrast are drawn about equally often per phase; ranks keep drawing equally many patches."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from synthx.training import TumorPatchDataModule
+    from synthx.training.dataset import BalancedDraws
+
+    datamodule = TumorPatchDataModule(tiny_recipe(cohort_dir, "data.num_workers=0"), ["C000", "C001", "C001", "C001", "C002"])
+    datamodule.setup("fit")
+    dataset = datamodule.dataset
+    phases = [dataset.regions[r].conditions["phase"] for r, _ in dataset.items]
+    loader = datamodule.train_dataloader()
+    assert isinstance(loader.sampler, BalancedDraws) and len(loader.sampler) == len(dataset)
+    # Each venous lesion weighs a third of the arterial or the non-contrast one: weights sum to one per phase.
+    weights = dataset.phase_weights()
+    for phase, count in Counter(phases).items():
+        assert sum(float(w) for w, p in zip(weights, phases) if p == phase) == pytest.approx(1.0), phase
+    drawn = Counter(phases[i] for i in BalancedDraws(weights, length=6000, seed=0))
+    assert len(drawn) == len(set(phases))
+    for phase, n in drawn.items():
+        assert n / 6000 == pytest.approx(1 / len(drawn), abs=0.03), (phase, drawn)
+    # A new epoch draws anew; the same epoch and seed draw the same.
+    sampler = BalancedDraws(weights, length=50, seed=0)
+    first = list(sampler)
+    assert list(sampler) == first
+    sampler.set_epoch(1)
+    assert list(sampler) != first
+    # Under DDP every rank draws the longest share, so steps stay in lockstep.
+    datamodule = TumorPatchDataModule(tiny_recipe(cohort_dir, "data.num_workers=0"), ["C000", "C001", "C002", "C003"])
+    datamodule.trainer = SimpleNamespace(global_rank=1, world_size=3, strategy=SimpleNamespace(all_gather=lambda value: torch.tensor([2, 1, 1])))
+    datamodule.setup("fit")
+    assert len(datamodule.train_dataloader().sampler) == 2
 
 
 def test_synthx_train_under_ddp_with_two_cpu_processes(cohort_dir, mlflow_uri, tmp_path):
