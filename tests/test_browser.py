@@ -2,8 +2,8 @@
 both training runs, the registered models, and the HTML report renders.
 
 Starts ``mlflow server`` on 127.0.0.1 (one worker, no job execution) against the tiny study's store and
-reads the rendered pages with ``chromium --headless=new --dump-dom``; screenshots of each page are saved
-to ``$BENCHX_TEST_ARTIFACTS/browser`` (default ``outputs/test-artifacts/browser``) for a person to look
+reads the rendered pages (iframes included) from headless Chromium over its DevTools protocol; screenshots
+of each page are saved to ``$BENCHX_TEST_ARTIFACTS/browser`` (default ``outputs/test-artifacts/browser``) for a person to look
 at. Needs Debian's ``chromium`` (installed by ``.ci/setup``); without it the test is skipped, loudly.
 
 Run: .venv/bin/python -m pytest -q tests/test_browser.py
@@ -11,12 +11,16 @@ Run: .venv/bin/python -m pytest -q tests/test_browser.py
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -77,42 +81,152 @@ def mlflow_ui(finished_study, tmp_path):
         log.close()
 
 
-def render(url: str, name: str, budget_ms: int = 20000) -> str:
-    """The page's DOM after its scripts ran, and a screenshot ``<name>.png`` under ARTIFACTS."""
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    common = [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1600,1000",
-              f"--virtual-time-budget={budget_ms}"]
-    dom = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=180).stdout
-    subprocess.run([*common, f"--screenshot={ARTIFACTS / (name + '.png')}", url], capture_output=True, timeout=180)
-    (ARTIFACTS / f"{name}.html").write_text(dom)
-    return dom
+class Chromium:
+    """Headless Chromium driven over the DevTools protocol (aiohttp's websocket client).
+
+    Pages are read in real time, frames included: a page counts as rendered once the text its test
+    expects is in its DOM (the documents of its iframes pierced), then it is screenshotted. Chromium's
+    ``--virtual-time-budget`` screenshots are not used: they caught MLflow's HTML artifact preview
+    (an iframe of a blob URL) before it painted, blank, where a person's browser shows the report.
+    """
+
+    def __init__(self):
+        self.port, self.profile = free_port(), tempfile.mkdtemp(prefix="chromium-profile-")
+        self.process = subprocess.Popen(
+            [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1600,1000",
+             f"--remote-debugging-port={self.port}", f"--user-data-dir={self.profile}", "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+
+    def close(self) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+        shutil.rmtree(self.profile, ignore_errors=True)
+
+    def render(self, url: str, name: str, expect: tuple[str, ...], timeout_s: float = 90.0) -> tuple[str, Path]:
+        """Open ``url``; once every string of ``expect`` is in the page (frames included) or ``timeout_s``
+        passed, save ``<name>.png`` and ``<name>.txt`` under ARTIFACTS; return the page's flattened DOM and the PNG."""
+        return asyncio.run(self._render(url, name, expect, timeout_s))
+
+    async def _render(self, url: str, name: str, expect: tuple[str, ...], timeout_s: float) -> tuple[str, Path]:
+        import aiohttp
+
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        async with aiohttp.ClientSession() as session:
+            deadline = time.time() + 60
+            while True:
+                try:
+                    targets = await (await session.get(f"http://127.0.0.1:{self.port}/json")).json()
+                    break
+                except (aiohttp.ClientError, OSError):
+                    if time.time() > deadline or self.process.poll() is not None:
+                        raise RuntimeError("chromium's DevTools endpoint did not come up")
+                    await asyncio.sleep(0.3)
+            page = next(t for t in targets if t["type"] == "page")
+            async with session.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as socket_:
+                counter = iter(range(1, 1_000_000))
+
+                async def call(method: str, **params):
+                    ident = next(counter)
+                    await socket_.send_json({"id": ident, "method": method, "params": params})
+                    while True:
+                        message = await socket_.receive_json()
+                        if message.get("id") == ident:
+                            if "error" in message:
+                                raise RuntimeError(f"{method}: {message['error']}")
+                            return message["result"]
+
+                await call("Page.enable")
+                await call("Page.navigate", url=url)
+                deadline, dom = time.time() + timeout_s, ""
+                while True:
+                    dom = _flatten((await call("DOM.getDocument", depth=-1, pierce=True))["root"])
+                    # A sandboxed iframe (MLflow's HTML preview) renders in its own process: a target of its own.
+                    for target in await (await session.get(f"http://127.0.0.1:{self.port}/json")).json():
+                        if target["type"] == "iframe":
+                            dom += "\n" + await _frame_dom(session, target["webSocketDebuggerUrl"])
+                    if all(text in dom for text in expect) or time.time() > deadline:
+                        break
+                    await asyncio.sleep(1.0)
+                await asyncio.sleep(1.0)  # let the last layout paint
+                shot = await call("Page.captureScreenshot", format="png")
+        png = ARTIFACTS / f"{name}.png"
+        png.write_bytes(base64.b64decode(shot["data"]))
+        (ARTIFACTS / f"{name}.txt").write_text(dom)
+        return dom, png
 
 
-def test_mlflow_ui_shows_the_study_runs_models_and_report(finished_study, mlflow_ui):
+async def _frame_dom(session, websocket_url: str) -> str:
+    """The flattened DOM of an out-of-process frame's target."""
+    async with session.ws_connect(websocket_url, max_msg_size=0) as socket_:
+        await socket_.send_json({"id": 1, "method": "DOM.getDocument", "params": {"depth": -1, "pierce": True}})
+        while True:
+            message = await socket_.receive_json()
+            if message.get("id") == 1:
+                return _flatten(message["result"]["root"]) if "result" in message else ""
+
+
+def _flatten(node: dict) -> str:
+    """Tag names, attributes and text of a DevTools DOM node and everything under it, iframe documents included."""
+    parts = [node.get("nodeName", ""), node.get("nodeValue", ""), " ".join(node.get("attributes", []))]
+    for child in [*node.get("children", []), *([node["contentDocument"]] if "contentDocument" in node else [])]:
+        parts.append(_flatten(child))
+    return "\n".join(part for part in parts if part)
+
+
+def dark_pixels(png: Path, box: tuple[float, float, float, float]) -> int:
+    """Pixels darker than mid-grey inside ``box`` (left, top, right, bottom as fractions of the image)."""
+    import numpy as np
+    from PIL import Image
+
+    image = np.asarray(Image.open(png).convert("L"))
+    height, width = image.shape
+    left, top, right, bottom = box
+    return int((image[int(top * height):int(bottom * height), int(left * width):int(right * width)] < 128).sum())
+
+
+@pytest.fixture
+def chromium():
+    browser = Chromium()
+    try:
+        yield browser
+    finally:
+        browser.close()
+
+
+def test_mlflow_ui_shows_the_study_runs_models_and_report(finished_study, mlflow_ui, chromium):
     settings, uri, parent_id = finished_study
     client = MlflowClient(uri)
     parent = client.get_run(parent_id)
     experiment = parent.info.experiment_id
     tags = parent.data.tags
 
-    runs_page = render(f"{mlflow_ui}/#/experiments/{experiment}/runs", "experiment-runs")
+    runs_page, _ = chromium.render(f"{mlflow_ui}/#/experiments/{experiment}/runs", "experiment-runs", ("study-unet",))
     assert "study-unet" in runs_page, "the study's parent run is not listed"
 
     for step, name in (("baseline", "train-unet-baseline"), ("augmented", "train-unet-synthx")):
-        page = render(f"{mlflow_ui}/#/experiments/{experiment}/runs/{tags[f'step.{step}']}", f"run-{name}")
+        page, _ = chromium.render(f"{mlflow_ui}/#/experiments/{experiment}/runs/{tags[f'step.{step}']}", f"run-{name}", (name,))
         assert name in page, f"{name} does not render"
 
-    models = render(f"{mlflow_ui}/#/models", "registered-models")
+    models, _ = chromium.render(f"{mlflow_ui}/#/models", "registered-models", ("benchx-unet", "synthx-generator"))
     assert "benchx-unet" in models and "synthx-generator" in models
-    model = render(f"{mlflow_ui}/#/models/benchx-unet", "registered-model-benchx-unet")
-    assert "baseline" in model and "synthx" in model, "the aliases are not shown on the model page"
+    # An alias tag's attributes: "... title <alias> data-component-id ..._modelversionaliastag.tsx_...".
+    tags = tuple(f"title {alias} data-component-id codegen_mlflow_app_src_model-registry_components_aliases_modelversionaliastag" for alias in ("baseline", "synthx"))
+    model, _ = chromium.render(f"{mlflow_ui}/#/models/benchx-unet", "registered-model-benchx-unet", tags)
+    shown = set(re.findall(r"title (\S+) data-component-id \S*modelversionaliastag", model))
+    assert {"baseline", "synthx"} <= shown, f"the aliases are not shown on the model page: {sorted(shown)}"
 
-    # The report: the UI previews it in the parent run's artifact view (an iframe of the file), and
-    # the file itself renders in the browser with its tables and embedded figures.
-    artifact_view = render(f"{mlflow_ui}/#/experiments/{experiment}/runs/{parent_id}/artifacts/report/study_report.html",
-                           "parent-report-artifact")
-    assert "study_report.html" in artifact_view and "mlflow-html-iframe" in artifact_view
+    # The report: the UI previews it in the parent run's artifact view (an iframe of a blob of the
+    # file); the preview's document holds the report and paints (the preview area is not blank).
+    expected = ("Baseline vs SynthX (BenchX table 6)", "Forest plots per attribute")
+    preview, shot = chromium.render(f"{mlflow_ui}/#/experiments/{experiment}/runs/{parent_id}/artifacts/report/study_report.html",
+                                    "parent-report-artifact", expected)
+    assert "mlflow-html-iframe" in preview and all(text in preview for text in expected), "the report's preview is empty"
+    assert preview.count("data:image/png;base64,") >= 3
+    # The preview pane (right of the artifact tree, below the file's path): the report's heading and tables.
+    assert dark_pixels(shot, (0.30, 0.25, 0.70, 0.85)) > 2000, f"the report preview paints nothing: see {shot}"
+    # And the file itself, opened in the browser.
     downloaded = Path(client.download_artifacts(parent_id, "report/study_report.html", str(ARTIFACTS)))
-    report = render(downloaded.resolve().as_uri(), "study-report", budget_ms=3000)
-    assert "Baseline vs SynthX (BenchX table 6)" in report and "Forest plots per attribute" in report
+    report, _ = chromium.render(downloaded.resolve().as_uri(), "study-report", expected)
+    assert all(text in report for text in expected)
     assert report.count("data:image/png;base64,") >= 3 and "not available" not in report
