@@ -1,6 +1,7 @@
-"""``benchx train`` on 2 CPU processes (gloo): Lightning's launcher and torchrun give one FINISHED MLflow
-run whose validation metrics equal a 1-process validation of the same weights; a rank killed mid-run
-ends the run FAILED and the rerun resumes it at its checkpoint.
+"""``benchx train`` on 2 CPU processes (gloo): Lightning's launcher, torchrun, and torchrun as 2 "nodes" on
+127.0.0.1 give one FINISHED MLflow run whose validation metrics equal a 1-process validation of the same
+weights; a rank killed mid-run (Lightning's launcher or torchrun) ends the run FAILED and the rerun
+resumes it at its checkpoint.
 
 Each test starts 2 or 3 trainings of a few steps; on the shared 2-core machine a 2-process training
 takes 1.5-2.5 minutes, hence the ``slow`` marker (``--run-slow``).
@@ -124,6 +125,98 @@ def test_a_killed_rank_fails_the_run_and_the_rerun_resumes_it_under_ddp(tiny_pha
     lr_key = next(k for k in run.data.metrics if k.startswith("lr-"))
     steps = sorted({m.step for m in client.get_metric_history(run_id, lr_key)})
     assert steps[-1] == 29 and steps[0] == 0, "one learning-rate history across the kill"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_with_torchrun_log_one_finished_run_with_single_process_metrics(tiny_phantom, tmp_path):
+    """Two torchrun agents, one process each, as node 0 and node 1 of a 2-node job on 127.0.0.1 (static
+    rendezvous, as on a cluster without Slurm): one FINISHED run, created by node 0 only, whose validation
+    metrics equal a 1-process validation of the same weights."""
+    root, split = tiny_phantom
+    overrides = tiny_overrides(root, split, tmp_path, steps=4)
+    recipe = load_recipe(RECIPES / "unet.yaml", overrides)
+    folder, port = tmp_path / "two_nodes", _free_port()
+    nodes = [
+        subprocess.Popen(
+            [*_train_command([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}",
+                              "--master_addr=127.0.0.1", f"--master_port={port}"], folder, overrides),
+             "trainer.devices=1", "trainer.num_nodes=2"],
+            cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    for rank, (node, (out, err)) in enumerate(zip(nodes, outputs)):
+        assert node.returncode == 0, (rank, err[-3000:])
+    assert outputs[0][0].count("run ") == 1 and outputs[1][0].count("run ") == 0, "only node 0's rank 0 reports"
+    assert "[rank: 1] Seed set to 0" in outputs[1][1], f"node 1 did not run global rank 1: {outputs[1][1][-3000:]}"
+    client = MlflowClient(recipe.tracking.uri)
+    run_id = RunRecord.read(folder).run_id
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.params["trainer.num_nodes"] == "2"
+    single = _single_process_validation(recipe, folder / "checkpoints" / "best.ckpt")
+    compared = [key for key in ("val/dice/pancreatic_lesion", "val/f1/overall", "val/sensitivity/overall", "val/n/overall") if key in single]
+    assert compared
+    for key in compared:
+        assert run.data.metrics[key] == pytest.approx(single[key], rel=1e-5, abs=1e-7), key
+    experiment = client.get_experiment_by_name(str(recipe.tracking.experiment))
+    assert len(client.search_runs([experiment.experiment_id])) == 1, "one MLflow run, none from node 1"
+
+
+def _rank_of(pid: int) -> str | None:
+    """The RANK in a process's environment (torchrun sets it for each worker), or None."""
+    try:
+        variables = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    found = [v.split(b"=", 1)[1].decode() for v in variables if v.startswith(b"RANK=")]
+    return found[0] if found else None
+
+
+@pytest.mark.slow
+def test_a_killed_rank_under_torchrun_fails_the_run_and_the_rerun_resumes_it(tiny_phantom, tmp_path):
+    """torchrun's worker of rank 1 SIGKILLed mid-run: the agent stops rank 0, the run ends FAILED (not
+    RUNNING), and the same torchrun command resumes it from the checkpoint into the same run."""
+    root, split = tiny_phantom
+    overrides = tiny_overrides(root, split, tmp_path, steps=30)
+    recipe = load_recipe(RECIPES / "unet.yaml", overrides)
+    folder = tmp_path / "torchrun"
+    last = folder / "checkpoints" / "last.ckpt"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    agent = subprocess.Popen(_train_command(launcher, folder, overrides), cwd=REPO_ROOT, env=ENV,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, step = time.time() + 400, 0
+    while time.time() < deadline and agent.poll() is None and step < 3:
+        try:
+            step = torch.load(last, weights_only=False)["global_step"] if last.exists() else 0
+        except Exception:  # read while being replaced
+            step = 0
+        time.sleep(0.5)
+    assert agent.poll() is None and step >= 3, "training finished or failed before rank 1 could be killed"
+    rank1 = [pid for pid in _children(agent.pid) if _rank_of(pid) == "1"]
+    assert len(rank1) == 1, "torchrun's agent runs the worker of rank 1 as its child"
+    os.kill(rank1[0], signal.SIGKILL)
+    agent.wait(timeout=120)
+    assert agent.returncode != 0
+    run_id = RunRecord.read(folder).run_id
+    client = MlflowClient(recipe.tracking.uri)
+    assert client.get_run(run_id).info.status == "FAILED"
+    resumed_from = torch.load(last, weights_only=False)["global_step"]
+
+    done = subprocess.run(_train_command(launcher, folder, overrides), cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"run {run_id}: 30 steps" in done.stdout
+    assert f"Restoring states from the checkpoint path at {folder}" in done.stderr and resumed_from >= 3
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["resumed"] == "true"
 
 
 def _records(client: MlflowClient, run_id: str, stage: str, folder: Path):
