@@ -100,8 +100,8 @@ def tiny_recipe(cohort_dir: Path, *overrides: str):
 def test_recipe_profiles_and_checks():
     full = load_synthx_recipe(RECIPE)
     cpu = load_synthx_recipe(RECIPE, ["profile=cpu"])
-    assert full.data.patch_size == [96, 96, 96] and cpu.data.patch_size == [32, 32, 32]
-    assert cpu.scheduler.prediction_type == "sample" and cpu.trainer.max_steps == 200
+    assert full.data.patch_size == [96, 96, 96] and cpu.data.patch_size == [24, 24, 24]
+    assert cpu.scheduler.prediction_type == "sample" and cpu.trainer.max_steps == 500
     assert load_synthx_recipe(RECIPE, ["profile=cpu", "trainer.max_steps=7"]).trainer.max_steps == 7
     with pytest.raises(RecipeError, match="unknown key 'data.patchsize'"):
         load_synthx_recipe(RECIPE, ["data.patchsize=[8,8,8]"])
