@@ -88,27 +88,47 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _local_rank_of(pid: int) -> str | None:
+    """The LOCAL_RANK in a process's environment (set by torchrun and by Lightning's launcher), or None."""
+    try:
+        variables = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    found = [v.split(b"=", 1)[1].decode() for v in variables if v.startswith(b"LOCAL_RANK=")]
+    return found[0] if found else None
+
+
+def _wait_for_checkpoint_step(process: subprocess.Popen, last: Path, step: int) -> None:
+    """Wait (at most 400 s) until ``last`` holds at least ``step`` steps while ``process`` still runs."""
+    deadline, reached = time.time() + 400, 0
+    while time.time() < deadline and process.poll() is None and reached < step:
+        try:
+            reached = torch.load(last, weights_only=False)["global_step"] if last.exists() else 0
+        except Exception:  # read while being replaced
+            reached = 0
+        time.sleep(0.5)
+    assert process.poll() is None and reached >= step, "training finished or failed before rank 1 could be killed"
+
+
 @pytest.mark.slow
-def test_a_killed_rank_fails_the_run_and_the_rerun_resumes_it_under_ddp(tiny_phantom, tmp_path):
+@pytest.mark.parametrize("launcher", ["lightning", "torchrun"])
+def test_a_killed_rank_fails_the_run_and_the_rerun_resumes_it_under_ddp(tiny_phantom, tmp_path, launcher):
+    """Rank 1 SIGKILLed mid-run (Lightning's launcher: its child process; torchrun: the agent's worker
+    of RANK 1, after which the agent stops rank 0): the run ends FAILED, not RUNNING, and the same
+    command resumes it from the checkpoint into the same run."""
     root, split = tiny_phantom
     overrides = tiny_overrides(root, split, tmp_path, steps=30)
     recipe = load_recipe(RECIPES / "unet.yaml", overrides)
     folder = tmp_path / "ddp"
     last = folder / "checkpoints" / "last.ckpt"
-    main = subprocess.Popen(_train_command([sys.executable], folder, overrides), cwd=REPO_ROOT, env=ENV,
+    start = [sys.executable] if launcher == "lightning" else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    main = subprocess.Popen(_train_command(start, folder, overrides), cwd=REPO_ROOT, env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline, step = time.time() + 400, 0
-    while time.time() < deadline and main.poll() is None and step < 3:
-        try:
-            step = torch.load(last, weights_only=False)["global_step"] if last.exists() else 0
-        except Exception:  # read while being replaced
-            step = 0
-        time.sleep(0.5)
-    assert main.poll() is None and step >= 3, "training finished or failed before rank 1 could be killed"
-    rank1 = _children(main.pid)
-    assert rank1, "Lightning's launcher started rank 1 as a child process"
-    for pid in rank1:
-        os.kill(pid, signal.SIGKILL)
+    _wait_for_checkpoint_step(main, last, 3)
+    # Both launchers start the process of local rank 1 as a child, with LOCAL_RANK=1 in its environment.
+    rank1 = [pid for pid in _children(main.pid) if _local_rank_of(pid) == "1"]
+    assert len(rank1) == 1, f"{launcher}: rank 1 is not a child process of the launching one"
+    os.kill(rank1[0], signal.SIGKILL)
     main.wait(timeout=120)
     assert main.returncode != 0
     run_id = RunRecord.read(folder).run_id
@@ -116,7 +136,7 @@ def test_a_killed_rank_fails_the_run_and_the_rerun_resumes_it_under_ddp(tiny_pha
     assert client.get_run(run_id).info.status == "FAILED"
     resumed_from = torch.load(last, weights_only=False)["global_step"]
 
-    done = subprocess.run(_train_command([sys.executable], folder, overrides), cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(_train_command(start, folder, overrides), cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"run {run_id}: 30 steps" in done.stdout
     assert f"Restoring states from the checkpoint path at {folder}" in done.stderr and resumed_from >= 3
@@ -169,54 +189,6 @@ def test_two_nodes_on_loopback_with_torchrun_log_one_finished_run_with_single_pr
         assert run.data.metrics[key] == pytest.approx(single[key], rel=1e-5, abs=1e-7), key
     experiment = client.get_experiment_by_name(str(recipe.tracking.experiment))
     assert len(client.search_runs([experiment.experiment_id])) == 1, "one MLflow run, none from node 1"
-
-
-def _rank_of(pid: int) -> str | None:
-    """The RANK in a process's environment (torchrun sets it for each worker), or None."""
-    try:
-        variables = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    found = [v.split(b"=", 1)[1].decode() for v in variables if v.startswith(b"RANK=")]
-    return found[0] if found else None
-
-
-@pytest.mark.slow
-def test_a_killed_rank_under_torchrun_fails_the_run_and_the_rerun_resumes_it(tiny_phantom, tmp_path):
-    """torchrun's worker of rank 1 SIGKILLed mid-run: the agent stops rank 0, the run ends FAILED (not
-    RUNNING), and the same torchrun command resumes it from the checkpoint into the same run."""
-    root, split = tiny_phantom
-    overrides = tiny_overrides(root, split, tmp_path, steps=30)
-    recipe = load_recipe(RECIPES / "unet.yaml", overrides)
-    folder = tmp_path / "torchrun"
-    last = folder / "checkpoints" / "last.ckpt"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    agent = subprocess.Popen(_train_command(launcher, folder, overrides), cwd=REPO_ROOT, env=ENV,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline, step = time.time() + 400, 0
-    while time.time() < deadline and agent.poll() is None and step < 3:
-        try:
-            step = torch.load(last, weights_only=False)["global_step"] if last.exists() else 0
-        except Exception:  # read while being replaced
-            step = 0
-        time.sleep(0.5)
-    assert agent.poll() is None and step >= 3, "training finished or failed before rank 1 could be killed"
-    rank1 = [pid for pid in _children(agent.pid) if _rank_of(pid) == "1"]
-    assert len(rank1) == 1, "torchrun's agent runs the worker of rank 1 as its child"
-    os.kill(rank1[0], signal.SIGKILL)
-    agent.wait(timeout=120)
-    assert agent.returncode != 0
-    run_id = RunRecord.read(folder).run_id
-    client = MlflowClient(recipe.tracking.uri)
-    assert client.get_run(run_id).info.status == "FAILED"
-    resumed_from = torch.load(last, weights_only=False)["global_step"]
-
-    done = subprocess.run(_train_command(launcher, folder, overrides), cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert f"run {run_id}: 30 steps" in done.stdout
-    assert f"Restoring states from the checkpoint path at {folder}" in done.stderr and resumed_from >= 3
-    run = client.get_run(run_id)
-    assert run.info.status == "FINISHED" and run.data.tags["resumed"] == "true"
 
 
 def _records(client: MlflowClient, run_id: str, stage: str, folder: Path):

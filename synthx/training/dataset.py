@@ -275,7 +275,23 @@ def patch_dataset(recipe: DictConfig, cohort: Cohort, case_ids: Sequence[str]) -
     )
 
 
-class EqualLengthShuffle(Sampler[int]):
+class _EpochDraws(Sampler[int]):
+    """``length`` draws per epoch from a generator seeded with ``seed + epoch`` (``set_epoch``)."""
+
+    def __init__(self, length: int, seed: int):
+        self.length, self.seed, self.epoch = int(length), int(seed), 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.length
+
+    def _generator(self) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed + self.epoch)
+
+
+class EqualLengthShuffle(_EpochDraws):
     """A fresh permutation of ``n_items`` per epoch, cycled to ``length`` draws: equal epochs on every rank.
 
     Args:
@@ -285,22 +301,17 @@ class EqualLengthShuffle(Sampler[int]):
     """
 
     def __init__(self, n_items: int, length: int, seed: int):
-        self.n_items, self.length, self.seed, self.epoch = int(n_items), int(length), int(seed), 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.length
+        super().__init__(length, seed)
+        self.n_items = int(n_items)
 
     def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        generator = self._generator()
         rounds = math.ceil(self.length / max(self.n_items, 1))
         order = torch.cat([torch.randperm(self.n_items, generator=generator) for _ in range(rounds)])
         return iter(order[: self.length].tolist())
 
 
-class BalancedDraws(Sampler[int]):
+class BalancedDraws(_EpochDraws):
     """``length`` draws with replacement, item ``i`` with probability proportional to ``weights[i]``.
 
     Args:
@@ -310,17 +321,11 @@ class BalancedDraws(Sampler[int]):
     """
 
     def __init__(self, weights: torch.Tensor, length: int, seed: int):
-        self.weights, self.length, self.seed, self.epoch = weights, int(length), int(seed), 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.length
+        super().__init__(length, seed)
+        self.weights = weights
 
     def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.multinomial(self.weights, self.length, replacement=True, generator=generator).tolist())
+        return iter(torch.multinomial(self.weights, self.length, replacement=True, generator=self._generator()).tolist())
 
 
 class TumorPatchDataModule(pl.LightningDataModule):
