@@ -35,7 +35,7 @@ from lightning_modules.data.cohort import load_cohort  # noqa: E402
 from lightning_modules.data.phantom import generate_phantom_cohort  # noqa: E402
 from lightning_modules.data.splits import make_splits, write_split  # noqa: E402
 from synthx.config import load_synthx_recipe  # noqa: E402
-from synthx.generation import synthesize  # noqa: E402
+from synthx.generation import SynthesisSettings, synthesize  # noqa: E402
 from synthx.quality import quality_report  # noqa: E402
 from synthx.training import train_synthx  # noqa: E402
 
@@ -71,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         for scheduler, steps in SAMPLERS:
             out = folder / f"synthetic-{scheduler}-{steps}"
             started = time.perf_counter()
-            summary = synthesize(root, split, trained.pipeline_dir, out, requests, seed=0, num_inference_steps=steps,
-                                 scheduler=scheduler, log_to_mlflow=False, progress=False)
+            # The recipe's sampling settings (guidance, mask prior) with this sampler and step count.
+            settings = SynthesisSettings.from_recipe(recipe, root, split, trained.pipeline_dir, out, seed=0, scheduler=scheduler,
+                                                     num_inference_steps=steps, log_to_mlflow=False, progress=False)
+            summary = synthesize(settings, requests)
             seconds = (time.perf_counter() - started) / max(len(summary.generated), 1)
             overall = quality_report(root, split, out).intensity.query("attribute == 'overall'").iloc[0]
             results[(scheduler, steps)] = (seconds, overall)
