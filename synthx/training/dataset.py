@@ -314,6 +314,10 @@ class EqualLengthShuffle(_EpochDraws):
 class BalancedDraws(_EpochDraws):
     """``length`` draws with replacement, item ``i`` with probability proportional to ``weights[i]``.
 
+    torch's ``WeightedRandomSampler`` draws the same way but from one running generator; here each
+    epoch's draws come from ``seed + epoch``, as in :class:`EqualLengthShuffle`, so a training resumed
+    from a checkpoint sees the draws the uninterrupted one would, and every rank its own.
+
     Args:
         weights: one non-negative weight per item (:meth:`TumorPatchDataset.phase_weights`).
         length: draws per epoch.
