@@ -66,9 +66,12 @@ def _assert_same(a, b, where: str) -> None:
             _assert_same(a[key], b[key], f"{where}.{key}")
     elif isinstance(a, (torch.Tensor, np.ndarray)):
         assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), where
-        if where.endswith((".image", ".label")):  # the metadata that inverts a prediction onto the scan
+        if ".val[" in where and where.endswith((".image", ".label")):
+            # whole volumes keep the metadata that inverts a prediction onto the scan
             assert isinstance(a, MetaTensor) and isinstance(b, MetaTensor), where
             assert torch.equal(a.affine, b.affine) and a.meta["filename_or_obj"] == b.meta["filename_or_obj"], where
+        elif where.endswith((".image", ".label")):  # training crops are plain tensors (RandomPartWithoutMetadata)
+            assert type(a) is torch.Tensor and type(b) is torch.Tensor, where
     else:
         assert a == b, where
 
@@ -124,3 +127,36 @@ def test_class_indices_are_capped_per_class_and_labels_stay_uint8(tiny_phantom, 
 def test_unknown_cache_mode_is_refused(tiny_phantom, tmp_path):
     with pytest.raises(ValueError, match="data.cache must be one of memory, disk, none"):
         _datasets(_recipe(tiny_phantom, tmp_path, "data.cache=True"))
+
+
+def test_training_crops_drop_metadata_but_not_the_crops_and_restore_the_switch(tiny_phantom, tmp_path):
+    """The random tail runs without metadata tracking: the same crops as with it, plain tensors, switch restored."""
+    from monai.data import get_track_meta
+    from monai.transforms import Compose, Lambdad
+
+    recipe = _recipe(tiny_phantom, tmp_path)
+    chain = dm.preprocessing(recipe) + dm.training_transforms(recipe)
+    cohort = dm.load_cohort(recipe.data.root)
+    items = dm.case_items(cohort, cohort.case_ids[:2], list(recipe.data.classes))
+    with_metadata = Compose(dm.preprocessing(recipe) + dm.training_transforms(recipe))  # own transform objects
+    with_metadata.set_random_state(seed=7)
+    without = dm.seeded_compose(chain, 7)
+    for item in items:
+        expected, crops = with_metadata(dict(item)), without(dict(item))
+        assert get_track_meta(), "the process-wide switch is back on after the random tail"
+        assert len(expected) == len(crops) == int(recipe.data.samples_per_volume)
+        for e, c in zip(expected, crops):
+            assert isinstance(e["image"], MetaTensor) and type(c["image"]) is torch.Tensor
+            assert torch.equal(e["image"].as_tensor(), c["image"]) and torch.equal(e["label"].as_tensor(), c["label"])
+
+    # whole volumes (no random transform) keep their affine
+    volume = dm.seeded_compose(dm.preprocessing(recipe), 0)(dict(items[0]))
+    assert isinstance(volume["image"], MetaTensor) and volume["image"].affine.shape == (4, 4)
+
+    def fail(_):
+        raise RuntimeError("broken augmentation")
+
+    broken = dm.seeded_compose(chain + [Lambdad(keys="image", func=fail)], 0)
+    with pytest.raises(RuntimeError):
+        broken(dict(items[0]))
+    assert get_track_meta(), "the switch is restored when a random transform fails"
