@@ -292,13 +292,18 @@ def read_targets(client: MlflowClient, targeting_run_id: str) -> pd.DataFrame:
 
 
 def generator_action(generator_recipe, output_dir: Path) -> Callable[[dict], dict]:
-    """The action of the SynthX training step."""
+    """The action of the SynthX training step: train into ``output_dir/generator/<recipe key>``.
+
+    One folder per generator recipe, as the backbones have one per fingerprint: a study rerun with
+    another generator recipe (say, more steps of another patch size) trains a new generator beside
+    the old one instead of refusing the old folder, and a rerun of the same recipe resumes its own.
+    """
 
     def action(tags: dict) -> dict:
-        from synthx.training import train_synthx
+        from synthx.training import recipe_key, train_synthx
 
         generator_recipe.tracking.tags.update(tags)
-        result = train_synthx(generator_recipe, output_dir=output_dir / "synthx")
+        result = train_synthx(generator_recipe, output_dir=output_dir / "generator" / recipe_key(generator_recipe))
         return {"run_id": result.run_id, "pipeline": str(result.pipeline_dir)}
 
     return action

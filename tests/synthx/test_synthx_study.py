@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import mlflow
 import numpy as np
@@ -172,6 +173,32 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     run_study(settings)
     third = capsys.readouterr().out
     assert third.count("identical finished run") == len(STEPS)
+
+    # The generator has its own folder per recipe key, apart from the augmented backbone's folders.
+    output_dir = Path(settings.output_dir)
+    generators = list((output_dir / "generator").iterdir())
+    assert len(generators) == 1 and (generators[0] / "checkpoints" / "last.ckpt").is_file()
+    assert not (output_dir / "synthx" / "checkpoints").exists(), "the generator is not in the augmented model's folder"
+
+
+def test_study_trains_a_changed_generator_recipe_into_its_own_folder(tmp_path, monkeypatch):
+    import synthx.training
+    from synthx.config import load_synthx_recipe
+    from synthx.study import generator_action
+
+    folders = []
+
+    def fake_train(recipe, output_dir):
+        folders.append(output_dir)
+        return type("Result", (), {"run_id": "r", "pipeline_dir": output_dir / "pipeline"})()
+
+    monkeypatch.setattr(synthx.training, "train_synthx", fake_train)
+    generator = REPO_ROOT / "recipes" / "generator" / "synthx.yaml"
+    for overrides in (["profile=cpu"], ["profile=cpu", "data.patch_size=[16,16,16]"], ["profile=cpu", "trainer.max_steps=7"]):
+        generator_action(load_synthx_recipe(generator, overrides), tmp_path)({})
+    assert folders[0].parent == tmp_path / "generator"
+    assert folders[0] != folders[1], "another generator recipe trains into another folder"
+    assert folders[2] == folders[0], "more steps of the same recipe continue it"
 
 
 def test_targeting_reads_validation_records_only(tiny_phantom, tmp_path):
