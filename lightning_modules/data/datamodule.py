@@ -186,6 +186,7 @@ class RandomPartWithoutMetadata(Compose):
     """
 
     def _first_random(self) -> int | None:
+        # CacheDataset's own rule for where the cached head ends, so the two agree.
         return self.get_index_of_first(lambda t: isinstance(t, RandomizableTrait) or not isinstance(t, Transform))
 
     def __call__(self, input_, start=0, end=None, threading=False, lazy=None):

@@ -23,7 +23,6 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from monai.data import MetaTensor
 from monai.inferers import sliding_window_inference
 from monai.losses import DiceCELoss
 from torch import nn
@@ -160,14 +159,7 @@ class SegmentationModule(pl.LightningModule):
     # Whole-volume inference and per-case records
 
     def predict_volume(self, image: torch.Tensor) -> torch.Tensor:
-        """Logits for whole volumes by sliding-window inference (full-resolution output only).
-
-        The windows go through the network as plain tensors: a MetaTensor input would carry its
-        metadata through every operation of every window (a second per 66 CPU-profile volumes), and
-        every caller reads the affine from its input, not from the logits.
-        """
-        if isinstance(image, MetaTensor):
-            image = image.as_tensor()
+        """Logits for whole volumes by sliding-window inference (full-resolution output only)."""
         patch = tuple(int(p) for p in (self.hparams.sw_roi_size or self.hparams.patch_size))
         return sliding_window_inference(
             image,

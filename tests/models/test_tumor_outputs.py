@@ -64,6 +64,16 @@ def test_softmax_and_sigmoid_tumor_voxels_follow_one_rule():
     assert int(predicted_labels(sigmoid, "sigmoid").max()) == 2
 
 
+def test_softmax_label_map_is_the_argmax_with_its_tie_rule():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 6, 7, 5)
+    logits[0, :, 0] = 1.0  # a plane where all three channels tie: argmax takes the first (background)
+    logits[1, 1:, 1] = 4.0  # channels 1 and 2 tie above channel 0: the first of them (1)
+    labels = predicted_labels(logits, "softmax")
+    assert torch.equal(labels, torch.argmax(logits, dim=1))
+    assert bool((labels[0, 0] == 0).all()) and bool((labels[1, 1] == 1).all())
+
+
 def test_recipe_key_reaches_the_records(tmp_path):
     """detection.min_component_mm3 is read: a module built from the recipe scores with it."""
     recipe = load_recipe("recipes/unet.yaml", ["profile=cpu", "detection.min_component_mm3=50", "data.patch_size=[16,16,16]",
