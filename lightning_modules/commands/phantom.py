@@ -32,10 +32,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="voxel spacing in mm (default: 2.5 2.5 3.0)")
     parser.add_argument("--overwrite", action="store_true",
                         help="rewrite every case and replace a phantom cohort made with other parameters")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="processes rendering cases (default: one per available CPU, at least 16 cases each); "
+                             "the files are the same for any number")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
-        table = generate_phantom_cohort(args.out, args.cases, args.seed, args.shape, args.spacing, args.overwrite)
+        table = generate_phantom_cohort(args.out, args.cases, args.seed, args.shape, args.spacing, args.overwrite,
+                                        workers=args.workers)
     except ValueError as error:
         print(f"benchx phantom: error: {error}", file=sys.stderr)
         return 2

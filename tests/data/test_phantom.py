@@ -62,6 +62,16 @@ def test_same_seed_gives_identical_files_and_other_seed_differs(cohort_dir, tmp_
     assert not _raw_metadata(cohort_dir).equals(_raw_metadata(other))
 
 
+def test_two_worker_processes_write_the_same_files_as_one(cohort_dir, tmp_path):
+    parallel = tmp_path / "parallel"
+    table = _generate(parallel, workers=2)
+    assert table.attrs == {"written": N_CASES, "kept": 0}
+    assert _files(parallel) == _files(cohort_dir)
+    with pytest.raises(ValueError, match="workers must be a positive integer"):
+        _generate(tmp_path / "bad", workers=0)
+    assert not (tmp_path / "bad").exists()
+
+
 def test_resume_rewrites_only_the_missing_case(cohort_dir, tmp_path):
     resumed = tmp_path / "resumed"
     shutil.copytree(cohort_dir, resumed)
