@@ -6,7 +6,10 @@ The default suite is fast and offline (STYLE.md). ``--run-slow`` opts into tests
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -52,12 +55,36 @@ def isolated_mlflow_state():
         os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 
+_STORE_TEMPLATE: list[Path] = []
+
+
+def new_sqlite_store(path: Path) -> str:
+    """The ``sqlite:///`` URI of an empty MLflow store at ``path`` (left as it is when it exists).
+
+    MLflow takes a new SQLite file through its whole schema history, about 3 s on 2 cores; the
+    suite makes dozens of stores, so each is a copy of one store migrated once per session. The
+    tests of a store's first use (tests/test_tracking.py) make theirs from nothing.
+    """
+    path = Path(path)
+    if not path.exists():
+        if not _STORE_TEMPLATE:
+            from mlflow.tracking import MlflowClient
+
+            folder = Path(tempfile.mkdtemp(prefix="benchx-mlflow-template-"))
+            atexit.register(shutil.rmtree, folder, True)
+            MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").search_experiments()
+            _STORE_TEMPLATE.append(folder / "mlflow.db")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_STORE_TEMPLATE[0], path)
+    return f"sqlite:///{path}"
+
+
 @pytest.fixture
 def mlflow_uri(tmp_path, monkeypatch) -> str:
     """A throwaway SQLite MLflow store (artifacts under tmp_path), set as the tracking URI."""
     import mlflow
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_sqlite_store(tmp_path / "mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.chdir(tmp_path)
     mlflow.set_tracking_uri(uri)
@@ -100,7 +127,7 @@ def tiny_overrides(root, split, tmp_path, steps: int = 2) -> list[str]:
         "trainer.log_every_n_steps=1",
         "trainer.sw_batch_size=16",
         "detection.bootstrap_resamples=50",
-        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        f"tracking.uri={new_sqlite_store(tmp_path / 'mlflow.db')}",
         f"tracking.output_dir={tmp_path / 'outputs'}",
         "model.options.channels=[4,8,16,32]",
     ]

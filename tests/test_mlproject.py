@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 from mlflow.tracking import MlflowClient
 
-from conftest import REPO_ROOT, tiny_overrides
+from conftest import REPO_ROOT, new_sqlite_store, tiny_overrides
 
 MLPROJECT_ENTRIES = {
     "main", "train", "evaluate", "compare", "predict", "phantom", "make_splits", "validate", "audit", "import",
@@ -32,7 +32,7 @@ def test_mlproject_has_typed_entry_points_for_every_command():
 
 def test_mlflow_run_train_entry_point(tiny_phantom, tmp_path):
     root, split = tiny_phantom
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_sqlite_store(tmp_path / "mlflow.db")
     overrides = [o for o in tiny_overrides(root, split, tmp_path) if not o.startswith("tracking.uri")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env = {**env, "MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1",

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, new_sqlite_store
 from synthx.config import load_synthx_recipe
 from synthx.pipeline import inpainting_region
 from synthx.training import train_synthx
@@ -19,7 +19,7 @@ TINY_GENERATOR = ["trainer.max_steps=2", "model.channels=[8,8,8]", "model.norm_n
 
 def test_generator_pyfunc_paints_inside_the_mask_only(tiny_phantom, tmp_path):
     root, split = tiny_phantom
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_sqlite_store(tmp_path / "mlflow.db")
     recipe = load_synthx_recipe(REPO_ROOT / "recipes" / "generator" / "synthx.yaml",
                                 ["profile=cpu", f"data.root={root}", f"data.split={split}", f"tracking.uri={uri}",
                                  f"tracking.output_dir={tmp_path / 'outputs'}", *TINY_GENERATOR])

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import RECIPES, REPO_ROOT, tiny_overrides
+from conftest import RECIPES, REPO_ROOT, new_sqlite_store, tiny_overrides
 from lightning_modules.data.cohort import CohortError, load_cohort, write_metadata
 from lightning_modules.data.datamodule import CohortDataModule
 from lightning_modules.config.recipe import load_recipe
@@ -206,7 +206,7 @@ def test_targeting_reads_validation_records_only(tiny_phantom, tmp_path):
     from synthx.study import StudySettings, read_targets, targeting_action, validation_records
 
     root, split = tiny_phantom
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_sqlite_store(tmp_path / "mlflow.db")
     client = MlflowClient(uri)
     experiment = client.create_experiment("targeting-test")
     split_table = pd.read_csv(split)
