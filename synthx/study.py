@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -72,6 +73,12 @@ class StudySettings:
     scheduler: str | None = None  # None: the SynthX recipe's sampling.scheduler
     experiment: str = "benchx-study"
     output_dir: str = "outputs/study"
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of its finished child processes (the phantom's render workers)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 class StudyRunner:
@@ -125,7 +132,7 @@ class StudyRunner:
             self.outputs[name] = previous
             return previous
         print(f"[study] {name}: running")
-        started, cpu_started = time.time(), time.process_time()
+        started, cpu_started = time.time(), _cpu_seconds()
         tags = {PARENT_TAG: self.parent_id, STEP_NAME_TAG: name}
         outputs = action(tags)
         run_id = outputs["run_id"]
@@ -139,7 +146,7 @@ class StudyRunner:
         # The key goes on last: a run carries it only once its outputs are complete.
         self.client.set_tag(run_id, STEP_KEY_TAG, key)
         self.client.set_tag(self.parent_id, f"step.{name}", run_id)
-        wall, cpu = time.time() - started, time.process_time() - cpu_started
+        wall, cpu = time.time() - started, _cpu_seconds() - cpu_started
         self.client.log_metric(self.parent_id, f"study/seconds/{name}", wall)
         self.client.log_metric(self.parent_id, f"study/cpu_seconds/{name}", cpu)
         print(f"[study] {name}: done in {wall:.0f} s wall, {cpu:.0f} s CPU (run {run_id})")

@@ -292,3 +292,13 @@ def test_two_concurrent_workers_share_one_journal_study(tiny_phantom, tmp_path):
     assert len(numbers) == len(set(numbers)) and 4 <= len(finished) <= 5
     runs = {t.user_attrs.get("mlflow_run_id") for t in finished}
     assert len(runs) == len(finished), "every trial trained its own run"
+
+
+def test_step_cpu_seconds_count_finished_child_processes():
+    """The data step renders the phantom in worker processes: a step's CPU figure must include them."""
+    from synthx.study import _cpu_seconds
+
+    before = _cpu_seconds()
+    subprocess.run([sys.executable, "-c", "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass"],
+                   check=True)
+    assert _cpu_seconds() - before >= 0.45
