@@ -55,7 +55,8 @@ Race is a recorded label only and changes nothing in the images.
 
 Each scan draws from random streams keyed by (seed, patient index, stream, scan number) with
 :class:`numpy.random.SeedSequence`, so a cohort is deterministic for a seed, a rerun skips complete
-case folders, and a resumed or partial run is byte-identical to a fresh one. A smaller field of view
+case folders, and a resumed or partial run is byte-identical to a fresh one, for any number of render
+processes and any core count (BLAS runs single-threaded). A smaller field of view
 than the reference abdomen (240 x 240 x 192 mm) shrinks the whole anatomy to fit; recorded
 diameters are the simulated ones in mm.
 
