@@ -72,6 +72,26 @@ def test_two_worker_processes_write_the_same_files_as_one(cohort_dir, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_failing_case_is_named_and_the_cases_before_it_are_kept(cohort_dir, tmp_path, monkeypatch):
+    from lightning_modules.data.phantom import writer
+
+    real_render = writer.render_scan
+
+    def render(plan, *args, **kwargs):
+        if plan.case_id == "PH0004":
+            raise FloatingPointError("simulated overflow")
+        return real_render(plan, *args, **kwargs)
+
+    monkeypatch.setattr(writer, "render_scan", render)
+    failed = tmp_path / "failed"
+    with pytest.raises(RuntimeError, match="PH0004: rendering or writing the phantom case failed: simulated overflow"):
+        _generate(failed)
+    assert sorted(p.name for p in failed.iterdir() if p.name.startswith("PH")) == ["PH0001", "PH0002", "PH0003"]
+    monkeypatch.setattr(writer, "render_scan", real_render)
+    assert _generate(failed).attrs == {"written": N_CASES - 3, "kept": 3}
+    assert _files(failed) == _files(cohort_dir)
+
+
 def test_resume_rewrites_only_the_missing_case(cohort_dir, tmp_path):
     resumed = tmp_path / "resumed"
     shutil.copytree(cohort_dir, resumed)

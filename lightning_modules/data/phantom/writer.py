@@ -46,18 +46,26 @@ _CASE_FOLDER = re.compile(rf"^{CASE_ID_PREFIX}\d{{4,}}$")
 _CASES_PER_WORKER = 16
 
 
-def _worker_count(workers: int | None, n_cases: int) -> int:
-    if workers is None:
-        available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, min(available, n_cases // _CASES_PER_WORKER))
-    if not isinstance(workers, (int,)) or isinstance(workers, bool) or workers < 1:
+def _check_workers(workers: int | None) -> None:
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
         raise ValueError(f"workers must be a positive integer or None (one per CPU), got {workers!r}")
-    return min(workers, max(n_cases, 1))
+
+
+def _worker_count(workers: int | None, n_cases: int) -> int:
+    """Processes for ``n_cases``: ``workers`` (checked already), or one per available CPU with at least
+    :data:`_CASES_PER_WORKER` cases each."""
+    if workers is not None:
+        return min(workers, max(n_cases, 1))
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(available, n_cases // _CASES_PER_WORKER))
 
 
 def _render_and_write(out: Path, plan: ScanPlan, shape: tuple[int, ...], spacing: tuple[float, ...], seed: int) -> None:
-    scan = render_scan(plan, shape, spacing, seed)
-    write_case(out, plan.case_id, scan.ct, scan.affine, scan.masks)
+    try:
+        scan = render_scan(plan, shape, spacing, seed)
+        write_case(out, plan.case_id, scan.ct, scan.affine, scan.masks)
+    except Exception as error:  # in a worker process too: the message names the case
+        raise RuntimeError(f"{plan.case_id}: rendering or writing the phantom case failed: {error}") from error
 
 
 def _single_threaded() -> None:
@@ -86,11 +94,8 @@ def _render_cases(out: Path, plans: list[ScanPlan], shape, spacing, seed: int, w
                              initializer=_single_threaded) as pool:
         futures = [pool.submit(_render_and_write, out, plan, shape, spacing, seed) for plan in plans]
         try:
-            for plan, future in zip(plans, futures):
-                try:
-                    future.result()
-                except Exception as error:
-                    raise RuntimeError(f"{plan.case_id}: rendering or writing the phantom case failed: {error}") from error
+            for future in futures:
+                future.result()
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
             raise
@@ -129,7 +134,7 @@ def generate_phantom_cohort(
     """
     _check_count_and_seed(n_cases, seed)
     _check_shape_and_spacing(shape, spacing)
-    _worker_count(workers, n_cases)  # refuses a bad value before anything is written
+    _check_workers(workers)
     shape = tuple(int(n) for n in shape)
     spacing = tuple(float(s) for s in spacing)
     out = Path(out)
