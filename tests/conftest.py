@@ -12,7 +12,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import lightning.pytorch  # noqa: F401  (see below)
 import pytest
+
+# Lightning adds a stderr handler to its loggers when first imported. Imported here, it writes to
+# pytest's session-wide capture; first imported inside a test that uses ``capsys``, it would keep
+# that test's stream, closed afterwards, and a later test's log line ("Seed set to 0") would print
+# "--- Logging error ---" into what that test reads from stderr.
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPES = REPO_ROOT / "recipes"
