@@ -110,6 +110,9 @@ class DetectionConfig:
     threshold_mm3: float = 50.0
     # fixed | f1 | youden: 'f1'/'youden' choose m on the validation split, then apply it to test.
     threshold_rule: str = "fixed"
+    # Patient resamples of the validation records whose choices are averaged (a bagged cut-point,
+    # evaluation/thresholds.py); 0 applies the rule once. Also used for the study's validation point.
+    threshold_bootstrap: int = 2000
     score: str = "volume"  # volume | max_prob
     # nnU-Net-style post-processing: predicted tumor components smaller than this (mm^3) are removed
     # before the scan-level score (lightning_modules/models/tumor_outputs.py).
@@ -207,6 +210,8 @@ def check_recipe(config: DictConfig, source: str = "recipe") -> None:
         raise RecipeError(f"{source}: optim.schedule must be poly, cosine or constant, got {config.optim.schedule!r}")
     if config.detection.threshold_rule not in ("fixed", "f1", "youden"):
         raise RecipeError(f"{source}: detection.threshold_rule must be fixed, f1 or youden")
+    if config.detection.threshold_bootstrap < 0:
+        raise RecipeError(f"{source}: detection.threshold_bootstrap must be 0 (no bagging) or a number of resamples")
     if config.detection.score not in ("volume", "max_prob"):
         raise RecipeError(f"{source}: detection.score must be volume or max_prob")
     if config.synthx.mode not in ("add", "displace"):

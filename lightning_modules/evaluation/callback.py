@@ -43,6 +43,7 @@ class SubgroupEvaluation(Callback):
     Args:
         threshold_mm3: the fixed detection threshold m (mm^3), or the score threshold for ``max_prob``.
         threshold_rule: ``fixed``, ``f1`` or ``youden`` (chosen on validation, applied to test).
+        threshold_bootstrap: patient resamples a chosen threshold is averaged over (0: chosen once).
         score: ``volume`` (predicted tumor volume) or ``max_prob``.
         n_resamples: bootstrap resamples for the test CIs (docs/design.md "Confidence intervals and comparisons").
         confidence: CI level.
@@ -54,6 +55,7 @@ class SubgroupEvaluation(Callback):
         self,
         threshold_mm3: float = 50.0,
         threshold_rule: str = "fixed",
+        threshold_bootstrap: int = 0,
         score: str = "volume",
         n_resamples: int = 2000,
         confidence: float = 0.95,
@@ -63,6 +65,7 @@ class SubgroupEvaluation(Callback):
         self.fixed_threshold = float(threshold_mm3)
         self.threshold = float(threshold_mm3)
         self.threshold_rule = threshold_rule
+        self.threshold_bootstrap = int(threshold_bootstrap)
         self.score = score
         self.n_resamples = int(n_resamples)
         self.confidence = float(confidence)
@@ -78,6 +81,7 @@ class SubgroupEvaluation(Callback):
         return cls(
             threshold_mm3=float(detection.threshold_mm3),
             threshold_rule=str(detection.threshold_rule),
+            threshold_bootstrap=int(detection.threshold_bootstrap),
             score=str(detection.score),
             n_resamples=int(detection.bootstrap_resamples),
             confidence=float(detection.confidence),
@@ -97,7 +101,9 @@ class SubgroupEvaluation(Callback):
         if not len(records):
             return
         if self.threshold_rule != "fixed":
-            self.operating_point = choose_operating_point(records, self.threshold_rule, self.fixed_threshold, self.score)
+            self.operating_point = choose_operating_point(
+                records, self.threshold_rule, self.fixed_threshold, self.score, self.threshold_bootstrap, self.confidence
+            )
             self.threshold = self.operating_point.threshold
             if self.operating_point.fallback:
                 self._report_fallback(trainer)

@@ -6,7 +6,7 @@ the training run (tag ``training_run_id``) with the subgroup metrics, the per-ca
 subgroup tables with CIs and the figures, at three operating points
 (docs/design.md "Scan-level detection"): the recipe's (``val/...``, ``test/...``), BenchX's fixed m (``test_fixed/...``) and the
 one chosen on validation (``test_val_chosen/...``; metrics ``operating_point/<name>`` hold the
-thresholds). It refuses an evaluation set holding a training case or patient of the model unless
+thresholds, ``operating_point/val_chosen_low`` and ``_high`` the spread of a bagged choice). It refuses an evaluation set holding a training case or patient of the model unless
 ``allow_training_overlap`` is set (then tagged ``training_overlap_override``).
 
 ``compare`` takes two or more evaluation runs on the same evaluation set (same case-id hash) and
@@ -124,9 +124,16 @@ def check_training_overlap(
 
 def _operating_points(recipe: DictConfig, callback: SubgroupEvaluation) -> list[OperatingPoint]:
     fixed = float(recipe.detection.threshold_mm3)
-    chosen = choose_operating_point(callback.records.get("val"), validation_rule(recipe), fixed, str(recipe.detection.score))
+    detection = recipe.detection
+    chosen = choose_operating_point(
+        callback.records.get("val"), validation_rule(recipe), fixed, str(detection.score),
+        int(detection.threshold_bootstrap), float(detection.confidence),
+    )
     if chosen.fallback:
         log.warning("evaluate: validation operating point (%s): %s; using the fixed m = %g", chosen.rule, chosen.fallback, fixed)
+    elif chosen.interval is not None:
+        log.info("evaluate: validation operating point m = %g by %s; the resamples chose %g to %g (%g%% interval)",
+                 chosen.threshold, chosen.rule, chosen.interval[0], chosen.interval[1], 100 * float(detection.confidence))
     return [OperatingPoint("fixed", fixed, "fixed"), chosen]
 
 
@@ -137,6 +144,11 @@ def _log_operating_points(client, run_id: str, recipe: DictConfig, callback, sta
     for point in points:
         client.log_metric(run_id, OPERATING_POINT_METRIC.format(name=point.name), point.threshold)
         client.set_tag(run_id, f"operating_point.{point.name}.rule", point.rule)
+        if point.interval is not None:
+            # How far the choice moves between patient resamples of validation: its uncertainty.
+            low_key, high_key = (OPERATING_POINT_METRIC.format(name=f"{point.name}_{end}") for end in ("low", "high"))
+            client.log_metric(run_id, low_key, point.interval[0])
+            client.log_metric(run_id, high_key, point.interval[1])
         if point.fallback:
             client.set_tag(run_id, f"{FALLBACK_TAG}.{point.name}", f"{point.fallback}; the fixed m is used"[:5000])
         for stage in stages:

@@ -4,7 +4,9 @@ Three are reported:
 
 - ``fixed``: BenchX's protocol, the recipe's ``detection.threshold_mm3``;
 - ``val_chosen``: m chosen on the validation records by Youden's J or maximal F1, then applied
-  unchanged to test;
+  unchanged to test. With ``detection.threshold_bootstrap`` = B > 0 it is the mean of the
+  rule's choices on B patient resamples of the validation records (a bagged cut-point,
+  :func:`bagged_threshold`), with the percentile interval of those choices;
 - ``matched_specificity`` (comparisons only): the other model's m chosen on its validation records
   so that its specificity equals the baseline's there.
 
@@ -14,7 +16,7 @@ so a degenerate validation set cannot abort training, evaluation or a sweep tria
 
 Example::
 
-    point = choose_operating_point(val_records, rule="youden", fixed=50.0)
+    point = choose_operating_point(val_records, rule="youden", fixed=50.0, bootstrap=2000)
     if point.fallback:
         print(point.fallback)
     table = subgroup_metrics(test_records, point.threshold)
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from lightning_modules.evaluation.bootstrap import patient_index, resample_indices
 from lightning_modules.evaluation.records import labels, scores, source_name
 
 RULES = ("f1", "youden")
@@ -46,12 +49,16 @@ class OperatingPoint:
         threshold: m (mm³ for the volume score, a probability for ``max_prob``).
         rule: ``fixed``, ``f1``, ``youden`` or ``matched_specificity``.
         fallback: why the fixed m was used instead of a chosen one ('' when it was not).
+        interval: for a bagged choice, the percentile interval of the resamples' choices (else None).
+        resamples: for a bagged choice, how many resamples chose a threshold (else 0).
     """
 
     name: str
     threshold: float
     rule: str
     fallback: str = ""
+    interval: tuple[float, float] | None = None
+    resamples: int = 0
 
 
 def _cumulative_counts(values: np.ndarray, truth: np.ndarray):
@@ -63,6 +70,29 @@ def _cumulative_counts(values: np.ndarray, truth: np.ndarray):
     tp = np.cumsum(positives_at[::-1])[::-1][1:]
     fp = np.cumsum(negatives_at[::-1])[::-1][1:]
     return (unique[:-1] + unique[1:]) / 2.0, tp, fp
+
+
+def _choose(values: np.ndarray, truth: np.ndarray, rule: str, source: str) -> float:
+    """:func:`choose_threshold` on arrays (one entry per scan)."""
+    positives, negatives = int(truth.sum()), int((~truth).sum())
+    if positives == 0:
+        raise ThresholdError(f"{source}: cannot choose a threshold by {rule}: no positive scans")
+    if rule == "youden" and negatives == 0:
+        raise ThresholdError(f"{source}: cannot choose a threshold by youden: no negative scans")
+    if len(np.unique(values)) < 2:
+        raise ThresholdError(
+            f"{source}: cannot choose a threshold: all {len(values)} scores equal {values[0]!r}, "
+            "so no threshold separates any scans"
+        )
+    candidates, tp, fp = _cumulative_counts(values, truth)
+    fn, tn = positives - tp, negatives - fp
+    if rule == "f1":
+        objective = 2.0 * tp / (2.0 * tp + fp + fn)
+    else:
+        # J = (tp*N + tn*P)/(P*N) - 1: compare the integer numerators so ties are exact.
+        objective = tp * negatives + tn * positives
+    # argmax returns the first maximum; candidates ascend, so ties go to the smaller threshold.
+    return float(candidates[int(np.argmax(objective))])
 
 
 def choose_threshold(records: pd.DataFrame, rule: str = "f1", score: str = "volume") -> float:
@@ -85,31 +115,90 @@ def choose_threshold(records: pd.DataFrame, rule: str = "f1", score: str = "volu
     """
     if rule not in RULES:
         raise ValueError(f"unknown threshold rule {rule!r}: expected 'f1' or 'youden'")
-    values, truth = scores(records, score), labels(records)
-    source = source_name(records)
-    positives, negatives = int(truth.sum()), int((~truth).sum())
-    if positives == 0:
-        raise ThresholdError(f"{source}: cannot choose a threshold by {rule}: no positive scans")
-    if rule == "youden" and negatives == 0:
-        raise ThresholdError(f"{source}: cannot choose a threshold by youden: no negative scans")
-    if len(np.unique(values)) < 2:
+    return _choose(scores(records, score), labels(records), rule, source_name(records))
+
+
+@dataclass(frozen=True)
+class BaggedThreshold:
+    """A bagged cut-point: the mean of the rule's choices over patient resamples.
+
+    Attributes:
+        threshold: the mean choice.
+        low, high: the percentile interval of the choices at the requested confidence.
+        defined: resamples in which the rule could choose (the others drew no positive or no
+            negative patient, or only equal scores).
+        resamples: resamples drawn.
+    """
+
+    threshold: float
+    low: float
+    high: float
+    defined: int
+    resamples: int
+
+
+def bagged_threshold(
+    records: pd.DataFrame, rule: str, score: str = "volume", n_resamples: int = 1000, confidence: float = 0.95
+) -> BaggedThreshold:
+    """The mean of :func:`choose_threshold` over patient resamples of the validation records.
+
+    Youden's J (or F1) over a few dozen validation scans often has several near-equal maxima far
+    apart, so the plain choice jumps between distant thresholds when one scan's score changes. The
+    mean of the choices over bootstrap resamples, a bagged cut-point (the ``maximize_boot_metric``
+    method of the cutpointr R package, whose default summary is also the mean), weighs those
+    maxima by how often each wins. The median is not used: the choices cluster on a few plateaus,
+    and when two clusters hold about half the resamples each the median jumps between them with the
+    resampling seed, where the mean moves by a few percent. Patients are resampled, not scans, with
+    the same draws as the subgroup bootstrap of this evaluation set (seeded by its case ids), so
+    the result does not depend on row order or on the machine.
+
+    Args:
+        records: validation records (``case_id``, ``patient_id``, ``label`` and the score).
+        rule: ``f1`` or ``youden``.
+        score: ``volume`` or ``max_prob``.
+        n_resamples: patient resamples B (at least 1).
+        confidence: level of the reported interval of the choices.
+
+    Raises:
+        ValueError: unknown rule, or fewer than one resample.
+        ThresholdError: the rule cannot choose on the records themselves, or on fewer than half of
+            the resamples (too few positive or negative patients to bag a choice).
+    """
+    if rule not in RULES:
+        raise ValueError(f"unknown threshold rule {rule!r}: expected 'f1' or 'youden'")
+    if int(n_resamples) < 1:
+        raise ValueError(f"a bagged threshold needs at least 1 resample (got {n_resamples})")
+    values, truth, source = scores(records, score), labels(records), source_name(records)
+    _choose(values, truth, rule, source)  # the records themselves must give a choice
+    patients, patient_of_case = patient_index(records["case_id"], records["patient_id"])
+    draws = resample_indices(records["case_id"], records["patient_id"], int(n_resamples))
+    cases = np.arange(len(values))
+    choices = []
+    for draw in draws:
+        copies = np.bincount(draw, minlength=len(patients))[patient_of_case]
+        picked = np.repeat(cases, copies)
+        try:
+            choices.append(_choose(values[picked], truth[picked], rule, source))
+        except ThresholdError:
+            continue
+    if 2 * len(choices) < len(draws):
         raise ThresholdError(
-            f"{source}: cannot choose a threshold: all {len(values)} scores equal {values[0]!r}, "
-            "so no threshold separates any scans"
+            f"{source}: cannot bag a threshold by {rule}: only {len(choices)} of {len(draws)} patient "
+            "resamples hold the positive and negative scans with distinct scores that a choice needs"
         )
-    candidates, tp, fp = _cumulative_counts(values, truth)
-    fn, tn = positives - tp, negatives - fp
-    if rule == "f1":
-        objective = 2.0 * tp / (2.0 * tp + fp + fn)
-    else:
-        # J = (tp*N + tn*P)/(P*N) - 1: compare the integer numerators so ties are exact.
-        objective = tp * negatives + tn * positives
-    # argmax returns the first maximum; candidates ascend, so ties go to the smaller threshold.
-    return float(candidates[int(np.argmax(objective))])
+    choices = np.asarray(choices)
+    tail = (1.0 - float(confidence)) / 2.0 * 100.0
+    low, high = np.percentile(choices, [tail, 100.0 - tail])
+    return BaggedThreshold(float(np.mean(choices)), float(low), float(high), len(choices), len(draws))
 
 
 def choose_operating_point(
-    records: pd.DataFrame | None, rule: str, fixed: float, score: str = "volume"
+    records: pd.DataFrame | None,
+    rule: str,
+    fixed: float,
+    score: str = "volume",
+    bootstrap: int = 0,
+    confidence: float = 0.95,
 ) -> OperatingPoint:
     """The validation-chosen operating point, or the fixed m with the reason when there is nothing to choose.
 
@@ -118,12 +207,21 @@ def choose_operating_point(
         rule: ``f1`` or ``youden`` (``fixed`` returns the fixed point).
         fixed: the recipe's fixed m.
         score: ``volume`` or ``max_prob``.
+        bootstrap: B > 0 bags the choice over B patient resamples (:func:`bagged_threshold`);
+            0 applies the rule once to the records.
+        confidence: level of a bagged choice's interval.
     """
     if rule == "fixed":
         return OperatingPoint("fixed", float(fixed), "fixed")
     if records is None or len(records) == 0:
         return OperatingPoint("val_chosen", float(fixed), rule, f"no validation records to choose a threshold by {rule}")
     try:
+        if int(bootstrap) > 0:
+            bagged = bagged_threshold(records, rule, score, int(bootstrap), confidence)
+            return OperatingPoint(
+                "val_chosen", bagged.threshold, f"{rule} (mean of {bagged.defined} of {bagged.resamples} resamples)",
+                interval=(bagged.low, bagged.high), resamples=bagged.defined,
+            )
         return OperatingPoint("val_chosen", choose_threshold(records, rule, score), rule)
     except ThresholdError as error:
         return OperatingPoint("val_chosen", float(fixed), rule, str(error))

@@ -154,6 +154,7 @@ def test_recipe_merges_base_recipe_profile_and_overrides():
         ("profile=gpu", "profile 'gpu' is not defined"),
         ("optim.name=adam", "sgd or adamw"),
         ("trainer.max_steps=abc", "max_steps"),
+        ("detection.threshold_bootstrap=-1", "detection.threshold_bootstrap must be 0"),
     ],
 )
 def test_recipe_errors_name_the_key(override, message):

@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 from test_detection_metrics import random_records
 
 from lightning_modules.evaluation.callback import FALLBACK_TAG, SubgroupEvaluation
-from lightning_modules.evaluation.thresholds import choose_threshold
+from lightning_modules.evaluation.thresholds import bagged_threshold, choose_threshold
 
 
 class RecordsModule(pl.LightningModule):
@@ -65,6 +65,17 @@ def test_threshold_chosen_on_validation_is_applied_to_test_and_logged(mlflow_uri
     assert FALLBACK_TAG not in run.data.tags
     artifacts = {a.path for a in client.list_artifacts(run_id, "evaluation")}
     assert {"evaluation/test_records.csv", "evaluation/test_subgroups.csv", "evaluation/test_subgroups.png"} <= artifacts
+
+
+def test_a_bagged_threshold_is_chosen_on_validation_and_applied_to_test(mlflow_uri):
+    records = {"val": random_records(90, seed=1), "test": random_records(60, seed=2)}
+    callback = SubgroupEvaluation(threshold_mm3=50.0, threshold_rule="youden", threshold_bootstrap=50, n_resamples=20)
+    client, run_id = _run(mlflow_uri, records, callback)
+    bagged = bagged_threshold(records["val"], "youden", n_resamples=50)
+    run = client.get_run(run_id)
+    assert run.data.metrics["val/threshold"] == bagged.threshold == run.data.metrics["test/threshold"]
+    assert bagged.threshold != choose_threshold(records["val"], "youden")
+    assert callback.operating_point.interval == (bagged.low, bagged.high)
 
 
 def test_constant_validation_scores_fall_back_to_the_fixed_m_without_aborting(mlflow_uri, caplog):

@@ -21,6 +21,7 @@ from lightning_modules.evaluation.runs import (
     evaluate,
     format_comparison,
 )
+from lightning_modules.evaluation.thresholds import bagged_threshold
 from lightning_modules.training import train
 
 
@@ -62,7 +63,15 @@ def test_evaluate_and_compare_two_runs(two_models, tiny_phantom, capsys, monkeyp
     assert run.data.tags[OVERLAP_CHECK_TAG] == "passed"
     assert run.data.metrics["operating_point/fixed"] == 50.0 and "operating_point/val_chosen" in run.data.metrics
     assert run.data.metrics["test_fixed/threshold"] == 50.0 and "test_val_chosen/n_patients/overall" in run.data.metrics
-    assert run.data.tags["operating_point.val_chosen.rule"] == "youden"
+    # The validation point is bagged (detection.threshold_bootstrap, 2000 by default) from the
+    # logged validation records, with the spread of the resamples' choices.
+    assert run.data.tags["operating_point.val_chosen.rule"].startswith("youden (mean of ")
+    val_records = pd.read_csv(client.download_artifacts(evaluation_runs[0], "evaluation/val_records.csv"))
+    bagged = bagged_threshold(val_records, "youden", n_resamples=int(recipe.detection.threshold_bootstrap))
+    metrics = run.data.metrics
+    assert metrics["operating_point/val_chosen"] == pytest.approx(bagged.threshold, rel=1e-9)
+    assert (metrics["operating_point/val_chosen_low"], metrics["operating_point/val_chosen_high"]) == pytest.approx(
+        (bagged.low, bagged.high), rel=1e-9)
     artifacts = {a.path for a in client.list_artifacts(evaluation_runs[0], "evaluation")}
     assert {"evaluation/test_records.csv", "evaluation/test_subgroups.csv", "evaluation/test_subgroups.png",
             "evaluation/val_records.csv", "evaluation/test_fixed_subgroups.csv",
