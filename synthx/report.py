@@ -174,14 +174,16 @@ def comparison_html(comparison: pd.DataFrame) -> str:
                 if hit.empty:
                     continue
                 r = hit.iloc[0]
-                star = " *" if bool(r["significant"]) else ""
+                star = " **" if bool(r.get("significant_holm", False)) else " *" if bool(r["significant"]) else ""
                 row[f"{metric} base"] = _pct(r["a"])
                 row[f"{metric} SynthX"] = _pct(r["b"])
                 row[f"{metric} delta [95% CI]"] = f"{_pct(r['delta'], True)} [{_pct(r['ci_low'], True)}, {_pct(r['ci_high'], True)}]{star}"
             rows.append(row)
         title = f"<h3>Operating point: {html.escape(str(point))}</h3>" if point is not None else ""
         parts.append(title + _table_html(pd.DataFrame(rows)))
-    note = "<p class='note'>In %. * significant: the paired 95% bootstrap CI of the difference excludes 0; - undefined.</p>"
+    note = ("<p class='note'>In %. * significant: the paired 95% bootstrap CI of the difference excludes 0 and the "
+            "subgroup is large enough; ** also after Holm's correction over the groups of its attribute; "
+            "- undefined.</p>")
     return "".join(parts) + note
 
 

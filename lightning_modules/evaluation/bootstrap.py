@@ -358,6 +358,39 @@ def _check_same_evaluation_set(
             )
 
 
+def bootstrap_p_values(differences: np.ndarray, point: np.ndarray) -> np.ndarray:
+    """Two-sided percentile-bootstrap p-value per column of paired differences (resamples x columns).
+
+    p = 2 x the smaller share of the defined resamples at or below 0 and at or above 0, at most 1:
+    the smallest two-sided level at which the percentile interval would exclude 0. It is 0 when no
+    defined resample reaches 0 (then p < 1/B). NaN where the point difference is undefined or no
+    resample defines it. Resamples with a difference of exactly 0 count on both sides.
+    """
+    defined = ~np.isnan(differences)
+    count = defined.sum(axis=0)
+    below = (defined & (np.nan_to_num(differences, nan=1.0) <= 0)).sum(axis=0)
+    above = (defined & (np.nan_to_num(differences, nan=-1.0) >= 0)).sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = np.minimum(1.0, 2.0 * np.minimum(below, above) / count)
+    return np.where(np.isnan(np.asarray(point, dtype=float)) | (count == 0), np.nan, p)
+
+
+def holm_adjust(p_values) -> np.ndarray:
+    """Holm's step-down adjustment of a family of p-values; NaN entries are not tests (kept NaN, not counted).
+
+    The k-th smallest of m p-values becomes max over j <= k of min(1, (m - j + 1) p_(j)); rejecting
+    where the adjusted value is below alpha controls the family-wise error rate at alpha.
+    """
+    p = np.asarray(p_values, dtype=float)
+    adjusted = np.full(p.shape, np.nan)
+    tested = np.flatnonzero(~np.isnan(p))
+    m = len(tested)
+    if m:
+        order = tested[np.argsort(p[tested], kind="stable")]
+        adjusted[order] = np.minimum(1.0, np.maximum.accumulate((m - np.arange(m)) * p[order]))
+    return adjusted
+
+
 def _difference_frame(
     evaluator: WeightedSubgroupEvaluator,
     metric: str,
@@ -369,7 +402,8 @@ def _difference_frame(
     point_a, point_b = points
     a, b = _defined(point_a, metric)[0], _defined(point_b, metric)[0]
     delta = b - a
-    low, high, fraction = _summary(samples[1][metric] - samples[0][metric], delta, confidence)
+    differences = samples[1][metric] - samples[0][metric]
+    low, high, fraction = _summary(differences, delta, confidence)
     frame = evaluator.rows.copy()
     frame["metric"] = metric
     frame["n_patients"] = evaluator.row_patients
@@ -379,6 +413,12 @@ def _difference_frame(
     frame["ci_low"], frame["ci_high"], frame["defined_fraction"] = low, high, fraction
     frame["supported"] = supported(frame["n_patients"], frame["positives"], frame["negatives"], metric)
     frame["significant"] = ((low > 0) | (high < 0)) & frame["supported"].to_numpy()
+    # Multiplicity: Holm within each attribute (its supported groups, this metric), so "does SynthX
+    # change sensitivity in some phase?" is tested at the family-wise level, not once per phase.
+    frame["p_value"] = bootstrap_p_values(differences, delta)
+    tested = frame["p_value"].where(frame["supported"])
+    frame["p_holm"] = tested.groupby(frame["attribute"], sort=False).transform(lambda p: holm_adjust(p.to_numpy()))
+    frame["significant_holm"] = frame["significant"] & (frame["p_holm"] < 1.0 - confidence).to_numpy()
     return frame
 
 
@@ -400,10 +440,14 @@ def paired_difference(
     Both runs are evaluated on the same patient resamples; the CI of delta = metric(B) - metric(A)
     is the percentile interval of the per-resample differences (over resamples where both are
     defined). A difference is significant only when its CI excludes 0 and the subgroup supports
-    it (``subgroups.supported``).
+    it (``subgroups.supported``). Each row also has its bootstrap p-value
+    (:func:`bootstrap_p_values`) and, for supported rows, Holm's adjustment over the supported
+    groups of its attribute for that metric (:func:`holm_adjust`); ``significant_holm`` marks a
+    significant difference that survives it.
 
     Returns one row per (attribute, group, metric): n_patients, n, positives, negatives, a, b,
-    delta, ci_low, ci_high, defined_fraction, supported, significant.
+    delta, ci_low, ci_high, defined_fraction, supported, significant, p_value, p_holm,
+    significant_holm.
 
     Args:
         records_a: the reference run's records (e.g. the baseline).

@@ -419,13 +419,16 @@ def format_comparison(comparison: pd.DataFrame, metrics: Sequence[str] = ("sensi
                 cells.append(f"  {_fmt(row['a']):>6}{_fmt(row['b']):>6} {interval:<21}{defined:>5}")
             lines.append("".join(cells))
     lines.append("* significant: the paired 95% bootstrap CI of the difference excludes 0 and the subgroup has "
-                 f"{support_rule_text()};  ~ the CI excludes 0 but the subgroup is below that rule;  "
+                 f"{support_rule_text()};  ** also after Holm's correction over the groups of its attribute "
+                 "(bootstrap p-values);  ~ the CI excludes 0 but the subgroup is below that rule;  "
                  "- undefined;  def: share of resamples where the difference was defined")
     lines += [f"note: {note}" for note in comparison.attrs.get("notes", [])]
     return "\n".join(lines)
 
 
 def _mark(row) -> str:
+    if bool(row.get("significant_holm", False)):
+        return "**"
     if bool(row["significant"]):
         return "*"
     low, high = float(row["ci_low"]), float(row["ci_high"])

@@ -16,9 +16,11 @@ import pytest
 from sklearn.metrics import confusion_matrix, f1_score, recall_score, roc_auc_score
 
 from lightning_modules.evaluation.bootstrap import (
+    bootstrap_p_values,
     bootstrap_subgroup_metrics,
     case_weight_matrix,
     evaluation_set_hash,
+    holm_adjust,
     paired_difference,
     paired_differences,
     patient_index,
@@ -248,8 +250,49 @@ def test_paired_difference_uses_the_same_resamples_for_both_runs():
         defined = rows["delta"].notna().to_numpy()
         np.testing.assert_allclose(rows["ci_low"].to_numpy()[defined], low[defined], atol=1e-9, rtol=0)
         np.testing.assert_allclose(rows["ci_high"].to_numpy()[defined], high[defined], atol=1e-9, rtol=0)
+        # The p-value from the same paired differences, counted directly.
+        differences = reference_b[metric] - reference_a[metric]
+        for k in np.flatnonzero(defined):
+            column = differences[:, k][~np.isnan(differences[:, k])]
+            expected = min(1.0, 2 * min(np.mean(column <= 0), np.mean(column >= 0)))
+            assert rows.loc[k, "p_value"] == pytest.approx(expected, abs=1e-12)
+        # Holm within each attribute, over its supported groups only.
+        for attribute, group_rows in rows.groupby("attribute"):
+            supported = group_rows[group_rows["supported"] & group_rows["p_value"].notna()]
+            np.testing.assert_allclose(supported["p_holm"], holm_adjust(supported["p_value"].to_numpy()))
+            assert group_rows.loc[~group_rows["supported"], "p_holm"].isna().all()
     overall_sensitivity = result[(result["metric"] == "sensitivity") & (result["attribute"] == "overall")].iloc[0]
     assert overall_sensitivity.delta > 0 and overall_sensitivity.ci_low > 0 and overall_sensitivity.significant
+    # A family of one: Holm leaves the overall p-value as it is.
+    assert overall_sensitivity.p_holm == overall_sensitivity.p_value < 0.05 and overall_sensitivity.significant_holm
+    assert not (result["significant_holm"] & ~result["significant"]).any()
+
+
+def test_holm_adjustment_matches_its_definition_and_skips_untested_entries():
+    # Textbook case: sorted 0.005, 0.01, 0.03, 0.04 -> 4 x 0.005, 3 x 0.01, 2 x 0.03, max(1 x 0.04, 0.06).
+    np.testing.assert_allclose(holm_adjust([0.01, 0.04, 0.03, 0.005]), [0.03, 0.06, 0.06, 0.02])
+    np.testing.assert_allclose(holm_adjust([0.5, np.nan, 0.4]), [0.8, np.nan, 0.8])
+    assert np.isnan(holm_adjust([np.nan, np.nan])).all() and holm_adjust([]).shape == (0,)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        p = rng.random(7) ** 3
+        order = np.argsort(p)
+        brute = np.empty(7)
+        for rank, index in enumerate(order):
+            brute[index] = min(1.0, max((7 - j) * p[order[j]] for j in range(rank + 1)))
+        np.testing.assert_allclose(holm_adjust(p), brute)
+
+
+def test_bootstrap_p_values_count_both_sides_and_leave_undefined_columns_out():
+    differences = np.array([[0.1, -0.2, np.nan, 0.0],
+                            [0.2, 0.1, np.nan, 0.0],
+                            [0.3, -0.1, np.nan, np.nan],
+                            [-0.1, -0.3, np.nan, 0.0]])
+    p = bootstrap_p_values(differences, np.array([0.2, -0.1, 0.0, 0.0]))
+    # Column 0: 1 of 4 at or below 0 -> 0.5; column 1: 1 of 4 at or above 0 -> 0.5;
+    # column 2: never defined -> NaN; column 3: every defined difference is 0 -> 1.
+    np.testing.assert_allclose(p, [0.5, 0.5, np.nan, 1.0])
+    assert np.isnan(bootstrap_p_values(differences, np.array([np.nan, 0.1, 0.1, 0.1]))[0])
 
 
 def test_many_comparisons_in_one_pass_equal_each_pair_alone():

@@ -84,7 +84,8 @@ def test_evaluate_and_compare_two_runs(two_models, tiny_phantom, capsys, monkeyp
     assert compare_run not in {models[0][1].run_id, *evaluation_runs}, "the comparison has its own run"
     assert set(table["operating_point"]) == {"fixed", "val_chosen", "matched_specificity"}
     assert {"attribute", "group", "metric", "a", "b", "delta", "ci_low", "ci_high", "significant", "n_patients",
-            "positives", "negatives", "defined_fraction", "supported", "threshold_a", "threshold_b"} <= set(table.columns)
+            "positives", "negatives", "defined_fraction", "supported", "threshold_a", "threshold_b",
+            "p_value", "p_holm", "significant_holm"} <= set(table.columns)
     fixed = table[table["operating_point"] == "fixed"]
     assert (fixed["threshold_a"] == 50.0).all() and (fixed["threshold_b"] == 50.0).all()
     # The tiny test split supports no claim: nothing may be marked significant.
@@ -191,3 +192,28 @@ def test_matched_specificity_uses_the_baselines_validation_specificity_and_falls
     table = _compare_pair(baseline, other, {"n_resamples": 20, "confidence": 0.95, "score": "volume"}, notes)
     assert (table.loc[table["operating_point"] == "matched_specificity", "threshold_b"] == 50.0).all()
     assert len(notes) == 1 and "matched specificity: no validation records" in notes[0]
+
+
+def comparison_rows(significant: list[bool], holm: list[bool]) -> pd.DataFrame:
+    """A hand-made comparison: two phases, every metric of the terminal table, marks as given."""
+    rows = []
+    for group, sig, sig_holm in zip(["venous", "arterial"], significant, holm):
+        for metric in ("sensitivity", "specificity", "f1"):
+            rows.append({"run": "synthx", "operating_point": "fixed", "threshold_a": 50.0, "threshold_b": 50.0,
+                         "attribute": "phase", "group": group, "metric": metric, "n": 40, "n_patients": 40,
+                         "positives": 20, "negatives": 20, "a": 0.5, "b": 0.7, "delta": 0.2, "ci_low": 0.1,
+                         "ci_high": 0.3, "defined_fraction": 1.0, "supported": True, "significant": sig,
+                         "p_value": 0.01, "p_holm": 0.02 if sig_holm else 0.08, "significant_holm": sig_holm})
+    return pd.DataFrame(rows)
+
+
+def test_tables_mark_a_difference_that_survives_holm_apart_from_one_that_does_not():
+    from synthx.report import comparison_html
+
+    table = comparison_rows(significant=[True, True], holm=[True, False])
+    lines = {line.split()[0]: line for line in format_comparison(table).splitlines() if line.startswith("phase:")}
+    assert "+20.0 [+10.0, +30.0]**" in lines["phase:venous"]
+    assert "+20.0 [+10.0, +30.0]*" in lines["phase:arterial"] and "**" not in lines["phase:arterial"]
+    assert "** also after Holm's correction" in format_comparison(table)
+    page = comparison_html(table)
+    assert page.count("+30.0] **") == 3 and page.count("+30.0] *<") == 3
