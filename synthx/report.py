@@ -179,7 +179,13 @@ def comparison_html(comparison: pd.DataFrame) -> str:
                 row[f"{metric} SynthX"] = _pct(r["b"])
                 row[f"{metric} delta [95% CI]"] = f"{_pct(r['delta'], True)} [{_pct(r['ci_low'], True)}, {_pct(r['ci_high'], True)}]{star}"
             rows.append(row)
-        title = f"<h3>Operating point: {html.escape(str(point))}</h3>" if point is not None else ""
+        title = ""
+        if point is not None:
+            # The two thresholds, so a moved operating point is visible beside the differences.
+            thresholds = ""
+            if {"threshold_a", "threshold_b"} <= set(table.columns):
+                thresholds = f" (m baseline {table['threshold_a'].iloc[0]:,.4g}, SynthX {table['threshold_b'].iloc[0]:,.4g})"
+            title = f"<h3>Operating point: {html.escape(str(point) + thresholds)}</h3>"
         parts.append(title + _table_html(pd.DataFrame(rows)))
     note = ("<p class='note'>In %. * significant: the paired 95% bootstrap CI of the difference excludes 0 and the "
             "subgroup is large enough; ** also after Holm's correction over the groups of its attribute; "

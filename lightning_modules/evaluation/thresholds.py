@@ -138,7 +138,7 @@ class BaggedThreshold:
 
 
 def bagged_threshold(
-    records: pd.DataFrame, rule: str, score: str = "volume", n_resamples: int = 1000, confidence: float = 0.95
+    records: pd.DataFrame, rule: str, score: str = "volume", n_resamples: int = 2000, confidence: float = 0.95
 ) -> BaggedThreshold:
     """The mean of :func:`choose_threshold` over patient resamples of the validation records.
 

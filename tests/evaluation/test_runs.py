@@ -217,3 +217,4 @@ def test_tables_mark_a_difference_that_survives_holm_apart_from_one_that_does_no
     assert "** also after Holm's correction" in format_comparison(table)
     page = comparison_html(table)
     assert page.count("+30.0] **") == 3 and page.count("+30.0] *<") == 3
+    assert "Operating point: fixed (m baseline 50, SynthX 50)" in page
