@@ -102,7 +102,8 @@ class SubgroupEvaluation(Callback):
             return
         if self.threshold_rule != "fixed":
             self.operating_point = choose_operating_point(
-                records, self.threshold_rule, self.fixed_threshold, self.score, self.threshold_bootstrap, self.confidence
+                records, self.threshold_rule, self.fixed_threshold, self.score,
+                self.threshold_bootstrap, self.confidence,
             )
             self.threshold = self.operating_point.threshold
             if self.operating_point.fallback:

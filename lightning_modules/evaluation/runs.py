@@ -6,7 +6,8 @@ the training run (tag ``training_run_id``) with the subgroup metrics, the per-ca
 subgroup tables with CIs and the figures, at three operating points
 (docs/design.md "Scan-level detection"): the recipe's (``val/...``, ``test/...``), BenchX's fixed m (``test_fixed/...``) and the
 one chosen on validation (``test_val_chosen/...``; metrics ``operating_point/<name>`` hold the
-thresholds, ``operating_point/val_chosen_low`` and ``_high`` the spread of a bagged choice). It refuses an evaluation set holding a training case or patient of the model unless
+thresholds, ``operating_point/val_chosen_low`` and ``_high`` the spread of a bagged choice). It
+refuses an evaluation set holding a training case or patient of the model unless
 ``allow_training_overlap`` is set (then tagged ``training_overlap_override``).
 
 ``compare`` takes two or more evaluation runs on the same evaluation set (same case-id hash) and
