@@ -181,10 +181,9 @@ def comparison_html(comparison: pd.DataFrame) -> str:
             rows.append(row)
         title = ""
         if point is not None:
-            # The two thresholds, so a moved operating point is visible beside the differences.
-            thresholds = ""
-            if {"threshold_a", "threshold_b"} <= set(table.columns):
-                thresholds = f" (m baseline {table['threshold_a'].iloc[0]:,.4g}, SynthX {table['threshold_b'].iloc[0]:,.4g})"
+            # The two thresholds (compare writes them with every operating point), so a moved
+            # operating point is visible beside the differences.
+            thresholds = f" (m baseline {table['threshold_a'].iloc[0]:,.4g}, SynthX {table['threshold_b'].iloc[0]:,.4g})"
             title = f"<h3>Operating point: {html.escape(str(point) + thresholds)}</h3>"
         parts.append(title + _table_html(pd.DataFrame(rows)))
     note = ("<p class='note'>In %. * significant: the paired 95% bootstrap CI of the difference excludes 0 and the "

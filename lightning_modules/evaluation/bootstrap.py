@@ -366,10 +366,9 @@ def bootstrap_p_values(differences: np.ndarray, point: np.ndarray) -> np.ndarray
     defined resample reaches 0 (then p < 1/B). NaN where the point difference is undefined or no
     resample defines it. Resamples with a difference of exactly 0 count on both sides.
     """
-    defined = ~np.isnan(differences)
-    count = defined.sum(axis=0)
-    below = (defined & (np.nan_to_num(differences, nan=1.0) <= 0)).sum(axis=0)
-    above = (defined & (np.nan_to_num(differences, nan=-1.0) >= 0)).sum(axis=0)
+    count = (~np.isnan(differences)).sum(axis=0)
+    # A comparison with NaN is False, so undefined resamples fall on neither side.
+    below, above = (differences <= 0).sum(axis=0), (differences >= 0).sum(axis=0)
     with np.errstate(invalid="ignore", divide="ignore"):
         p = np.minimum(1.0, 2.0 * np.minimum(below, above) / count)
     return np.where(np.isnan(np.asarray(point, dtype=float)) | (count == 0), np.nan, p)

@@ -124,12 +124,16 @@ def check_training_overlap(
 
 
 def _operating_points(recipe: DictConfig, callback: SubgroupEvaluation) -> list[OperatingPoint]:
-    fixed = float(recipe.detection.threshold_mm3)
     detection = recipe.detection
-    chosen = choose_operating_point(
-        callback.records.get("val"), validation_rule(recipe), fixed, str(detection.score),
-        int(detection.threshold_bootstrap), float(detection.confidence),
-    )
+    fixed = float(detection.threshold_mm3)
+    chosen = callback.operating_point
+    if chosen.name != "val_chosen":
+        # The callback chose on validation only when the recipe's rule is f1 or youden (the same
+        # rule, records and bagging as here); otherwise the validation point is chosen by Youden.
+        chosen = choose_operating_point(
+            callback.records.get("val"), validation_rule(recipe), fixed, str(detection.score),
+            int(detection.threshold_bootstrap), float(detection.confidence),
+        )
     if chosen.fallback:
         log.warning("evaluate: validation operating point (%s): %s; using the fixed m = %g", chosen.rule, chosen.fallback, fixed)
     elif chosen.interval is not None:

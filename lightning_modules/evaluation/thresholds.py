@@ -49,8 +49,8 @@ class OperatingPoint:
         threshold: m (mm³ for the volume score, a probability for ``max_prob``).
         rule: ``fixed``, ``f1``, ``youden`` or ``matched_specificity``.
         fallback: why the fixed m was used instead of a chosen one ('' when it was not).
-        interval: for a bagged choice, the percentile interval of the resamples' choices (else None).
-        resamples: for a bagged choice, how many resamples chose a threshold (else 0).
+        interval: for a bagged choice, the percentile interval of the resamples' choices (else None);
+            ``rule`` then says how many resamples chose.
     """
 
     name: str
@@ -58,7 +58,6 @@ class OperatingPoint:
     rule: str
     fallback: str = ""
     interval: tuple[float, float] | None = None
-    resamples: int = 0
 
 
 def _cumulative_counts(values: np.ndarray, truth: np.ndarray):
@@ -220,7 +219,7 @@ def choose_operating_point(
             bagged = bagged_threshold(records, rule, score, int(bootstrap), confidence)
             return OperatingPoint(
                 "val_chosen", bagged.threshold, f"{rule} (mean of {bagged.defined} of {bagged.resamples} resamples)",
-                interval=(bagged.low, bagged.high), resamples=bagged.defined,
+                interval=(bagged.low, bagged.high),
             )
         return OperatingPoint("val_chosen", choose_threshold(records, rule, score), rule)
     except ThresholdError as error:

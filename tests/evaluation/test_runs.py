@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 from conftest import RECIPES, tiny_overrides
 from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
 
 from lightning_modules.commands.compare import main as compare_main
 from lightning_modules.commands.evaluate import main as evaluate_main
@@ -72,6 +73,14 @@ def test_evaluate_and_compare_two_runs(two_models, tiny_phantom, capsys, monkeyp
     assert metrics["operating_point/val_chosen"] == pytest.approx(bagged.threshold, rel=1e-9)
     assert (metrics["operating_point/val_chosen_low"], metrics["operating_point/val_chosen_high"]) == pytest.approx(
         (bagged.low, bagged.high), rel=1e-9)
+    # With the recipe's rule youden the callback chooses during validation and evaluate reuses its
+    # point: the same bagged threshold as chosen above from the logged records.
+    youden = OmegaConf.merge(recipe, {"detection": {"threshold_rule": "youden"}})
+    youden_run, _ = evaluate(youden, models[0][1].best_checkpoint, ("test",), training_run_id=models[0][1].run_id)
+    youden_metrics = client.get_run(youden_run).data.metrics
+    assert youden_metrics["operating_point/val_chosen"] == metrics["operating_point/val_chosen"]
+    assert youden_metrics["val/threshold"] == metrics["operating_point/val_chosen"], "the callback's own choice"
+    assert youden_metrics["operating_point/val_chosen_high"] == metrics["operating_point/val_chosen_high"]
     artifacts = {a.path for a in client.list_artifacts(evaluation_runs[0], "evaluation")}
     assert {"evaluation/test_records.csv", "evaluation/test_subgroups.csv", "evaluation/test_subgroups.png",
             "evaluation/val_records.csv", "evaluation/test_fixed_subgroups.csv",
