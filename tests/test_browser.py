@@ -24,6 +24,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -103,12 +104,19 @@ class Chromium:
         self.process.wait(timeout=30)
         shutil.rmtree(self.profile, ignore_errors=True)
 
-    def render(self, url: str, name: str, expect: tuple[str, ...], timeout_s: float = 90.0) -> tuple[str, Path]:
-        """Open ``url``; once every string of ``expect`` is in the page (frames included) or ``timeout_s``
-        passed, save ``<name>.png`` and ``<name>.txt`` under ARTIFACTS; return the page's flattened DOM and the PNG."""
-        return asyncio.run(self._render(url, name, expect, timeout_s))
+    def render(self, url: str, name: str, expect: tuple[str, ...], timeout_s: float = 90.0,
+               ready: Callable[[str], bool] | None = None) -> tuple[str, Path]:
+        """Open ``url``; once every string of ``expect`` is in the page (frames included) and ``ready``
+        (if given) accepts its DOM, or ``timeout_s`` passed, save ``<name>.png`` and ``<name>.txt`` under
+        ARTIFACTS; return the page's flattened DOM and the PNG.
 
-    async def _render(self, url: str, name: str, expect: tuple[str, ...], timeout_s: float) -> tuple[str, Path]:
+        ``ready`` is for pages that are still being parsed when their text first shows: a long report
+        has its headings in the DOM before the images that follow them.
+        """
+        return asyncio.run(self._render(url, name, expect, timeout_s, ready))
+
+    async def _render(self, url: str, name: str, expect: tuple[str, ...], timeout_s: float,
+                      ready: Callable[[str], bool] | None) -> tuple[str, Path]:
         import aiohttp
 
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -145,7 +153,7 @@ class Chromium:
                     for target in await (await session.get(f"http://127.0.0.1:{self.port}/json")).json():
                         if target["type"] == "iframe":
                             dom += "\n" + await _frame_dom(session, target["webSocketDebuggerUrl"])
-                    if all(text in dom for text in expect) or time.time() > deadline:
+                    if (all(text in dom for text in expect) and (ready is None or ready(dom))) or time.time() > deadline:
                         break
                     await asyncio.sleep(1.0)
                 await asyncio.sleep(1.0)  # let the last layout paint
@@ -219,14 +227,18 @@ def test_mlflow_ui_shows_the_study_runs_models_and_report(finished_study, mlflow
     # The report: the UI previews it in the parent run's artifact view (an iframe of a blob of the
     # file); the preview's document holds the report and paints (the preview area is not blank).
     expected = ("Baseline vs SynthX (BenchX table 6)", "Forest plots per attribute")
+    # The report's headings are in the DOM before the images after them are parsed: wait for the images.
+    def figures(dom: str) -> bool:
+        return dom.count("data:image/png;base64,") >= 3
+
     preview, shot = chromium.render(f"{mlflow_ui}/#/experiments/{experiment}/runs/{parent_id}/artifacts/report/study_report.html",
-                                    "parent-report-artifact", expected)
+                                    "parent-report-artifact", expected, ready=figures)
     assert "mlflow-html-iframe" in preview and all(text in preview for text in expected), "the report's preview is empty"
     assert preview.count("data:image/png;base64,") >= 3
     # The preview pane (right of the artifact tree, below the file's path): the report's heading and tables.
     assert dark_pixels(shot, (0.30, 0.25, 0.70, 0.85)) > 2000, f"the report preview paints nothing: see {shot}"
     # And the file itself, opened in the browser.
     downloaded = Path(client.download_artifacts(parent_id, "report/study_report.html", str(ARTIFACTS)))
-    report, _ = chromium.render(downloaded.resolve().as_uri(), "study-report", expected)
+    report, _ = chromium.render(downloaded.resolve().as_uri(), "study-report", expected, ready=figures)
     assert all(text in report for text in expected)
     assert report.count("data:image/png;base64,") >= 3 and "not available" not in report
