@@ -37,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "compare": ("lightning_modules.commands.compare", "main", "paired comparison of evaluation runs (BenchX table 6)"),
     "study": ("synthx.commands.study", "main", "the baseline-vs-SynthX study on a cohort (the main job)"),
     "report": ("synthx.commands.report", "main", "rebuild a study's HTML report from MLflow"),
+    "replicates": ("synthx.commands.replicates", "main", "several finished studies (one per seed) side by side, per subgroup"),
     "sweep": ("synthx.commands.sweep", "main", "Optuna sweep over the synthesis ratio"),
     "synthx-train": ("synthx.commands.synthx_train", "main", "train the SynthX tumor generator (conditional 3D diffusion)"),
     "synthesize": ("synthx.commands.synthesize", "main", "paint conditioned synthetic tumors into healthy training scans (resumable)"),
@@ -63,6 +64,7 @@ EXPECTED_ERRORS: frozenset[str] = frozenset(
         "synthx.targeting.TargetingError",
         "synthx.quality.QualityError",
         "synthx.report.ReportError",
+        "synthx.replicates.ReplicateError",
     }
 )
 

@@ -14,7 +14,7 @@ from conftest import REPO_ROOT, new_sqlite_store, tiny_overrides
 
 MLPROJECT_ENTRIES = {
     "main", "train", "evaluate", "compare", "predict", "phantom", "make_splits", "validate", "audit", "import",
-    "fetch_example", "synthx_train", "synthesize", "synthx_quality", "sweep",
+    "fetch_example", "synthx_train", "synthesize", "synthx_quality", "sweep", "replicates", "report",
 }
 
 
@@ -28,6 +28,9 @@ def test_mlproject_has_typed_entry_points_for_every_command():
         assert command in COMMANDS, f"{name}: benchx {command} is not a command"
         for parameter in entry.get("parameters", {}).values():
             assert parameter["type"] in {"string", "path", "float", "uri"}
+    # Every command but `recipe` (it prints a recipe for a person to read) can be run by `mlflow run`.
+    entered = {entry["command"].split()[1] for entry in spec["entry_points"].values()}
+    assert set(COMMANDS) - entered == {"recipe"}
 
 
 def test_mlflow_run_train_entry_point(tiny_phantom, tmp_path):
