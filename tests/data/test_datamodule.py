@@ -160,3 +160,40 @@ def test_training_crops_drop_metadata_but_not_the_crops_and_restore_the_switch(t
     with pytest.raises(RuntimeError):
         broken(dict(items[0]))
     assert get_track_meta(), "the switch is restored when a random transform fails"
+
+
+def test_plain_label_crops_equal_monais_crops_tensor_for_tensor(tiny_phantom, tmp_path):
+    """RandCropByLabelClassesPlaind gives, seed for seed, the crops of MONAI's RandCropByLabelClassesd
+    with metadata off (the random tail's setting), the other keys copied per crop, and MONAI's own
+    output (metadata included) with tracking on."""
+    from monai.data import set_track_meta
+    from monai.transforms import RandCropByLabelClassesd
+
+    recipe = _recipe(tiny_phantom, tmp_path)
+    cohort = dm.load_cohort(recipe.data.root)
+    head = dm.seeded_compose(dm.preprocessing(recipe) + dm.training_transforms(recipe)[:1], 0)
+    items = [head(item) for item in dm.case_items(cohort, cohort.case_ids[:3], list(recipe.data.classes))]
+    crop = dm.training_transforms(recipe)[1]
+    assert type(crop) is dm.RandCropByLabelClassesPlaind
+    settings = dict(keys=["image", "label"], label_key="label", spatial_size=crop.cropper.spatial_size,
+                    ratios=crop.cropper.ratios, num_classes=crop.cropper.num_classes, num_samples=3,
+                    indices_key="label_cls_indices", warn=False)
+    for tracking in (False, True):
+        ours, monai = dm.RandCropByLabelClassesPlaind(**settings), RandCropByLabelClassesd(**settings)
+        ours.set_random_state(seed=11)
+        monai.set_random_state(seed=11)
+        set_track_meta(tracking)
+        try:
+            for _ in range(20):  # 20 draws per case: lesion, organ and background centres all occur
+                for item in items:
+                    expected, got = monai(dict(item)), ours(dict(item))
+                    assert len(expected) == len(got) == 3
+                    for e, g in zip(expected, got):
+                        assert list(e) == list(g), "same keys in the same order"
+                        assert type(e["image"]) is type(g["image"]) is (MetaTensor if tracking else torch.Tensor)
+                        assert torch.equal(e["image"], g["image"]) and torch.equal(e["label"], g["label"])
+                        assert e["case_id"] == g["case_id"]
+                        if tracking:
+                            assert e["image"].meta["crop_center"] == g["image"].meta["crop_center"]
+        finally:
+            set_track_meta(True)
