@@ -404,13 +404,25 @@ def _synthx_steps(runner: StudyRunner, settings: StudySettings, root: Path, spli
     )
     generator_recipe = _generator_recipe(settings, root, split, runner.uri)
     generator = runner.step("synthx_train", _recipe_params(generator_recipe), generator_action(generator_recipe, output_dir))
+    params = {"generator": generator["run_id"], "targeting": targeting["run_id"], "steps": settings.synthesis_steps,
+              "scheduler": settings.scheduler, "seed": seed}
     return runner.step(
-        "synthesize",
-        {"generator": generator["run_id"], "targeting": targeting["run_id"], "steps": settings.synthesis_steps,
-         "scheduler": settings.scheduler, "seed": seed},
+        "synthesize", params,
         synthesize_action(runner.client, root, split, settings, generator_recipe, generator, targeting,
-                          output_dir / "synthetic", seed, runner.uri),
+                          synthetic_folder(output_dir, params), seed, runner.uri),
     )
+
+
+def synthetic_folder(output_dir: Path, params: dict) -> Path:
+    """``<output_dir>/synthetic/<key>``: one folder per synthesis (generator, targeting, sampling, seed).
+
+    A resumed study finds its own folder again; a study with another target (or generator, steps,
+    seed) in the same output folder writes a cohort of its own, so it gets its own synthesis run
+    and augmented model instead of extending, under the same run, the cohort an earlier study's
+    augmented model was trained on.
+    """
+    key = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return Path(output_dir) / "synthetic" / key
 
 
 def _publish_comparison(runner: StudyRunner, comparison: dict) -> pd.DataFrame:

@@ -174,8 +174,27 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     third = capsys.readouterr().out
     assert third.count("identical finished run") == len(STEPS)
 
-    # The generator has its own folder per recipe key, apart from the augmented backbone's folders.
+    # Another target in the same output folder: its own synthetic folder, synthesis run and augmented
+    # model; the first study's cohort is left as its augmented model saw it.
     output_dir = Path(settings.output_dir)
+    first_cohort = Path(client.get_run(steps["augmented"]).data.params["synthx.cohort"])
+    first_cases = sorted(load_cohort(first_cohort).case_ids)
+    settings.budget = 3
+    run_study(settings)
+    fourth = capsys.readouterr().out
+    for step in ("data", "baseline", "evaluate_baseline", "synthx_train"):
+        assert f"[study] {step}: identical finished run" in fourth, step
+    for step in ("targeting", "synthesize", "augmented", "evaluate_synthx", "compare"):
+        assert f"[study] {step}: done" in fourth, step
+    newest = client.search_runs([experiment.experiment_id], "tags.stage = 'study'", order_by=["attributes.start_time DESC"])[0]
+    new_steps = {k[len("step."):]: v for k, v in newest.data.tags.items() if k.startswith("step.")}
+    assert new_steps["synthesize"] != steps["synthesize"] and new_steps["augmented"] != steps["augmented"]
+    second_cohort = Path(client.get_run(new_steps["augmented"]).data.params["synthx.cohort"])
+    assert second_cohort != first_cohort and second_cohort.parent == first_cohort.parent == output_dir / "synthetic"
+    assert sorted(load_cohort(first_cohort).case_ids) == first_cases, "the first study's cohort is unchanged"
+    assert len(load_cohort(second_cohort).case_ids) == 3
+
+    # The generator has its own folder per recipe key, apart from the augmented backbone's folders.
     generators = list((output_dir / "generator").iterdir())
     assert len(generators) == 1 and (generators[0] / "checkpoints" / "last.ckpt").is_file()
     assert not (output_dir / "synthx" / "checkpoints").exists(), "the generator is not in the augmented model's folder"
