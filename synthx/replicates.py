@@ -101,7 +101,7 @@ def replicate_table(tables: Sequence[pd.DataFrame], operating_point: str = "fixe
 
     out = first[list(COUNT_COLUMNS)].copy()
     deltas = pd.concat([part.loc[first.index, "delta"].rename(label) for label, part in zip(labels, parts)], axis=1)
-    significant = pd.concat([part.loc[first.index, "significant"].astype(bool).rename(label)
+    significant = pd.concat([part.loc[first.index, "significant"].map(_flag).rename(label)
                              for label, part in zip(labels, parts)], axis=1)
     out["studies"] = len(tables)
     out["mean_delta"] = deltas.mean(axis=1)
@@ -117,10 +117,15 @@ def replicate_table(tables: Sequence[pd.DataFrame], operating_point: str = "fixe
     return out.reset_index()
 
 
+def _flag(value) -> bool:
+    """A significance cell as read from CSV: True only when it says so (an empty cell is not)."""
+    return False if pd.isna(value) else value is True or str(value).strip().lower() in {"true", "1"}
+
+
 def _interval(row) -> str:
     if pd.isna(row.ci_low) or pd.isna(row.ci_high):
         return "[-, -]"
-    mark = "**" if bool(getattr(row, "significant_holm", False)) else ("*" if bool(row.significant) else "")
+    mark = "**" if _flag(getattr(row, "significant_holm", False)) else ("*" if _flag(row.significant) else "")
     return f"[{row.ci_low:+.3f}, {row.ci_high:+.3f}]{mark}"
 
 

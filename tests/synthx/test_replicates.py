@@ -48,6 +48,14 @@ def test_the_summary_counts_each_studys_direction_and_significance():
     assert "phase:non-contrast" in text and "+0.150 [+0.100, +0.200]*" in text and "1/0" in text
 
 
+def test_an_empty_significance_cell_is_not_read_as_significant():
+    a = comparison("run-a", 0, {"venous": -0.06})
+    b = comparison("run-b", 1, {"venous": -0.02}).astype({"significant": object, "significant_holm": object})
+    b.loc[0, ["significant", "significant_holm"]] = [float("nan"), float("nan")]
+    table = replicate_table([a, b], "fixed", ("auc",))
+    assert table.loc[0, "significant_down"] == 0 and table.loc[0, "seed 1 r 0.3 ci"] == "[-0.070, +0.030]"
+
+
 def test_studies_on_different_sets_or_too_few_are_refused():
     a = comparison("run-a", 0, {"venous": -0.06, "non-contrast": 0.1})
     with pytest.raises(ReplicateError, match="another set.*phase / non-contrast / auc"):
