@@ -152,12 +152,17 @@ def recipe_keys(recipe: DictConfig) -> dict[str, str]:
     return _flatten(container)
 
 
+def content_key(payload) -> str:
+    """A short hash of JSON-like content (keys sorted, other values as text): same content -> same folder."""
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
 def recipe_fingerprint(recipe: DictConfig) -> str:
     """A short hash of the resolved recipe (without tracking settings): same recipe -> same folder."""
     container = OmegaConf.to_container(recipe, resolve=True)
     for section in UNTRACKED_SECTIONS:
         container.pop(section, None)
-    return hashlib.sha256(json.dumps(container, sort_keys=True).encode()).hexdigest()[:10]
+    return content_key(container)
 
 
 def _flatten(mapping: dict, prefix: str = "") -> dict[str, str]:

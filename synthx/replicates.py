@@ -23,6 +23,7 @@ from typing import Sequence
 
 import pandas as pd
 
+from lightning_modules.evaluation.runs import is_flagged, significance_mark
 from synthx.report import load_study
 
 OPERATING_POINTS = ("fixed", "val_chosen", "matched_specificity")
@@ -101,7 +102,7 @@ def replicate_table(tables: Sequence[pd.DataFrame], operating_point: str = "fixe
 
     out = first[list(COUNT_COLUMNS)].copy()
     deltas = pd.concat([part.loc[first.index, "delta"].rename(label) for label, part in zip(labels, parts)], axis=1)
-    significant = pd.concat([part.loc[first.index, "significant"].map(_flag).rename(label)
+    significant = pd.concat([part.loc[first.index, "significant"].map(is_flagged).rename(label)
                              for label, part in zip(labels, parts)], axis=1)
     out["studies"] = len(tables)
     out["mean_delta"] = deltas.mean(axis=1)
@@ -113,20 +114,14 @@ def replicate_table(tables: Sequence[pd.DataFrame], operating_point: str = "fixe
     for label, part in zip(labels, parts):
         rows = part.loc[first.index]
         out[label] = rows["delta"]
-        out[f"{label} ci"] = [_interval(row) for row in rows.itertuples()]
+        out[f"{label} ci"] = [_interval(row) for _, row in rows.iterrows()]
     return out.reset_index()
 
 
-def _flag(value) -> bool:
-    """A significance cell as read from CSV: True only when it says so (an empty cell is not)."""
-    return False if pd.isna(value) else value is True or str(value).strip().lower() in {"true", "1"}
-
-
-def _interval(row) -> str:
-    if pd.isna(row.ci_low) or pd.isna(row.ci_high):
+def _interval(row: pd.Series) -> str:
+    if pd.isna(row["ci_low"]) or pd.isna(row["ci_high"]):
         return "[-, -]"
-    mark = "**" if _flag(getattr(row, "significant_holm", False)) else ("*" if _flag(row.significant) else "")
-    return f"[{row.ci_low:+.3f}, {row.ci_high:+.3f}]{mark}"
+    return f"[{row['ci_low']:+.3f}, {row['ci_high']:+.3f}]{significance_mark(row)}".rstrip()
 
 
 def format_replicates(table: pd.DataFrame) -> str:
@@ -142,8 +137,9 @@ def format_replicates(table: pd.DataFrame) -> str:
                   f"{row['significant_up']}/{row['significant_down']}", "yes" if row["same_sign"] else "no"]
         lines.append(cells)
     widths = [max(len(str(c)) for c in column) for column in zip(header, *lines)]
-    render = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    notes = ["* significant in that study (CI excludes 0 and the subgroup supports it); ** also after Holm.",
+    shown = "\n".join("  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in [header, *lines])
+    notes = ["* significant in that study (CI excludes 0 and the subgroup supports it); ** also after Holm;",
+             "~ the CI excludes 0 but the subgroup is below the support rule.",
              "sig. up/down: studies with a significant difference above / below 0. The intervals are each",
              "study's paired test-set bootstrap; the spread between studies is the training variance they omit."]
-    return "\n".join([render(header), *map(render, lines), "", *notes])
+    return "\n".join([shown, "", *notes])

@@ -44,7 +44,7 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from lightning_modules.config.recipe import load_recipe
-from lightning_modules.run_folder import RunFolderLock
+from lightning_modules.run_folder import RunFolderLock, content_key
 from lightning_modules.tracking import experiment_id, git_commit, tracking_uri
 
 STEP_KEY_TAG = "study_step_key"
@@ -421,8 +421,7 @@ def synthetic_folder(output_dir: Path, params: dict) -> Path:
     and augmented model instead of extending, under the same run, the cohort an earlier study's
     augmented model was trained on.
     """
-    key = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:10]
-    return Path(output_dir) / "synthetic" / key
+    return Path(output_dir) / "synthetic" / content_key(params)
 
 
 def _publish_comparison(runner: StudyRunner, comparison: dict) -> pd.DataFrame:

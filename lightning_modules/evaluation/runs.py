@@ -419,7 +419,7 @@ def format_comparison(comparison: pd.DataFrame, metrics: Sequence[str] = ("sensi
                      f"{int(first['positives']):>5}{int(first['negatives']):>5}"]
             for metric in metrics:
                 row = by_metric.loc[metric]
-                interval = f"{_fmt(row['delta'], True)} [{_fmt(row['ci_low'], True)}, {_fmt(row['ci_high'], True)}]{_mark(row)}"
+                interval = f"{_fmt(row['delta'], True)} [{_fmt(row['ci_low'], True)}, {_fmt(row['ci_high'], True)}]{significance_mark(row)}"
                 defined = f"{100 * float(row['defined_fraction']):.0f}%"
                 cells.append(f"  {_fmt(row['a']):>6}{_fmt(row['b']):>6} {interval:<21}{defined:>5}")
             lines.append("".join(cells))
@@ -431,10 +431,16 @@ def format_comparison(comparison: pd.DataFrame, metrics: Sequence[str] = ("sensi
     return "\n".join(lines)
 
 
-def _mark(row) -> str:
-    if bool(row.get("significant_holm", False)):
+def is_flagged(value) -> bool:
+    """A significance cell, also as read back from CSV: True only when it says so (an empty cell is not)."""
+    return False if pd.isna(value) else value is True or str(value).strip().lower() in {"true", "1"}
+
+
+def significance_mark(row) -> str:
+    """``**`` significant after Holm, ``*`` significant, ``~`` CI excludes 0 below the support rule, else a space."""
+    if is_flagged(row.get("significant_holm", False)):
         return "**"
-    if bool(row["significant"]):
+    if is_flagged(row["significant"]):
         return "*"
     low, high = float(row["ci_low"]), float(row["ci_high"])
     return "~" if (low > 0 or high < 0) else " "

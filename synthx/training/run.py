@@ -21,9 +21,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-
-import hashlib
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -38,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.data.cohort import load_cohort
 from lightning_modules.data.splits import load_split, split_sha256
-from lightning_modules.run_folder import RunFolderLock
+from lightning_modules.run_folder import RunFolderLock, content_key
 from lightning_modules.trainer import build_trainer, global_rank
 from lightning_modules.monitoring import system_callbacks
 from lightning_modules.tracking import experiment_id, flatten, git_commit, tracking_uri
@@ -78,7 +75,7 @@ def recipe_key(recipe: DictConfig) -> str:
         container.pop(key, None)
     container["trainer"].pop("max_steps", None)
     container["autoencoder"].pop("max_steps", None)
-    return hashlib.sha256(json.dumps(container, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return content_key(container)
 
 
 def run_folder(recipe: DictConfig, output_dir: str | Path | None, variant: str, resume: bool) -> tuple[Path, str | None]:

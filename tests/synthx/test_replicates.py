@@ -44,6 +44,8 @@ def test_the_summary_counts_each_studys_direction_and_significance():
     assert (table.loc["arterial", "significant_up"], table.loc["arterial", "significant_down"]) == (1, 0)
     assert list(table.loc["arterial", ["seed 0 r 0.3", "seed 1 r 0.3", "seed 2 r 0.3"]]) == [-0.09, 0.05, 0.12]
     assert table.loc["non-contrast", "seed 0 r 0.3 ci"] == "[+0.100, +0.200]*"
+    # The comparison table's marks: "~" where the CI excludes 0 but the study did not call it significant.
+    assert table.loc["arterial", "seed 0 r 0.3 ci"] == "[-0.140, -0.040]~"
     text = format_replicates(table.reset_index())
     assert "phase:non-contrast" in text and "+0.150 [+0.100, +0.200]*" in text and "1/0" in text
 
