@@ -16,6 +16,12 @@ Steps, each an MLflow child run of one parent run (``mlflow.parentRunId``):
 8. ``evaluate_synthx``: the augmented model evaluated as the baseline was;
 9. ``compare``: the BenchX table-6 comparison with paired bootstrap differences.
 
+The positive control (``painter="phantom"``, ``benchx study --painter phantom``): on the embedded
+phantom, the phantom's own renderer paints the targeted tumors instead of SynthX (no
+``synthx_train`` step), with the same targeting, canvases, ratio and training; it shows what the
+study can detect when the added tumors are as real as the phantom's
+(:mod:`synthx.generation.phantom_painter`).
+
 Resumable: a step is skipped when an identical finished run exists (same step, parameters and code
 version: the key is a hash of the three, stored as the tag ``study_step_key``), so rerunning the
 same command after a failure only does what is missing; an interrupted training resumes from its
@@ -46,6 +52,7 @@ from mlflow.tracking import MlflowClient
 from lightning_modules.config.recipe import load_recipe
 from lightning_modules.run_folder import RunFolderLock, content_key
 from lightning_modules.tracking import experiment_id, git_commit, tracking_uri
+from synthx.painters import PAINTERS, PHANTOM_PAINTER, SYNTHX_PAINTER
 
 STEP_KEY_TAG = "study_step_key"
 STEP_NAME_TAG = "study_step"
@@ -73,6 +80,23 @@ class StudySettings:
     scheduler: str | None = None  # None: the SynthX recipe's sampling.scheduler
     experiment: str = "benchx-study"
     output_dir: str = "outputs/study"
+    # "synthx": the diffusion generator is trained and paints; "phantom": the phantom's own renderer
+    # paints real-appearance tumors (the positive control, synthx.generation.phantom_painter).
+    painter: str = SYNTHX_PAINTER
+
+    def check(self) -> None:
+        """Refuse settings that would be silently ignored."""
+        if self.painter not in PAINTERS:
+            raise ValueError(f"unknown painter {self.painter!r} (expected one of {', '.join(PAINTERS)})")
+        if self.painter == PHANTOM_PAINTER:
+            unused = [name for name, value in (
+                ("--synthx-override", self.synthx_overrides), ("--synthesis-steps", self.synthesis_steps),
+                ("scheduler", self.scheduler),
+                ("--synthx-recipe", self.synthx_recipe if self.synthx_recipe != StudySettings.synthx_recipe else None),
+            ) if value]
+            if unused:
+                raise ValueError(f"--painter phantom trains and samples no generator, so {', '.join(unused)} would be "
+                                 "ignored; drop it or use --painter synthx")
 
 
 def _cpu_seconds() -> float:
@@ -334,21 +358,39 @@ def synthesize_action(client: MlflowClient, root: Path, split: Path, settings: S
             generator_run_id=generator["run_id"], tracking_uri=uri, experiment=settings.experiment,
             progress=sys.stderr.isatty(), **chosen,
         )
-        summary = synthesize(synthesis, read_targets(client, targeting["run_id"]))
-        if not summary.complete:
-            raise RuntimeError(f"synthesis incomplete: {len(summary.failed)} failed: {summary.failed}")
-        if not summary.generated and not summary.skipped:
-            from synthx.generation.canvases import GenerationError
+        return _synthesis_outputs(synthesize(synthesis, read_targets(client, targeting["run_id"])), synthetic_root)
 
-            cells = summary.unfillable.to_dict("records") if summary.unfillable is not None else []
-            shown = ", ".join(f"{c['sex']}/{c['age_band']}/{c['phase']}" for c in cells[:6]) or "none requested"
-            raise GenerationError(
-                f"no synthetic case was made, so there is nothing to add to training: every targeted cell is "
-                f"unfillable (no healthy training scan of that sex, age band and phase: {shown}); "
-                "choose another rule with --target (e.g. need:B with a larger B, or counts:<table>)"
-            )
-        return {"run_id": summary.synthesis_run_id, "cohort": str(synthetic_root),
-                "cases": len(summary.generated) + len(summary.skipped)}
+    return action
+
+
+def _synthesis_outputs(summary, synthetic_root: Path) -> dict:
+    """The synthesis step's outputs; an incomplete synthesis, or one that made nothing, fails the step."""
+    if not summary.complete:
+        raise RuntimeError(f"synthesis incomplete: {len(summary.failed)} failed: {summary.failed}")
+    if not summary.generated and not summary.skipped:
+        from synthx.generation.canvases import GenerationError
+
+        cells = summary.unfillable.to_dict("records") if summary.unfillable is not None else []
+        shown = ", ".join(f"{c['sex']}/{c['age_band']}/{c['phase']}" for c in cells[:6]) or "none requested"
+        raise GenerationError(
+            f"no synthetic case was made, so there is nothing to add to training: every targeted cell is "
+            f"unfillable (no healthy training scan of that sex, age band and phase: {shown}); "
+            "choose another rule with --target (e.g. need:B with a larger B, or counts:<table>)"
+        )
+    return {"run_id": summary.synthesis_run_id, "cohort": str(synthetic_root),
+            "cases": len(summary.generated) + len(summary.skipped)}
+
+
+def phantom_synthesize_action(client: MlflowClient, root: Path, split: Path, settings: StudySettings, targeting: dict,
+                              synthetic_root: Path, seed: int, uri: str) -> Callable[[dict], dict]:
+    """The synthesis step's action with the phantom painter (the positive control): no generator."""
+
+    def action(tags: dict) -> dict:
+        from synthx.generation import SynthesisSettings, synthesize
+
+        synthesis = SynthesisSettings(root, split, None, synthetic_root, seed=seed, painter=settings.painter,
+                                      tracking_uri=uri, experiment=settings.experiment, progress=sys.stderr.isatty())
+        return _synthesis_outputs(synthesize(synthesis, read_targets(client, targeting["run_id"])), synthetic_root)
 
     return action
 
@@ -396,12 +438,20 @@ def _baseline_steps(runner: StudyRunner, settings: StudySettings, root: Path, sp
 
 def _synthx_steps(runner: StudyRunner, settings: StudySettings, root: Path, split: Path, evaluation: dict,
                   score: str, seed: int) -> dict:
-    """targeting, synthx_train, synthesize; returns the synthesis outputs (``cohort`` is the synthetic folder)."""
+    """targeting, synthx_train, synthesize; returns the synthesis outputs (``cohort`` is the synthetic folder).
+
+    With the phantom painter there is no generator to train: targeting, then synthesize.
+    """
     output_dir = Path(settings.output_dir)
     targeting = runner.step(
         "targeting", {"rule": settings.target, "budget": settings.budget, "baseline_evaluation": evaluation["run_id"]},
         targeting_action(runner.client, runner.experiment_id, root, split, settings, evaluation["run_id"], score),
     )
+    if settings.painter != SYNTHX_PAINTER:
+        params = {"painter": settings.painter, "targeting": targeting["run_id"], "seed": seed}
+        return runner.step("synthesize", params,
+                           phantom_synthesize_action(runner.client, root, split, settings, targeting,
+                                                     synthetic_folder(output_dir, params), seed, runner.uri))
     generator_recipe = _generator_recipe(settings, root, split, runner.uri)
     generator = runner.step("synthx_train", _recipe_params(generator_recipe), generator_action(generator_recipe, output_dir))
     params = {"generator": generator["run_id"], "targeting": targeting["run_id"], "steps": settings.synthesis_steps,
@@ -441,6 +491,7 @@ def run_study(settings: StudySettings) -> pd.DataFrame:
 
     One study per output folder at a time: a second process is refused, naming the holder.
     """
+    settings.check()
     with RunFolderLock(settings.output_dir, "benchx study") as lock:
         if lock.takeover_note:
             print(f"[study] {lock.takeover_note}")

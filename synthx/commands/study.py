@@ -7,6 +7,7 @@ Example::
 
     benchx study --recipe recipes/unet.yaml --profile cpu
     benchx study --recipe recipes/unet.yaml --profile cpu --target need:40 trainer.max_steps=4000
+    benchx study --painter phantom --out outputs/study-phantom-painter   # the positive control
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from typing import Sequence
 
 from lightning_modules.commands.common import add_overrides_argument, split_overrides
+from synthx.painters import PAINTERS
 from synthx.study import StudySettings, run_study
 
 
@@ -34,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=int, default=None, help="total synthetic cases for match:* rules")
     parser.add_argument("--synthesis-steps", type=int, default=None,
                         help="denoising steps per synthetic case (default: the SynthX recipe's sampling.num_inference_steps)")
+    parser.add_argument("--painter", choices=PAINTERS, default=StudySettings.painter,
+                        help="who paints the targeted tumors: synthx (default: the SynthX generator, trained in the "
+                             "study) or phantom (the positive control: the embedded phantom's own renderer paints "
+                             "real-appearance tumors into the same canvases; phantom cohorts only)")
     parser.add_argument("--experiment", default=StudySettings.experiment, help="MLflow experiment (default: %(default)s)")
     parser.add_argument("--out", default=StudySettings.output_dir, help="output folder (default: %(default)s)")
     add_overrides_argument(parser)
@@ -47,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         recipe=args.recipe, profile=args.profile, overrides=split_overrides(args.overrides),
         synthx_recipe=args.synthx_recipe, synthx_overrides=args.synthx_override, cases=args.cases,
         ratio=args.ratio, target=args.target, budget=args.budget, synthesis_steps=args.synthesis_steps,
-        experiment=args.experiment, output_dir=args.out,
+        experiment=args.experiment, output_dir=args.out, painter=args.painter,
     )
     run_study(settings)
     return 0

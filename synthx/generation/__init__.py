@@ -1,8 +1,9 @@
 """SynthX generation: paint conditioned synthetic tumors into healthy training scans and write a synthetic cohort.
 
 Parts: :mod:`.canvases` (which scan each request is painted into; unfillable cells), :mod:`.source`
-(loading the generator), :mod:`.painting` (one case), :mod:`.writing` (the cohort on disk and the
-MLflow summary) and :mod:`.run` (the resumable run, :func:`synthesize`). The command is
+(loading the generator), :mod:`.painting` (one case), :mod:`.phantom_painter` (real-appearance
+tumors rendered by the phantom itself: the study's positive control), :mod:`.writing` (the cohort
+on disk and the MLflow summary) and :mod:`.run` (the resumable run, :func:`synthesize`). The command is
 ``benchx synthesize`` (:mod:`synthx.commands.synthesize`).
 """
 
@@ -15,6 +16,7 @@ from synthx.generation.canvases import (
     partition_requests,
 )
 from synthx.generation.painting import PaintSettings, generate_case
+from synthx.generation.phantom_painter import PAINTERS, PHANTOM_PAINTER, PhantomPainter
 from synthx.generation.run import SynthesisSettings, SynthesisSummary, synthesize
 from synthx.generation.source import load_pipeline, resolve_pipeline_source
 from synthx.generation.writing import MANIFEST_FILE, QUARANTINE_DIR
@@ -22,7 +24,10 @@ from synthx.generation.writing import MANIFEST_FILE, QUARANTINE_DIR
 __all__ = [
     "GenerationError",
     "MANIFEST_FILE",
+    "PAINTERS",
+    "PHANTOM_PAINTER",
     "PaintSettings",
+    "PhantomPainter",
     "QUARANTINE_DIR",
     "SynthesisRequest",
     "SynthesisSettings",

@@ -47,6 +47,7 @@ from lightning_modules.run_folder import RunFolderLock
 from synthx.config import MaskPriorConfig, SamplingConfig
 from synthx.generation.canvases import GenerationError, SynthesisRequest, as_requests, canvas_table, choose_canvas, partition_requests
 from synthx.generation.painting import PaintSettings, generate_case
+from synthx.generation.phantom_painter import PAINTERS, PHANTOM_PAINTER, PhantomPainter
 from synthx.generation.source import load_pipeline, set_scheduler
 from synthx.generation.writing import (
     QUARANTINE_DIR,
@@ -75,7 +76,8 @@ class SynthesisSettings:
         cohort_root: the real cohort (canvases come from its healthy training cases).
         split_path: its split CSV.
         pipeline: a folder saved with ``save_pretrained``, ``runs:/<id>/pipeline``, a run id, or a
-            loaded :class:`synthx.pipeline.SynthXPipeline` (then ``provenance`` is required).
+            loaded :class:`synthx.pipeline.SynthXPipeline` (then ``provenance`` is required); None
+            with the phantom painter.
         out_root: the synthetic cohort folder (created; an existing one is resumed).
         seed: fixes every case id's canvas, tumor mask and diffusion noise.
         scheduler / num_inference_steps / guidance_scale: the recipe's ``sampling`` section.
@@ -92,6 +94,9 @@ class SynthesisSettings:
         log_to_mlflow: log the generation run (targets, per-cell counts, timings) to MLflow.
         device: torch device of the denoiser.
         progress: show a tqdm progress bar.
+        painter: ``synthx`` (the diffusion generator in ``pipeline``) or ``phantom`` (the phantom's
+            own renderer paints real-appearance tumors into phantom canvases: the study's positive
+            control, :mod:`synthx.generation.phantom_painter`; sampling settings do not apply).
     """
 
     cohort_root: Path | str
@@ -117,6 +122,7 @@ class SynthesisSettings:
     log_to_mlflow: bool = True
     device: str = "cpu"
     progress: bool = True
+    painter: str = "synthx"
 
     @classmethod
     def from_recipe(cls, recipe: DictConfig, cohort_root, split_path, pipeline, out_root, **values) -> "SynthesisSettings":
@@ -166,6 +172,10 @@ class SynthesisSummary:
 
 
 def check_settings(settings: SynthesisSettings) -> None:
+    if settings.painter not in PAINTERS:
+        raise GenerationError(f"unknown painter {settings.painter!r} (expected one of {', '.join(PAINTERS)})")
+    if settings.painter == PHANTOM_PAINTER and settings.pipeline is not None:
+        raise GenerationError(f"the phantom painter uses no generator, but pipeline {settings.pipeline!r} was given")
     if settings.scheduler not in SAMPLING_SCHEDULERS:
         raise GenerationError(f"unknown scheduler {settings.scheduler!r} (expected one of {', '.join(SAMPLING_SCHEDULERS)})")
     unknown = [k for k in settings.size_classes if k not in SIZE_CLASS_NAMES]
@@ -209,12 +219,12 @@ def _generator(settings: SynthesisSettings, split: pd.DataFrame, split_hash: str
     return pipeline, source, run_id, provenance
 
 
-def _manifest(settings: SynthesisSettings, source: str, run_id: str, provenance: GeneratorProvenance, split_hash: str) -> dict:
+def _manifest(settings: SynthesisSettings, source: str, run_id: str, provenance: GeneratorProvenance | None, split_hash: str) -> dict:
     return {
         "seed": int(settings.seed),
         "pipeline": source,
         "generator_run_id": run_id,
-        "generator_split_sha256": provenance.split_sha256,
+        "generator_split_sha256": provenance.split_sha256 if provenance is not None else "",
         "scheduler": settings.scheduler,
         "num_inference_steps": int(settings.num_inference_steps),
         "guidance_scale": float(settings.guidance_scale),
@@ -259,6 +269,7 @@ def _open_run(settings: SynthesisSettings, uri: str, manifest: dict, out_root: P
             "generator_split_sha256": manifest["generator_split_sha256"],
             "split_sha256": manifest["split_sha256"],
             "synthetic_cohort": str(out_root.resolve()),
+            "painter": settings.painter,
             "git_commit": git_commit(),
         }
         run_id = client.create_run(experiment_id(settings.experiment, uri), run_name="synthesize", tags=tags).info.run_id
@@ -278,7 +289,10 @@ def _make_case(context: dict, request: SynthesisRequest, rows: dict, summary: Sy
     rng = request.rng(settings.seed)
     try:
         canvas = choose_canvas(context["canvases"], request, rng)
-        generated = generate_case(context["cohort"], canvas, request, rng, context["pipeline"], context["paint"])
+        if context["painter"] is not None:
+            generated = context["painter"].paint(canvas, request, rng, settings.seed)
+        else:
+            generated = generate_case(context["cohort"], canvas, request, rng, context["pipeline"], context["paint"])
         generated.row["generator_run_id"] = summary.generator_run_id
         generated.row["synthesis_run_id"] = summary.synthesis_run_id
         write_case(out_root, case_id, generated.ct, generated.affine, generated.masks)
@@ -334,7 +348,11 @@ def synthesize(settings: SynthesisSettings, requests) -> SynthesisSummary:
     for cell in unfillable.to_dict("records"):
         log.warning("unfillable: no healthy training scan is %s, %s, %s; %d requested case(s) not made",
                     cell["sex"], cell["age_band"], cell["phase"], cell["requested"])
-    pipeline, source, generator_run_id, provenance = _generator(settings, split, split_hash, uri)
+    if settings.painter == PHANTOM_PAINTER:
+        painter, pipeline, source, generator_run_id, provenance = PhantomPainter(settings.cohort_root), None, PHANTOM_PAINTER, "", None
+    else:
+        painter = None
+        pipeline, source, generator_run_id, provenance = _generator(settings, split, split_hash, uri)
 
     out_root = Path(settings.out_root)
     # One process per output folder for the synthesis's life (a second one is refused, naming this one).
@@ -347,11 +365,12 @@ def synthesize(settings: SynthesisSettings, requests) -> SynthesisSummary:
         rows = read_existing_rows(out_root)
         remove_stale_staging(out_root)
         summary = SynthesisSummary(out_root, len(fillable), generator_run_id=generator_run_id,
-                                   generator_split_sha256=provenance.split_sha256, unfillable=unfillable)
+                                   generator_split_sha256=manifest["generator_split_sha256"], unfillable=unfillable)
         client = None
         if settings.log_to_mlflow:
             client, summary.synthesis_run_id = _open_run(settings, uri, manifest, out_root, targets)
-        context = dict(settings=settings, out_root=out_root, canvases=canvases, cohort=cohort, pipeline=pipeline, paint=settings.paint_settings())
+        context = dict(settings=settings, out_root=out_root, canvases=canvases, cohort=cohort, pipeline=pipeline,
+                       painter=painter, paint=settings.paint_settings())
         status, seconds = "FINISHED", []
         try:
             # SIGTERM/SIGINT become an exception here, so the run is ended KILLED and a rerun continues it.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -198,6 +199,25 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     generators = list((output_dir / "generator").iterdir())
     assert len(generators) == 1 and (generators[0] / "checkpoints" / "last.ckpt").is_file()
     assert not (output_dir / "synthx" / "checkpoints").exists(), "the generator is not in the augmented model's folder"
+
+    # The positive control: the phantom paints the same targets into the same kind of canvases; no
+    # generator is trained, the baseline and targeting are reused, and the comparison is made.
+    control = dataclasses.replace(settings, painter="phantom", synthx_overrides=[], synthesis_steps=None)
+    run_study(control)
+    fifth = capsys.readouterr().out
+    for step in ("data", "baseline", "evaluate_baseline", "targeting"):
+        assert f"[study] {step}: identical finished run" in fifth, step
+    for step in ("synthesize", "augmented", "evaluate_synthx", "compare"):
+        assert f"[study] {step}: done" in fifth, step
+    assert "synthx_train" not in fifth
+    latest = client.search_runs([experiment.experiment_id], "tags.stage = 'study'", order_by=["attributes.start_time DESC"])[0]
+    control_steps = {k[len("step."):]: v for k, v in latest.data.tags.items() if k.startswith("step.")}
+    assert set(control_steps) == set(STEPS) - {"synthx_train"} and latest.info.status == "FINISHED"
+    assert client.get_run(control_steps["synthesize"]).data.tags["painter"] == "phantom"
+    control_cohort = Path(client.get_run(control_steps["augmented"]).data.params["synthx.cohort"])
+    assert control_cohort.parent == output_dir / "synthetic" and control_cohort != second_cohort
+    painted = load_cohort(control_cohort).metadata
+    assert len(painted) == 3 and set(painted["synthx_painter"]) == {"phantom"}
 
 
 def test_study_trains_a_changed_generator_recipe_into_its_own_folder(tmp_path, monkeypatch):

@@ -208,6 +208,16 @@ def _choose(rng: np.random.Generator, mix: Sequence[tuple[str, float]]) -> str:
     return values[int(rng.choice(len(values), p=weights / weights.sum()))]
 
 
+def draw_pancreatic_tumor(rng: np.random.Generator) -> tuple[float, str]:
+    """A pancreatic tumor's largest diameter (reference mm, one decimal) and location, as the phantom plans them.
+
+    10-45 mm, ~35% small (<= 20 mm), ~13% under 15 mm: small tumors exist, most are learnable.
+    """
+    location = _choose(rng, _LOCATION_MIX)
+    diameter = 10.0 + 35.0 * rng.beta(1.6, 2.4)
+    return round(float(diameter), 1), location
+
+
 def _plan_patient(seed: int, patient_index: int) -> list[dict]:
     """The scans of one patient (one or two), as keyword dicts for :class:`ScanPlan` (no case ids yet)."""
     rng = _stream(seed, patient_index, _PLAN_STREAM)
@@ -224,10 +234,8 @@ def _plan_patient(seed: int, patient_index: int) -> list[dict]:
 
     lesions = []
     if rng.random() < _tumor_probability(age):
-        location = _choose(rng, _LOCATION_MIX)
-        # 10-45 mm, ~35% small (<= 20 mm), ~13% under 15 mm: small tumors exist, most are learnable.
-        diameter = 10.0 + 35.0 * rng.beta(1.6, 2.4)
-        lesions.append(LesionPlan("pancreatic_lesion", round(float(diameter), 1), location))
+        diameter, location = draw_pancreatic_tumor(rng)
+        lesions.append(LesionPlan("pancreatic_lesion", diameter, location))
     # Liver lesions are more common with a pancreatic tumor (metastasis-like); rates are invented.
     if rng.random() < (0.18 if lesions else 0.07):
         lesions.append(LesionPlan("liver_lesion", round(float(10.0 + 30.0 * rng.beta(1.5, 2.5)), 1)))
