@@ -31,6 +31,8 @@ from typing import Callable
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
+from synthx.painters import PHANTOM_PAINTER
+
 REPORT_ARTIFACT = "report/study_report.html"
 HEADLINE_METRICS = ("sensitivity", "f1")
 TABLE_METRICS = ("sensitivity", "specificity", "f1")
@@ -384,6 +386,10 @@ def render(study: StudyRuns) -> str:
     body = [f"<h1>Study report: {html.escape(name)}</h1>",
             f"<p>Experiment <b>{html.escape(experiment)}</b>, parent run <code>{parent.info.run_id}</code>. "
             f"Steps: {', '.join(html.escape(s) for s in study.steps)}.</p>"]
+    if "synthesize" in study.steps and study.run("synthesize").data.tags.get("painter") == PHANTOM_PAINTER:
+        body.append("<p><b>Positive control:</b> the synthetic tumors were painted by the phantom's own renderer "
+                    "(<code>--painter phantom</code>), not by SynthX: the 'SynthX' columns below are the model trained "
+                    "with them, and show what the study detects when the added tumors are as real as the phantom's.</p>")
     for title, build in report_sections(study):
         body.append(f"<h2>{html.escape(title)}</h2>{_section_body(build)}")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(name)} report</title>"

@@ -200,6 +200,8 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     assert len(generators) == 1 and (generators[0] / "checkpoints" / "last.ckpt").is_file()
     assert not (output_dir / "synthx" / "checkpoints").exists(), "the generator is not in the augmented model's folder"
 
+    assert "Positive control:" not in (output_dir / "study_report.html").read_text()
+
     # The positive control: the phantom paints the same targets into the same kind of canvases; no
     # generator is trained, the baseline and targeting are reused, and the comparison is made.
     control = dataclasses.replace(settings, painter="phantom", synthx_overrides=[], synthesis_steps=None)
@@ -218,6 +220,8 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     assert control_cohort.parent == output_dir / "synthetic" and control_cohort != second_cohort
     painted = load_cohort(control_cohort).metadata
     assert len(painted) == 3 and set(painted["synthx_painter"]) == {"phantom"}
+    report = (output_dir / "study_report.html").read_text()
+    assert "Positive control:" in report and "--painter phantom" in report
 
 
 def test_study_trains_a_changed_generator_recipe_into_its_own_folder(tmp_path, monkeypatch):
