@@ -189,6 +189,16 @@ def paint(canvas: Canvas, patch: Patch, request: SynthesisRequest, rng, pipeline
 
 def describe(canvas: Canvas, canvas_row: Mapping, request: SynthesisRequest, case_id: str, tumor: np.ndarray, size_class: str, seed: int) -> dict:
     """Step 5: the metadata row; sex, age and phase are the canvas' own (they are the request's cell)."""
+    return synthetic_row(canvas.case_id, canvas_row, request, case_id, tumor, canvas.spacing, size_class, seed)
+
+
+def synthetic_row(canvas_id: str, canvas_row: Mapping, request: SynthesisRequest, case_id: str, tumor: np.ndarray,
+                  spacing, size_class: str, seed: int) -> dict:
+    """A synthetic case's metadata row: the canvas' patient, sex, age and phase, and the tumor painted into it.
+
+    Args:
+        spacing: voxel size of ``tumor``'s array axes (mm), for its largest extent.
+    """
     age = canvas_row.get("age")
     return {
         "case_id": case_id,
@@ -200,9 +210,9 @@ def describe(canvas: Canvas, canvas_row: Mapping, request: SynthesisRequest, cas
         "phase": str(canvas_row["phase"]),
         "tumor": 1,
         "synthetic": 1,
-        "source_case_id": canvas.case_id,
-        "tumor_diameter_mm": round(largest_extent_mm(tumor, canvas.spacing), 2),
-        "spacing": "x".join(f"{s:g}" for s in canvas.spacing),
+        "source_case_id": canvas_id,
+        "tumor_diameter_mm": round(largest_extent_mm(tumor, spacing), 2),
+        "spacing": "x".join(f"{s:g}" for s in spacing),
         "synthx_request": request.key,
         "synthx_size_class": size_class,
         "synthx_seed": int(seed),

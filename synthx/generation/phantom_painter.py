@@ -26,22 +26,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Mapping
 
 import nibabel as nib
 import numpy as np
-import pandas as pd
 from threadpoolctl import threadpool_limits
 
 from lightning_modules.data.cohort import CT_FILE
-from lightning_modules.data.lesions import largest_extent_mm, pancreas_location
-from lightning_modules.data.metadata import UNKNOWN
+from lightning_modules.data.lesions import pancreas_location
 from lightning_modules.data.phantom import PARAMS_FILE, PHANTOM_VERSION, LesionPlan, plan_phantom_cohort, render_scan
 from lightning_modules.data.phantom.plan import CASE_ID_PREFIX, draw_pancreatic_tumor
 from synthx.generation.canvases import LESION_CLASS, ORGAN_CLASS, GenerationError, SynthesisRequest
-from synthx.generation.painting import GeneratedCase
+from synthx.generation.painting import GeneratedCase, synthetic_row
 from synthx.painters import PAINTERS, PHANTOM_PAINTER
 
 
@@ -93,26 +90,9 @@ class PhantomPainter:
         self._check_matches_canvas(canvas_id, scan, plan)
         tumor = scan.masks[LESION_CLASS].astype(bool)
         spacing = nib.affines.voxel_sizes(scan.affine)
-        age = canvas_row.get("age")
-        row = {
-            "case_id": case_id,
-            "patient_id": str(canvas_row["patient_id"]),
-            "cohort": str(canvas_row.get("cohort", UNKNOWN)),
-            "age": float(age) if age is not None and not pd.isna(age) else math.nan,
-            "sex": str(canvas_row["sex"]),
-            "race": str(canvas_row.get("race", UNKNOWN)),
-            "phase": str(canvas_row["phase"]),
-            "tumor": 1,
-            "synthetic": 1,
-            "source_case_id": canvas_id,
-            "tumor_diameter_mm": round(largest_extent_mm(tumor, spacing), 2),
-            "tumor_location": pancreas_location(scan.masks[ORGAN_CLASS], tumor, scan.affine),
-            "spacing": "x".join(f"{s:g}" for s in spacing),
-            "synthx_request": request.key,
-            "synthx_size_class": "",
-            "synthx_seed": int(seed),
-            "synthx_painter": PHANTOM_PAINTER,
-        }
+        row = synthetic_row(canvas_id, canvas_row, request, case_id, tumor, spacing, "", seed)
+        row["tumor_location"] = pancreas_location(scan.masks[ORGAN_CLASS], tumor, scan.affine)
+        row["synthx_painter"] = PHANTOM_PAINTER
         return GeneratedCase(case_id, scan.ct, scan.affine, scan.masks, row)
 
     def _render(self, plan):
