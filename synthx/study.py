@@ -83,9 +83,19 @@ class StudySettings:
     # "synthx": the diffusion generator is trained and paints; "phantom": the phantom's own renderer
     # paints real-appearance tumors (the positive control, synthx.generation.phantom_painter).
     painter: str = SYNTHX_PAINTER
+    # Restrict the targeted cells to these contrast phases (None: every phase), e.g. ["arterial"].
+    target_phases: list[str] | None = None
 
     def check(self) -> None:
         """Refuse settings that would be silently ignored."""
+        if self.target_phases is not None:
+            from lightning_modules.data.metadata import PHASES, normalize_phase
+
+            phases = [normalize_phase(p) for p in self.target_phases]
+            unknown = [p for p, n in zip(self.target_phases, phases) if n not in PHASES]
+            if unknown or not phases:
+                raise ValueError(f"target phases must be among {', '.join(PHASES)}; got {list(self.target_phases)!r}")
+            self.target_phases = sorted(set(phases), key=PHASES.index)
         if self.painter not in PAINTERS:
             raise ValueError(f"unknown painter {self.painter!r} (expected one of {', '.join(PAINTERS)})")
         if self.painter == PHANTOM_PAINTER:
@@ -303,9 +313,12 @@ def targeting_action(client: MlflowClient, experiment: str, root: Path, split: P
 
         run_id = client.create_run(experiment, run_name="targeting", tags=tags).info.run_id
         records, threshold = validation_records(client, evaluation_run_id)
+        phases = {"phases": settings.target_phases} if settings.target_phases else {}
         targets = resolve_targets(root, split, settings.target, budget=settings.budget, baseline_records=records,
-                                  threshold=threshold, score=score)
+                                  threshold=threshold, score=score, **phases)
         client.log_param(run_id, "rule", settings.target)
+        if settings.target_phases:
+            client.log_param(run_id, "target_phases", ",".join(settings.target_phases))
         client.log_param(run_id, "baseline_evaluation_run", evaluation_run_id)
         client.log_text(run_id, targets.to_csv(index=False), TARGETS_ARTIFACT)
         client.log_metric(run_id, "synthx/requested_total", float(targets["requested"].sum()))
@@ -443,8 +456,11 @@ def _synthx_steps(runner: StudyRunner, settings: StudySettings, root: Path, spli
     With the phantom painter there is no generator to train: targeting, then synthesize.
     """
     output_dir = Path(settings.output_dir)
+    targeting_params = {"rule": settings.target, "budget": settings.budget, "baseline_evaluation": evaluation["run_id"]}
+    if settings.target_phases:  # only when set, so the keys of earlier studies stay valid
+        targeting_params["phases"] = list(settings.target_phases)
     targeting = runner.step(
-        "targeting", {"rule": settings.target, "budget": settings.budget, "baseline_evaluation": evaluation["run_id"]},
+        "targeting", targeting_params,
         targeting_action(runner.client, runner.experiment_id, root, split, settings, evaluation["run_id"], score),
     )
     if settings.painter != SYNTHX_PAINTER:

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", default=StudySettings.target,
                         help="targeting rule: need:B (default %(default)s: B cases where the baseline's validation "
                              "sensitivity falls short), min_positives:k, match:val, match:uniform, counts:<table>")
+    parser.add_argument("--target-phases", default=None,
+                        help="comma-separated contrast phases the targeting may fill (default: all), e.g. arterial "
+                             "to spend the budget on a scarcity gap only")
     parser.add_argument("--budget", type=int, default=None, help="total synthetic cases for match:* rules")
     parser.add_argument("--synthesis-steps", type=int, default=None,
                         help="denoising steps per synthetic case (default: the SynthX recipe's sampling.num_inference_steps)")
@@ -54,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         synthx_recipe=args.synthx_recipe, synthx_overrides=args.synthx_override, cases=args.cases,
         ratio=args.ratio, target=args.target, budget=args.budget, synthesis_steps=args.synthesis_steps,
         experiment=args.experiment, output_dir=args.out, painter=args.painter,
+        target_phases=[p.strip() for p in args.target_phases.split(",") if p.strip()] if args.target_phases else None,
     )
     run_study(settings)
     return 0

@@ -272,6 +272,17 @@ def test_targeting_reads_validation_records_only(tiny_phantom, tmp_path):
     settings = StudySettings(target="need:3")
     outputs = targeting_action(client, experiment, root, split, settings, evaluation, "volume")({})
     assert read_targets(client, outputs["run_id"])["requested"].sum() == 3
+    # Restricted to some phases, the budget goes to those phases' cells only.
+    restricted = StudySettings(target="need:3", target_phases=["Venous", "pv", "arterial"])
+    restricted.check()
+    assert restricted.target_phases == ["arterial", "venous"]
+    outputs = targeting_action(client, experiment, root, split, restricted, evaluation, "volume")({})
+    targets = read_targets(client, outputs["run_id"])
+    assert targets["requested"].sum() == 3 and set(targets.loc[targets["requested"] > 0, "phase"]) <= {"arterial", "venous"}
+    assert client.get_run(outputs["run_id"]).data.params["target_phases"] == "arterial,venous"
+    for bad in (["hepatobiliary"], ["Unknown"], []):
+        with pytest.raises(ValueError, match="phase"):
+            StudySettings(target_phases=bad).check()
     # A test record among them is refused: targeting never sees test labels.
     test_id = split_table.loc[split_table["split"] == "test", "case_id"].iloc[0]
     leaked = pd.concat([records, records.iloc[[0]].assign(case_id=test_id)], ignore_index=True)
