@@ -354,56 +354,41 @@ def generator_action(generator_recipe, output_dir: Path) -> Callable[[dict], dic
 
 
 def synthesize_action(client: MlflowClient, root: Path, split: Path, settings: StudySettings, generator_recipe,
-                      generator: dict, targeting: dict, synthetic_root: Path, seed: int, uri: str) -> Callable[[dict], dict]:
+                      generator: dict | None, targeting: dict, synthetic_root: Path, seed: int, uri: str) -> Callable[[dict], dict]:
     """The action of the synthesis step: paint the targeted cases into matching healthy training scans.
 
-    Sampling (scheduler, steps, guidance) and the mask prior come from the SynthX recipe; the study's
-    ``synthesis_steps`` and ``scheduler`` replace the recipe's only when set.
+    With SynthX, sampling (scheduler, steps, guidance) and the mask prior come from the SynthX recipe;
+    the study's ``synthesis_steps`` and ``scheduler`` replace the recipe's only when set. With the
+    phantom painter (the positive control) there is no generator: ``generator_recipe`` and
+    ``generator`` are None.
     """
 
     def action(tags: dict) -> dict:
         from synthx.generation import SynthesisSettings, synthesize
 
-        chosen = {key: value for key, value in (("num_inference_steps", settings.synthesis_steps),
-                                                ("scheduler", settings.scheduler)) if value is not None}
-        synthesis = SynthesisSettings.from_recipe(
-            generator_recipe, root, split, generator["pipeline"], synthetic_root, seed=seed,
-            generator_run_id=generator["run_id"], tracking_uri=uri, experiment=settings.experiment,
-            progress=sys.stderr.isatty(), **chosen,
-        )
-        return _synthesis_outputs(synthesize(synthesis, read_targets(client, targeting["run_id"])), synthetic_root)
+        common = dict(seed=seed, tracking_uri=uri, experiment=settings.experiment, progress=sys.stderr.isatty())
+        if generator is None:
+            synthesis = SynthesisSettings(root, split, None, synthetic_root, painter=settings.painter, **common)
+        else:
+            chosen = {key: value for key, value in (("num_inference_steps", settings.synthesis_steps),
+                                                    ("scheduler", settings.scheduler)) if value is not None}
+            synthesis = SynthesisSettings.from_recipe(generator_recipe, root, split, generator["pipeline"], synthetic_root,
+                                                      generator_run_id=generator["run_id"], **common, **chosen)
+        summary = synthesize(synthesis, read_targets(client, targeting["run_id"]))
+        if not summary.complete:
+            raise RuntimeError(f"synthesis incomplete: {len(summary.failed)} failed: {summary.failed}")
+        if not summary.generated and not summary.skipped:
+            from synthx.generation.canvases import GenerationError
 
-    return action
-
-
-def _synthesis_outputs(summary, synthetic_root: Path) -> dict:
-    """The synthesis step's outputs; an incomplete synthesis, or one that made nothing, fails the step."""
-    if not summary.complete:
-        raise RuntimeError(f"synthesis incomplete: {len(summary.failed)} failed: {summary.failed}")
-    if not summary.generated and not summary.skipped:
-        from synthx.generation.canvases import GenerationError
-
-        cells = summary.unfillable.to_dict("records") if summary.unfillable is not None else []
-        shown = ", ".join(f"{c['sex']}/{c['age_band']}/{c['phase']}" for c in cells[:6]) or "none requested"
-        raise GenerationError(
-            f"no synthetic case was made, so there is nothing to add to training: every targeted cell is "
-            f"unfillable (no healthy training scan of that sex, age band and phase: {shown}); "
-            "choose another rule with --target (e.g. need:B with a larger B, or counts:<table>)"
-        )
-    return {"run_id": summary.synthesis_run_id, "cohort": str(synthetic_root),
-            "cases": len(summary.generated) + len(summary.skipped)}
-
-
-def phantom_synthesize_action(client: MlflowClient, root: Path, split: Path, settings: StudySettings, targeting: dict,
-                              synthetic_root: Path, seed: int, uri: str) -> Callable[[dict], dict]:
-    """The synthesis step's action with the phantom painter (the positive control): no generator."""
-
-    def action(tags: dict) -> dict:
-        from synthx.generation import SynthesisSettings, synthesize
-
-        synthesis = SynthesisSettings(root, split, None, synthetic_root, seed=seed, painter=settings.painter,
-                                      tracking_uri=uri, experiment=settings.experiment, progress=sys.stderr.isatty())
-        return _synthesis_outputs(synthesize(synthesis, read_targets(client, targeting["run_id"])), synthetic_root)
+            cells = summary.unfillable.to_dict("records") if summary.unfillable is not None else []
+            shown = ", ".join(f"{c['sex']}/{c['age_band']}/{c['phase']}" for c in cells[:6]) or "none requested"
+            raise GenerationError(
+                f"no synthetic case was made, so there is nothing to add to training: every targeted cell is "
+                f"unfillable (no healthy training scan of that sex, age band and phase: {shown}); "
+                "choose another rule with --target (e.g. need:B with a larger B, or counts:<table>)"
+            )
+        return {"run_id": summary.synthesis_run_id, "cohort": str(synthetic_root),
+                "cases": len(summary.generated) + len(summary.skipped)}
 
     return action
 
@@ -466,8 +451,8 @@ def _synthx_steps(runner: StudyRunner, settings: StudySettings, root: Path, spli
     if settings.painter != SYNTHX_PAINTER:
         params = {"painter": settings.painter, "targeting": targeting["run_id"], "seed": seed}
         return runner.step("synthesize", params,
-                           phantom_synthesize_action(runner.client, root, split, settings, targeting,
-                                                     synthetic_folder(output_dir, params), seed, runner.uri))
+                           synthesize_action(runner.client, root, split, settings, None, None, targeting,
+                                             synthetic_folder(output_dir, params), seed, runner.uri))
     generator_recipe = _generator_recipe(settings, root, split, runner.uri)
     generator = runner.step("synthx_train", _recipe_params(generator_recipe), generator_action(generator_recipe, output_dir))
     params = {"generator": generator["run_id"], "targeting": targeting["run_id"], "steps": settings.synthesis_steps,

@@ -35,7 +35,14 @@ from threadpoolctl import threadpool_limits
 
 from lightning_modules.data.cohort import CT_FILE
 from lightning_modules.data.lesions import pancreas_location
-from lightning_modules.data.phantom import PARAMS_FILE, PHANTOM_VERSION, LesionPlan, plan_phantom_cohort, render_scan
+from lightning_modules.data.phantom import (
+    PARAMS_FILE,
+    PHANTOM_VERSION,
+    LesionPlan,
+    ScanPlan,
+    plan_phantom_cohort,
+    render_scan,
+)
 from lightning_modules.data.phantom.plan import CASE_ID_PREFIX, draw_pancreatic_tumor
 from synthx.generation.canvases import LESION_CLASS, ORGAN_CLASS, GenerationError, SynthesisRequest
 from synthx.generation.painting import GeneratedCase, synthetic_row
@@ -66,17 +73,23 @@ class PhantomPainter:
         self.seed = int(params["seed"])
         self.shape = tuple(int(n) for n in params["shape"])
         self.spacing = tuple(float(s) for s in params["spacing"])
+        # Canvases are reused across requests: each is planned and checked against its file once.
+        self._plans: dict[str, ScanPlan] = {}
+        self._checked: set[str] = set()
 
-    def plan_of(self, case_id: str):
+    def plan_of(self, case_id: str) -> ScanPlan:
         """The canvas' scan plan (the phantom's plans are a prefix-stable sequence, so its index suffices)."""
         if not case_id.startswith(CASE_ID_PREFIX) or not case_id[len(CASE_ID_PREFIX):].isdigit():
             raise GenerationError(f"canvas {case_id}: not a phantom case id ({CASE_ID_PREFIX}<number>)")
+        if case_id in self._plans:
+            return self._plans[case_id]
         index = int(case_id[len(CASE_ID_PREFIX):]) - 1
         plan = plan_phantom_cohort(index + 1, self.seed)[index]
         if plan.case_id != case_id:
             raise GenerationError(f"canvas {case_id}: the phantom's plan has {plan.case_id} at that index")
         if plan.tumor:
             raise GenerationError(f"canvas {case_id}: the phantom planned a pancreatic tumor in it; a canvas must be healthy")
+        self._plans[case_id] = plan
         return plan
 
     def paint(self, canvas_row: Mapping, request: SynthesisRequest, rng: np.random.Generator, seed: int) -> GeneratedCase:
@@ -95,13 +108,15 @@ class PhantomPainter:
         row["synthx_painter"] = PHANTOM_PAINTER
         return GeneratedCase(case_id, scan.ct, scan.affine, scan.masks, row)
 
-    def _render(self, plan):
+    def _render(self, plan: ScanPlan):
         # Single-threaded BLAS, as the phantom's writer renders: with more threads a voxel may round 1 HU apart.
         with threadpool_limits(limits=1):
             return render_scan(plan, self.shape, self.spacing, self.seed)
 
     def _check_matches_canvas(self, canvas_id: str, scan, plan) -> None:
-        """The canvas on disk must be the phantom's healthy rendering of this plan (same grid, same scan)."""
+        """The canvas on disk must be the phantom's healthy rendering of this plan (same grid, same scan); once per canvas."""
+        if canvas_id in self._checked:
+            return
         path = self.root / canvas_id / CT_FILE
         image = nib.load(path)
         if image.shape[:3] != scan.ct.shape or not np.allclose(image.affine, scan.affine, atol=1e-4):
@@ -109,6 +124,7 @@ class PhantomPainter:
         healthy = self._render(plan).ct
         if not np.array_equal(np.asarray(image.dataobj), healthy):
             raise GenerationError(f"canvas {canvas_id}: {path} differs from the phantom's rendering of that case; was it edited?")
+        self._checked.add(canvas_id)
 
 
 __all__ = ["PAINTERS", "PHANTOM_PAINTER", "PhantomPainter"]

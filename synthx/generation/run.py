@@ -47,7 +47,7 @@ from lightning_modules.run_folder import RunFolderLock
 from synthx.config import MaskPriorConfig, SamplingConfig
 from synthx.generation.canvases import GenerationError, SynthesisRequest, as_requests, canvas_table, choose_canvas, partition_requests
 from synthx.generation.painting import PaintSettings, generate_case
-from synthx.generation.phantom_painter import PAINTERS, PHANTOM_PAINTER, PhantomPainter
+from synthx.generation.phantom_painter import PhantomPainter
 from synthx.generation.source import load_pipeline, set_scheduler
 from synthx.generation.writing import (
     QUARANTINE_DIR,
@@ -61,6 +61,7 @@ from synthx.generation.writing import (
     read_existing_rows,
     remove_stale_staging,
 )
+from synthx.painters import PAINTERS, PHANTOM_PAINTER, SYNTHX_PAINTER
 from synthx.provenance import GeneratorProvenance, check_provenance, read_provenance
 from synthx.schedulers import SAMPLING_SCHEDULERS
 from synthx.targeting import log_targets, resolve_targets
@@ -122,7 +123,7 @@ class SynthesisSettings:
     log_to_mlflow: bool = True
     device: str = "cpu"
     progress: bool = True
-    painter: str = "synthx"
+    painter: str = SYNTHX_PAINTER
 
     @classmethod
     def from_recipe(cls, recipe: DictConfig, cohort_root, split_path, pipeline, out_root, **values) -> "SynthesisSettings":

@@ -64,6 +64,20 @@ def test_the_same_request_paints_the_same_case_and_another_index_another_tumor(t
     assert not np.array_equal(first.masks["pancreatic_lesion"], other.masks["pancreatic_lesion"])
 
 
+def test_a_canvas_reused_by_several_requests_is_planned_and_checked_once(tiny_phantom, monkeypatch):
+    root, split = tiny_phantom
+    canvas = _canvases(root, split).iloc[0].to_dict()
+    painter = PhantomPainter(root)
+    rendered = []
+    real_render = painter._render
+    monkeypatch.setattr(painter, "_render", lambda plan: rendered.append(len(plan.lesions)) or real_render(plan))
+    for index in range(3):
+        request = SynthesisRequest(canvas["sex"], canvas["age_band"], canvas["phase"], index)
+        painter.paint(canvas, request, request.rng(0), 0)
+    healthy = len(painter.plan_of(canvas["case_id"]).lesions)
+    assert rendered.count(healthy) == 1 and len(rendered) == 4, "three painted scans and one check of the canvas"
+
+
 def test_a_cohort_that_is_not_the_phantom_or_an_edited_canvas_is_refused(tiny_phantom, tmp_path):
     root, split = tiny_phantom
     with pytest.raises(GenerationError, match="phantom.json"):
@@ -119,3 +133,17 @@ def test_a_phantom_painter_study_refuses_generator_settings_it_would_ignore():
         StudySettings(painter="oracle").check()
     StudySettings(painter="phantom").check()
     StudySettings(synthx_overrides=["seed=1"]).check()
+
+
+def test_the_study_command_passes_painter_and_target_phases(monkeypatch):
+    import synthx.commands.study as command
+
+    seen = []
+    monkeypatch.setattr(command, "run_study", seen.append)
+    assert command.main(["--painter", "phantom", "--target-phases", "arterial, venous"]) == 0
+    assert seen[0].painter == "phantom" and seen[0].target_phases == ["arterial", "venous"]
+    assert command.main([]) == 0
+    assert seen[1].painter == "synthx" and seen[1].target_phases is None
+    with pytest.raises(SystemExit) as exit_info:
+        command.main(["--painter", "oracle"])
+    assert exit_info.value.code == 2
