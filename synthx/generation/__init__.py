@@ -16,10 +16,11 @@ from synthx.generation.canvases import (
     partition_requests,
 )
 from synthx.generation.painting import PaintSettings, generate_case
-from synthx.generation.phantom_painter import PAINTERS, PHANTOM_PAINTER, PhantomPainter
+from synthx.generation.phantom_painter import PhantomPainter
 from synthx.generation.run import SynthesisSettings, SynthesisSummary, synthesize
 from synthx.generation.source import load_pipeline, resolve_pipeline_source
 from synthx.generation.writing import MANIFEST_FILE, QUARANTINE_DIR
+from synthx.painters import PAINTERS, PHANTOM_PAINTER
 
 __all__ = [
     "GenerationError",

@@ -46,7 +46,7 @@ from lightning_modules.data.phantom import (
 from lightning_modules.data.phantom.plan import CASE_ID_PREFIX, draw_pancreatic_tumor
 from synthx.generation.canvases import LESION_CLASS, ORGAN_CLASS, GenerationError, SynthesisRequest
 from synthx.generation.painting import GeneratedCase, synthetic_row
-from synthx.painters import PAINTERS, PHANTOM_PAINTER
+from synthx.painters import PHANTOM_PAINTER
 
 
 class PhantomPainter:
@@ -127,4 +127,4 @@ class PhantomPainter:
         self._checked.add(canvas_id)
 
 
-__all__ = ["PAINTERS", "PHANTOM_PAINTER", "PhantomPainter"]
+__all__ = ["PhantomPainter"]
