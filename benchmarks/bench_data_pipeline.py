@@ -10,6 +10,9 @@ On a phantom cohort written to a temporary folder, in one process:
    datamodule's loader, ``num_workers`` as the profile says) spent waiting for the next batch:
    the time inside the loader's ``next()`` (the data wait proper; target <= 5%), and the whole gap
    between one batch's end and the next one's start, which adds Lightning's loop between steps.
+   Beside it, the loader's floor: the same training fed items drawn beforehand (the same
+   DataLoader, batch size and collation, no transforms left to run), so the printout separates
+   what the loader itself costs from what the random crops and augmentation cost.
 3. Memory per cached case at Touchstone's 1.5 mm spacing: the bytes per voxel of the cached image
    and label (measured on the cached tensors), times the voxels of a typical abdominal CT at 1.5 mm
    (512 x 512 x 300 voxels of 0.78 x 0.78 x 1.5 mm -> 266 x 266 x 300), and the phantom's own cases
@@ -39,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning.pytorch as pl  # noqa: E402
-from monai.data import Dataset  # noqa: E402
+from monai.data import DataLoader, Dataset  # noqa: E402
 
 from lightning_modules.config.recipe import load_recipe  # noqa: E402
 from lightning_modules.data.cohort import load_cohort  # noqa: E402
@@ -108,6 +111,40 @@ class DataWait(pl.Callback):
         self.steps.append(self._ended - self._started)
 
 
+class DrawnItems(torch.utils.data.Dataset):
+    """Training items drawn beforehand: a loader over them costs only fetching and collation."""
+
+    def __init__(self, items: list):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, index):
+        return self.items[index]
+
+
+def training_wait(recipe, loader, steps: int) -> tuple[float, float, float, float, float]:
+    """Train ``steps`` CPU-profile steps from ``loader``.
+
+    Returns the mean seconds of a step's compute, of the loader's ``next()`` and of the whole gap
+    between steps, and the shares of ``next()`` and of the gap in compute plus wait.
+    """
+    timer = DataWait()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[timer],
+    )
+    timed = TimedLoader(loader)
+    trainer.fit(build_module(recipe), train_dataloaders=timed)
+    # From the third step on: the first two steps (and the fetches and gap before them) are warm-up.
+    waits, computes, fetches = np.array(timer.waits[1:]), np.array(timer.steps[2:]), np.array(timed.fetches[2:])
+    share = fetches.sum() / (fetches.sum() + computes.sum())
+    gap_share = waits.sum() / (waits.sum() + computes.sum())
+    return computes.mean(), fetches.mean(), waits.mean(), share, gap_share
+
+
 def cached_bytes_per_voxel(item: dict) -> tuple[float, int]:
     image, label = item["image"], item["label"]
     voxels = int(np.prod(image.shape[1:]))
@@ -144,22 +181,18 @@ def main(argv: list[str] | None = None) -> int:
         slow = samples_per_second(uncached, max(args.samples // 4, 8))
         print(f"cached: {fast:.1f} samples/s; decode every time: {slow:.2f} samples/s; ratio {fast / slow:.1f}x (target >= 10x)")
 
-        timer = DataWait()
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-            callbacks=[timer],
-        )
-        loader = TimedLoader(module.train_dataloader())
-        trainer.fit(build_module(recipe), train_dataloaders=loader)
-        # From the third step on: the first two steps (and the fetches and gap before them) are warm-up.
-        waits, steps = np.array(timer.waits[1:]), np.array(timer.steps[2:])
-        fetches = np.array(loader.fetches[2:])
-        share = fetches.sum() / (fetches.sum() + steps.sum())
-        gap_share = waits.sum() / (waits.sum() + steps.sum())
-        print(f"CPU-profile step: {steps.mean() * 1000:.0f} ms compute, {fetches.mean() * 1000:.1f} ms in the loader's "
+        compute, fetch, gap, share, gap_share = training_wait(recipe, module.train_dataloader(), args.steps)
+        print(f"CPU-profile step: {compute * 1000:.0f} ms compute, {fetch * 1000:.1f} ms in the loader's "
               f"next(): share waiting for data {share * 100:.2f}% (target <= 5%); the whole gap between steps "
-              f"{waits.mean() * 1000:.1f} ms ({gap_share * 100:.2f}%, with Lightning's loop)")
+              f"{gap * 1000:.1f} ms ({gap_share * 100:.2f}%, with Lightning's loop)")
+        loader = module.train_dataloader()
+        drawn = DrawnItems([cached[i % len(cached)] for i in range((args.steps + 2) * loader.batch_size)])
+        floor_loader = DataLoader(drawn, batch_size=loader.batch_size, shuffle=True, num_workers=0,
+                                  collate_fn=loader.collate_fn, drop_last=True)
+        floor_compute, floor_fetch, _, floor_share, _ = training_wait(recipe, floor_loader, args.steps)
+        print(f"loader floor (the same training on items drawn beforehand: fetch and collation only): "
+              f"{floor_compute * 1000:.0f} ms compute, {floor_fetch * 1000:.1f} ms in next() ({floor_share * 100:.2f}%); "
+              f"so the random crops and augmentation cost about {(fetch - floor_fetch) * 1000:.1f} ms per batch")
 
         full = load_recipe(args.recipe, overrides)  # full profile: 1.5 mm spacing
         cached_full = CohortDataModule(full, cohort=cohort)
