@@ -111,19 +111,6 @@ class DataWait(pl.Callback):
         self.steps.append(self._ended - self._started)
 
 
-class DrawnItems(torch.utils.data.Dataset):
-    """Training items drawn beforehand: a loader over them costs only fetching and collation."""
-
-    def __init__(self, items: list):
-        self.items = items
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, index):
-        return self.items[index]
-
-
 def training_wait(recipe, loader, steps: int) -> tuple[float, float, float, float, float]:
     """Train ``steps`` CPU-profile steps from ``loader``.
 
@@ -185,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"CPU-profile step: {compute * 1000:.0f} ms compute, {fetch * 1000:.1f} ms in the loader's "
               f"next(): share waiting for data {share * 100:.2f}% (target <= 5%); the whole gap between steps "
               f"{gap * 1000:.1f} ms ({gap_share * 100:.2f}%, with Lightning's loop)")
+        # Items drawn beforehand, in a MONAI Dataset without transforms: the loader only fetches and collates.
         loader = module.train_dataloader()
-        drawn = DrawnItems([cached[i % len(cached)] for i in range((args.steps + 2) * loader.batch_size)])
+        drawn = Dataset([cached[i % len(cached)] for i in range((args.steps + 2) * loader.batch_size)])
         floor_loader = DataLoader(drawn, batch_size=loader.batch_size, shuffle=True, num_workers=0,
                                   collate_fn=loader.collate_fn, drop_last=True)
         floor_compute, floor_fetch, _, floor_share, _ = training_wait(recipe, floor_loader, args.steps)

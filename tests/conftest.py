@@ -1,7 +1,8 @@
 """Shared test setup: tiny settings, opt-in markers for slow and GPU tests, a temporary MLflow store.
 
-The default suite is fast and needs no network, GPU or service it does not start itself. ``--run-slow`` opts into tests marked ``slow``
-(each over about a minute on a 2-core CPU), ``--run-gpu`` into those marked ``gpu``.
+The default suite is fast and needs no network, GPU or service it does not start itself.
+``--run-slow`` opts into tests marked ``slow`` (each over about a minute on a 2-core CPU),
+``--run-gpu`` into those marked ``gpu``.
 """
 
 from __future__ import annotations
