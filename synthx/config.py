@@ -145,14 +145,21 @@ class SamplingConfig:
     guidance_scale: float = 2.0
 
 
+# DiffTumor-like: mostly small tumors (mask_prior.size_source "weights").
+DIFFTUMOR_SIZE_WEIGHTS = {"tiny": 1.0, "small": 2.0, "medium": 1.0, "large": 0.0}
+SIZE_SOURCES = ("training", "weights")
+
+
 @dataclass
 class MaskPriorConfig:
     # Drawn tumors keep this distance from the organ's border.
     erosion_mm: float = 1.5
-    # Relative frequency of each size class among the drawn tumors (synthx.mask_prior.SIZE_CLASSES).
-    size_class_weights: dict[str, float] = field(
-        default_factory=lambda: {"tiny": 1.0, "small": 2.0, "medium": 1.0, "large": 0.0}
-    )
+    # Where the drawn tumors' size classes come from: "training" (in proportion to the real training
+    # tumors, synthx.generation.canvases.training_tumor_diameters) or "weights" (size_class_weights).
+    size_source: str = "training"
+    # Relative frequency of each size class among the drawn tumors (synthx.mask_prior.SIZE_CLASSES),
+    # read with size_source "weights" only (a changed value with "training" is refused).
+    size_class_weights: dict[str, float] = field(default_factory=lambda: dict(DIFFTUMOR_SIZE_WEIGHTS))
 
 
 @dataclass
@@ -222,7 +229,15 @@ def check_synthx_recipe(config: DictConfig, source: str = "recipe") -> None:
             raise RecipeError(f"{source}: condition_dropout.{name} must be in [0, 1), got {value}")
     if config.loss.tumor_weight < 1.0:
         raise RecipeError(f"{source}: loss.tumor_weight must be >= 1, got {config.loss.tumor_weight}")
-    weights = config.mask_prior.size_class_weights
+    prior = config.mask_prior
+    weights = prior.size_class_weights
+    if prior.size_source not in SIZE_SOURCES:
+        raise RecipeError(f"{source}: mask_prior.size_source must be one of {', '.join(SIZE_SOURCES)}, got {prior.size_source!r}")
+    if prior.size_source == "training" and dict(weights) != DIFFTUMOR_SIZE_WEIGHTS:
+        raise RecipeError(
+            f"{source}: mask_prior.size_class_weights {dict(weights)} would be ignored: tumor sizes follow the "
+            "training tumors (mask_prior.size_source=training); set mask_prior.size_source=weights to use them"
+        )
     unknown = [k for k in weights if k not in SIZE_CLASSES]
     if unknown:
         raise RecipeError(f"{source}: mask_prior.size_class_weights has unknown classes {unknown}; expected {', '.join(SIZE_CLASSES)}")

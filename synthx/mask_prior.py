@@ -8,7 +8,10 @@ centred at a random organ location where it fits.
 
 Size classes are ranges of the largest 3D extent in mm, and the extent is measured by
 :func:`lightning_modules.data.lesions.largest_extent_mm`, the one size rule of the project (see
-``docs/design.md "Lesion size and location"``); every returned mask has it inside its class.
+``docs/design.md "Lesion size and location"``); every returned mask has it inside its class. How
+often each class is drawn is the recipe's ``mask_prior.size_class_weights``; by default
+(:func:`size_class_weights`) the classes come in proportion to the real training tumors, so the
+synthetic tumors are as large as the ones they stand beside.
 
 Example::
 
@@ -19,13 +22,13 @@ Example::
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 from scipy import ndimage
 from scipy.spatial.transform import Rotation
 
-from lightning_modules.data.lesions import SIZE_CLASS_NAMES, SIZE_CLASSES, largest_extent_mm
+from lightning_modules.data.lesions import SIZE_CLASS_NAMES, SIZE_CLASSES, largest_extent_mm, size_class
 
 # Shortest semi-axis as a fraction of the longest: real lesions are roundish, rarely needle-like.
 _MIN_AXIS_RATIO = 0.6
@@ -56,6 +59,30 @@ def sample_size_classes(counts: Mapping[str, int], rng: np.random.Generator | in
         names += [name] * int(count)
     order = rng.permutation(len(names))
     return [names[i] for i in order]
+
+
+def size_class_weights(diameters_mm: Iterable[float]) -> dict[str, float]:
+    """How many of the given lesions fall in each size class: mask-prior weights that reproduce their sizes.
+
+    A diameter beyond the classes counts in the nearest one (above 60 mm as ``large``, 2 mm or less as
+    ``tiny``): a drawn tumor cannot be larger than the largest class anyway.
+
+    Args:
+        diameters_mm: lesion sizes by the project's one rule (largest 3D extent, mm).
+
+    Raises:
+        ValueError: a diameter is not a positive finite number, or none is given.
+    """
+    lowest, highest = SIZE_CLASSES[SIZE_CLASS_NAMES[0]][0], SIZE_CLASSES[SIZE_CLASS_NAMES[-1]][1]
+    weights = {name: 0.0 for name in SIZE_CLASS_NAMES}
+    for diameter in diameters_mm:
+        diameter = float(diameter)
+        if not np.isfinite(diameter) or diameter <= 0:
+            raise ValueError(f"lesion diameter {diameter} mm is not a positive finite number")
+        weights[size_class(min(max(diameter, np.nextafter(lowest, np.inf)), highest))] += 1.0
+    if not sum(weights.values()):
+        raise ValueError("no lesion diameters to take size class weights from")
+    return weights
 
 
 def eroded_organ(organ_mask: np.ndarray, spacing: Sequence[float], erosion_mm: float) -> np.ndarray:

@@ -5,7 +5,8 @@ request names a cell (sex, age band, phase) and an index within it; it is painte
 canvas of that very cell, so the synthetic case's metadata (the canvas' own sex, age and phase)
 describes the scan it lives in. A cell without such a canvas is unfillable: it is reported, never
 relabeled (docs/design.md "Synthetic data"). Canvases are reused across requests and generations,
-so one scan may carry tumors in several synthetic cases.
+so one scan may carry tumors in several synthetic cases. The sizes of the tumors drawn into them
+follow, unless the recipe sets weights, the real training tumors (:func:`training_tumor_diameters`).
 
 Example::
 
@@ -22,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from lightning_modules.data.cohort import Cohort
+from lightning_modules.data.lesions import largest_lesion_extent_mm
 from lightning_modules.data.metadata import AGE_BAND_NAMES, PHASES, SEXES, UNKNOWN
 from synthx.targeting import CELL_COLUMNS, canvas_mask, labelled_cases, requests_from_targets
 
@@ -108,6 +110,45 @@ def canvas_table(cohort: Cohort, split: pd.DataFrame, canvas_ids: Sequence[str] 
             _check_canvas(by_id.loc[case_id], case_id)
         cases = cases[cases["case_id"].isin(list(canvas_ids))]
     return cases[canvas_mask(cases)].sort_values("case_id").reset_index(drop=True)
+
+
+def training_tumor_diameters(cohort: Cohort, split: pd.DataFrame) -> pd.Series:
+    """The size of every real tumor case of the TRAINING split (mm, by case id): what the mask prior copies.
+
+    A case's size is its recorded ``tumor_diameter_mm``; without one, the largest 3D extent of its
+    lesion mask (the project's one size rule, as the evaluation records measure it). Validation and
+    test cases are never read.
+
+    Raises:
+        GenerationError: the training split has no tumor case, or a case without a recorded size
+            has no readable, non-empty lesion mask (naming the case and the file).
+    """
+    import nibabel as nib
+
+    cases = labelled_cases(cohort, split, LESION_CLASS)
+    real = cases["synthetic"].astype(int) == 0 if "synthetic" in cases else True
+    positives = cases[(cases["split"] == "train") & (cases["tumor"].astype(int) == 1) & real]
+    if positives.empty:
+        raise GenerationError(
+            f"{cohort.root}: the training split has no real tumor case to take tumor sizes from; "
+            "set mask_prior.size_class_weights in the SynthX recipe"
+        )
+    recorded = pd.to_numeric(positives.get("tumor_diameter_mm", pd.Series(np.nan, index=positives.index)), errors="coerce")
+    sizes = {}
+    for case_id, diameter in zip(positives["case_id"], recorded):
+        if np.isfinite(diameter) and diameter > 0:
+            sizes[case_id] = float(diameter)
+            continue
+        path = cohort.case(case_id).mask_path(LESION_CLASS)
+        try:
+            image = nib.load(path)
+            mask = np.asarray(image.dataobj) > 0
+        except Exception as error:  # nibabel raises several types; name the case and the file
+            raise GenerationError(f"{case_id}: no recorded tumor_diameter_mm and {path} cannot be read: {error}") from error
+        if not mask.any():
+            raise GenerationError(f"{case_id}: recorded as a tumor case without tumor_diameter_mm, but {path} is empty")
+        sizes[case_id] = largest_lesion_extent_mm(mask, [float(z) for z in image.header.get_zooms()[:3]])
+    return pd.Series(sizes, name="tumor_diameter_mm", dtype=float)
 
 
 def canvases_of(canvases: pd.DataFrame, cell: tuple[str, str, str]) -> pd.DataFrame:

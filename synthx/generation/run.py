@@ -31,7 +31,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -45,7 +45,15 @@ from lightning_modules.data.metadata import PHASES, normalize_phase
 from lightning_modules.data.splits import load_split
 from lightning_modules.run_folder import RunFolderLock
 from synthx.config import MaskPriorConfig, SamplingConfig
-from synthx.generation.canvases import GenerationError, SynthesisRequest, as_requests, canvas_table, choose_canvas, partition_requests
+from synthx.generation.canvases import (
+    GenerationError,
+    SynthesisRequest,
+    as_requests,
+    canvas_table,
+    choose_canvas,
+    partition_requests,
+    training_tumor_diameters,
+)
 from synthx.generation.painting import PaintSettings, generate_case
 from synthx.generation.phantom_painter import PhantomPainter
 from synthx.generation.source import load_pipeline, set_scheduler
@@ -62,6 +70,7 @@ from synthx.generation.writing import (
     remove_stale_staging,
 )
 from synthx.painters import PAINTERS, PHANTOM_PAINTER, SYNTHX_PAINTER
+from synthx.mask_prior import size_class_weights
 from synthx.provenance import GeneratorProvenance, check_provenance, read_provenance
 from synthx.schedulers import SAMPLING_SCHEDULERS
 from synthx.targeting import log_targets, resolve_targets
@@ -83,6 +92,9 @@ class SynthesisSettings:
         seed: fixes every case id's canvas, tumor mask and diffusion noise.
         scheduler / num_inference_steps / guidance_scale: the recipe's ``sampling`` section.
         size_classes / erosion_mm: the recipe's ``mask_prior`` section (size class weights, border distance).
+            ``size_classes=None`` (the recipe's default, ``mask_prior.size_source: training``) draws
+            the classes in proportion to the real training tumors (:func:`synthx.generation.canvases.training_tumor_diameters`); the weights
+            used are logged and kept in the manifest.
         budget: total synthetic budget for ``match`` rules given as a string.
         phases: restrict the targeted cells of a rule string to these phases.
         baseline_records: the baseline's validation records, for a ``need`` rule given as a string.
@@ -108,7 +120,7 @@ class SynthesisSettings:
     scheduler: str = SamplingConfig.scheduler
     num_inference_steps: int = SamplingConfig.num_inference_steps
     guidance_scale: float = SamplingConfig.guidance_scale
-    size_classes: Mapping[str, float] = field(default_factory=lambda: dict(MaskPriorConfig().size_class_weights))
+    size_classes: Mapping[str, float] | None = None
     erosion_mm: float = MaskPriorConfig.erosion_mm
     budget: int | None = None
     phases: Sequence[str] | None = None
@@ -134,7 +146,7 @@ class SynthesisSettings:
             scheduler=str(sampling.scheduler),
             num_inference_steps=int(sampling.num_inference_steps),
             guidance_scale=float(sampling.guidance_scale),
-            size_classes={str(k): float(v) for k, v in prior.size_class_weights.items()},
+            size_classes=None if prior.size_source == "training" else {str(k): float(v) for k, v in prior.size_class_weights.items()},
             erosion_mm=float(prior.erosion_mm),
             tracking_uri=recipe.tracking.uri,
             experiment=str(recipe.tracking.experiment),
@@ -142,7 +154,7 @@ class SynthesisSettings:
         return cls(cohort_root, split_path, pipeline, out_root, **{**from_recipe, **values})
 
     def paint_settings(self) -> PaintSettings:
-        return PaintSettings(int(self.seed), int(self.num_inference_steps), float(self.guidance_scale), dict(self.size_classes), float(self.erosion_mm))
+        return PaintSettings(int(self.seed), int(self.num_inference_steps), float(self.guidance_scale), dict(self.size_classes or {}), float(self.erosion_mm))
 
 
 @dataclass
@@ -179,14 +191,24 @@ def check_settings(settings: SynthesisSettings) -> None:
         raise GenerationError(f"the phantom painter uses no generator, but pipeline {settings.pipeline!r} was given")
     if settings.scheduler not in SAMPLING_SCHEDULERS:
         raise GenerationError(f"unknown scheduler {settings.scheduler!r} (expected one of {', '.join(SAMPLING_SCHEDULERS)})")
-    unknown = [k for k in settings.size_classes if k not in SIZE_CLASS_NAMES]
-    if unknown:
-        raise GenerationError(f"unknown tumor size class(es) {unknown}; expected {', '.join(SIZE_CLASS_NAMES)}")
-    weights = list(settings.size_classes.values())
-    if any(v < 0 for v in weights) or sum(weights) <= 0:
-        raise GenerationError(f"size class weights must be non-negative with a positive sum, got {dict(settings.size_classes)}")
+    if settings.size_classes is not None:
+        unknown = [k for k in settings.size_classes if k not in SIZE_CLASS_NAMES]
+        if unknown:
+            raise GenerationError(f"unknown tumor size class(es) {unknown}; expected {', '.join(SIZE_CLASS_NAMES)}")
+        weights = list(settings.size_classes.values())
+        if any(v < 0 for v in weights) or sum(weights) <= 0:
+            raise GenerationError(f"size class weights must be non-negative with a positive sum, got {dict(settings.size_classes)}")
     if settings.guidance_scale < 1.0 or settings.num_inference_steps < 1:
         raise GenerationError(f"guidance scale must be >= 1 and inference steps >= 1, got {settings.guidance_scale}, {settings.num_inference_steps}")
+
+
+def training_size_classes(cohort, split: pd.DataFrame) -> dict[str, float]:
+    """Mask-prior weights from the real training tumors' sizes (the default ``mask_prior``), logged."""
+    diameters = training_tumor_diameters(cohort, split)
+    weights = size_class_weights(diameters)
+    log.info("mask prior: tumor sizes as the %d real training tumors (median %.1f mm): %s", len(diameters),
+             float(diameters.median()), ", ".join(f"{name} {int(n)}" for name, n in weights.items()))
+    return weights
 
 
 def _targets(settings: SynthesisSettings, cohort, requests) -> pd.DataFrame | None:
@@ -229,7 +251,7 @@ def _manifest(settings: SynthesisSettings, source: str, run_id: str, provenance:
         "scheduler": settings.scheduler,
         "num_inference_steps": int(settings.num_inference_steps),
         "guidance_scale": float(settings.guidance_scale),
-        "size_classes": {k: float(v) for k, v in sorted(settings.size_classes.items())},
+        "size_classes": None if settings.size_classes is None else {k: float(v) for k, v in sorted(settings.size_classes.items())},
         "erosion_mm": float(settings.erosion_mm),
         "cohort_root": str(Path(settings.cohort_root).resolve()),
         "split_sha256": split_hash,
@@ -344,6 +366,8 @@ def synthesize(settings: SynthesisSettings, requests) -> SynthesisSummary:
     split = load_split(settings.split_path, cohort)
     split_hash = file_sha256(settings.split_path)
     canvases = canvas_table(cohort, split, settings.canvas_ids)
+    if settings.painter == SYNTHX_PAINTER and settings.size_classes is None:
+        settings = replace(settings, size_classes=training_size_classes(cohort, split))
     targets = _targets(settings, cohort, requests)
     fillable, unfillable = partition_requests(as_requests(targets if targets is not None else requests), canvases)
     for cell in unfillable.to_dict("records"):

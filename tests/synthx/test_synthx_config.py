@@ -86,3 +86,18 @@ def test_ddp_keys_exist_and_profiles_load():
     recipe = load_synthx_recipe(RECIPE, ["profile=cpu", "trainer.devices=2", "trainer.strategy=ddp", "trainer.num_nodes=1"])
     assert (recipe.trainer.devices, recipe.trainer.strategy, recipe.trainer.num_nodes) == (2, "ddp", 1)
     assert recipe.sampling.guidance_scale > 1 and recipe.condition_dropout.all > 0
+
+
+def test_size_weights_are_read_only_from_the_weights_source():
+    """mask_prior.size_class_weights is used with size_source=weights; changing it under the default
+    size_source=training (the training tumors' sizes) would have no effect, so it is refused."""
+    from synthx.config import RecipeError
+
+    default = load_synthx_recipe(RECIPE, ["profile=cpu"])
+    assert default.mask_prior.size_source == "training"
+    chosen = load_synthx_recipe(RECIPE, ["profile=cpu", "mask_prior.size_source=weights", "mask_prior.size_class_weights.tiny=0"])
+    assert chosen.mask_prior.size_class_weights.tiny == 0
+    with pytest.raises(RecipeError, match="size_class_weights .* would be ignored"):
+        load_synthx_recipe(RECIPE, ["profile=cpu", "mask_prior.size_class_weights.tiny=0"])
+    with pytest.raises(RecipeError, match="size_source must be one of training, weights"):
+        load_synthx_recipe(RECIPE, ["profile=cpu", "mask_prior.size_source=test"])

@@ -230,7 +230,8 @@ def test_settings_come_from_the_recipe_and_its_overrides(cohort, tiny_pipeline, 
     recipe = load_synthx_recipe(
         RECIPES / "generator" / "synthx.yaml",
         ["profile=cpu", "sampling.guidance_scale=3.5", "sampling.scheduler=dpm_solver", "sampling.num_inference_steps=3",
-         "mask_prior.erosion_mm=0.5", "mask_prior.size_class_weights.small=0", "mask_prior.size_class_weights.medium=0", "seed=5"],
+         "mask_prior.erosion_mm=0.5", "mask_prior.size_source=weights", "mask_prior.size_class_weights.small=0",
+         "mask_prior.size_class_weights.medium=0", "seed=5"],
     )
     settings = SynthesisSettings.from_recipe(recipe, root, split, tiny_pipeline, tmp_path / "out", log_to_mlflow=False, progress=False)
     assert (settings.guidance_scale, settings.scheduler, settings.num_inference_steps, settings.erosion_mm, settings.seed) == (
@@ -383,12 +384,13 @@ def test_cli_with_an_mlflow_run_id_logs_lineage(cohort, tiny_pipeline, tmp_path,
     counts.write_text("sex,age_band,phase,requested\nF,20-40,arterial,1\nM,gt80,venous,1\n")
     argv = ["--root", str(root), "--split", str(split), "--pipeline", generator_run.info.run_id, "--out", str(out),
             "--target", f"counts:{counts}", "--recipe", str(RECIPES / "generator" / "synthx.yaml"), "--device", "cpu",
-            "profile=cpu", "sampling.num_inference_steps=2", "mask_prior.size_class_weights.small=0",
-            "mask_prior.size_class_weights.medium=0", f"tracking.uri={mlflow_uri}"]
+            "profile=cpu", "sampling.num_inference_steps=2", f"tracking.uri={mlflow_uri}"]
     assert main(argv) == 0
     metadata = pd.read_csv(out / "metadata.csv")
     # M/gt80/venous has no healthy training scan: reported, not painted into another patient.
     assert sorted(metadata["case_id"]) == ["SX0_F_20-40_arterial_0000"]
+    # The recipe's default mask prior copies the training tumors' sizes: T1's lesion is 7.7 mm, tiny.
+    assert list(metadata["synthx_size_class"]) == ["tiny"]
     assert (metadata["generator_run_id"] == generator_run.info.run_id).all()
     runs = mlflow.search_runs(experiment_names=["synthx"], filter_string="tags.mlflow.runName = 'synthesize'", output_format="list")
     assert len(runs) == 1
@@ -474,6 +476,69 @@ def test_trained_generator_follows_the_phase_contrast_of_real_phantom_tumors(tmp
     assert real["arterial"] > real["non-contrast"]
     assert synthetic["arterial"] > synthetic["non-contrast"], by_phase[["contrast_real", "contrast_synthetic"]]
     assert synthetic["arterial"] > synthetic["venous"], by_phase[["contrast_real", "contrast_synthetic"]]
+
+
+def _tumor_cohort(tmp_path, recorded_mm: dict[str, float]):
+    """T1 (train, lesion 3x3x2 voxels of 2.5x2.5x3 mm: 7.7 mm), T2 (train, the same lesion), V1 (val
+    tumor), X1 (test tumor) and a healthy training scan H1; ``recorded_mm`` fills ``tumor_diameter_mm``."""
+    root = tmp_path / "sizes"
+    root.mkdir()
+    rows = []
+    for case_id, split in (("T1", "train"), ("T2", "train"), ("V1", "val"), ("X1", "test"), ("H1", "train")):
+        tumor = case_id != "H1"
+        _write_canvas(root, case_id, "venous", RAS, tumor=tumor)
+        rows.append({"case_id": case_id, "patient_id": f"P{case_id}", "cohort": "SiteA", "sex": "F", "age": 60,
+                     "phase": "venous", "tumor": int(tumor), "tumor_diameter_mm": recorded_mm.get(case_id, np.nan),
+                     "split": split})
+    table = pd.DataFrame(rows)
+    write_metadata(root, table.drop(columns=["split"]))
+    split = tmp_path / "sizes.csv"
+    table[["case_id", "patient_id", "split"]].to_csv(split, index=False)
+    return root, split
+
+
+def test_the_default_mask_prior_copies_the_training_tumors_sizes_and_never_reads_val_or_test(tmp_path):
+    from lightning_modules.data.splits import load_split
+    from synthx.generation.canvases import training_tumor_diameters
+    from synthx.mask_prior import size_class_weights
+
+    # Recorded sizes win; a case without one is measured on its mask (largest 3D extent); the
+    # validation and test tumors' (huge) recorded sizes are never read.
+    root, split = _tumor_cohort(tmp_path, {"T1": 25.0, "V1": 55.0, "X1": 55.0})
+    cohort = load_cohort(root)
+    sizes = training_tumor_diameters(cohort, load_split(split, cohort))
+    assert sorted(sizes.index) == ["T1", "T2"]
+    assert sizes["T1"] == 25.0
+    assert sizes["T2"] == pytest.approx(np.sqrt(5.0**2 + 5.0**2 + 3.0**2))
+    assert size_class_weights(sizes) == {"tiny": 1.0, "small": 0.0, "medium": 1.0, "large": 0.0}
+    # Beyond the classes: counted in the nearest one; not a size: refused.
+    assert size_class_weights([75.0, 1.0]) == {"tiny": 1.0, "small": 0.0, "medium": 0.0, "large": 1.0}
+    for bad in ([np.nan], [-3.0], []):
+        with pytest.raises(ValueError):
+            size_class_weights(bad)
+
+
+def test_a_tumor_case_without_a_size_or_a_lesion_is_named(tmp_path):
+    from lightning_modules.data.splits import load_split
+    from synthx.generation.canvases import training_tumor_diameters
+
+    root, split = _tumor_cohort(tmp_path, {"T1": 25.0})
+    empty = root / "T2" / "segmentations" / "pancreatic_lesion.nii.gz"
+    image = nib.load(empty)
+    nib.save(nib.Nifti1Image(np.zeros(image.shape, dtype=np.uint8), image.affine), empty)
+    cohort = load_cohort(root)
+    with pytest.raises(GenerationError, match=r"T2: .*pancreatic_lesion\.nii\.gz is empty"):
+        training_tumor_diameters(cohort, load_split(split, cohort))
+
+
+def test_synthesis_with_the_default_prior_draws_the_training_sizes_and_records_them(cohort, tiny_pipeline, tmp_path):
+    root, split = cohort
+    summary = run(root, split, tiny_pipeline, tmp_path / "out", {("F", "60-80", "venous"): 2}, size_classes=None)
+    assert summary.complete
+    manifest = json.loads((tmp_path / "out" / "synthx_generation.json").read_text())
+    # The only training tumor (T1, 7.7 mm, measured on its mask) is tiny: so is every drawn tumor.
+    assert manifest["size_classes"] == {"large": 0.0, "medium": 0.0, "small": 0.0, "tiny": 1.0}
+    assert set(pd.read_csv(tmp_path / "out" / "metadata.csv")["synthx_size_class"]) == {"tiny"}
 
 
 def _generation_after_two_cases(root, split, pipeline, out, requests, settings: str):
