@@ -131,7 +131,7 @@ def training_tumor_diameters(cohort: Cohort, split: pd.DataFrame) -> pd.Series:
     if positives.empty:
         raise GenerationError(
             f"{cohort.root}: the training split has no real tumor case to take tumor sizes from; "
-            "set mask_prior.size_class_weights in the SynthX recipe"
+            "set mask_prior.size_source=weights (with mask_prior.size_class_weights) in the SynthX recipe"
         )
     recorded = pd.to_numeric(positives.get("tumor_diameter_mm", pd.Series(np.nan, index=positives.index)), errors="coerce")
     sizes = {}

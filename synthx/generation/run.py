@@ -69,8 +69,8 @@ from synthx.generation.writing import (
     read_existing_rows,
     remove_stale_staging,
 )
-from synthx.painters import PAINTERS, PHANTOM_PAINTER, SYNTHX_PAINTER
 from synthx.mask_prior import size_class_weights
+from synthx.painters import PAINTERS, PHANTOM_PAINTER, SYNTHX_PAINTER
 from synthx.provenance import GeneratorProvenance, check_provenance, read_provenance
 from synthx.schedulers import SAMPLING_SCHEDULERS
 from synthx.targeting import log_targets, resolve_targets
