@@ -398,7 +398,7 @@ def test_cli_with_an_mlflow_run_id_logs_lineage(cohort, tiny_pipeline, tmp_path,
     assert run.data.metrics["synthx/cases_generated"] == 1 and run.data.metrics["synthx/seconds_per_case"] > 0
     assert run.data.metrics["synthx/cases_unfillable"] == 1 and run.data.metrics["synthx/cells_unfillable"] == 1
     assert run.data.tags["generator_run_id"] == generator_run.info.run_id
-    assert len(run.data.tags["split_sha256"]) == 64 and run.data.params["guidance_scale"] == "3.0"  # the CPU profile's
+    assert len(run.data.tags["split_sha256"]) == 64 and run.data.params["guidance_scale"] == "4.0"  # the CPU profile's
     assert (metadata["synthesis_run_id"] == run.info.run_id).all()
     import io
 
