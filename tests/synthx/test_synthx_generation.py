@@ -529,6 +529,12 @@ def test_a_tumor_case_without_a_size_or_a_lesion_is_named(tmp_path):
     cohort = load_cohort(root)
     with pytest.raises(GenerationError, match=r"T2: .*pancreatic_lesion\.nii\.gz is empty"):
         training_tumor_diameters(cohort, load_split(split, cohort))
+    # No tumor in the training split: nothing to copy sizes from, and the error says what to set.
+    table = pd.read_csv(split)
+    table.loc[table["case_id"].isin(["T1", "T2"]), "split"] = "val"
+    table.to_csv(split, index=False)
+    with pytest.raises(GenerationError, match="no real tumor case .* mask_prior.size_source=weights"):
+        training_tumor_diameters(cohort, load_split(split, cohort))
 
 
 def test_synthesis_with_the_default_prior_draws_the_training_sizes_and_records_them(cohort, tiny_pipeline, tmp_path):
