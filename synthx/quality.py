@@ -56,6 +56,10 @@ LOGGED_STATISTICS = (
     "contrast_synthetic",
     "tumor_mean_real",
     "tumor_mean_synthetic",
+    # The SD inside the tumor: texture. A generator unsure of a rare condition paints mottled tumors
+    # whose mean contrast can still look right.
+    "tumor_sd_real",
+    "tumor_sd_synthetic",
     "wasserstein_hu",
     "wasserstein_contrast",
 )

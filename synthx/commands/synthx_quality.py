@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         overview = report.intensity[report.intensity["attribute"].isin(["overall", "phase"])]
-        columns = ["attribute", "group", "n_real", "n_synthetic", "contrast_real", "contrast_synthetic", "wasserstein_hu"]
+        columns = ["attribute", "group", "n_real", "n_synthetic", "contrast_real", "contrast_synthetic",
+                   "tumor_sd_real", "tumor_sd_synthetic", "wasserstein_hu"]
         print(overview[columns].to_string(index=False))
         print(report.faithfulness.to_string(index=False))
     print(f"logged to MLflow run {run_id}")

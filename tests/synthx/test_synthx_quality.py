@@ -186,6 +186,10 @@ def test_report_is_logged_to_mlflow_and_cli_runs(cohorts, mlflow_uri, tmp_path):
     assert logged["synthx_quality/phase_accuracy/phase/venous"] == 1.0
     assert "synthx_quality/contrast_real/phase/non-contrast" in logged
     assert "synthx_quality/contrast_synthetic/phase/non-contrast" not in logged  # undefined stays out
+    arterial = report.intensity.set_index(["attribute", "group"]).loc[("phase", "arterial")]
+    for side in ("real", "synthetic"):  # texture beside contrast
+        assert logged[f"synthx_quality/tumor_sd_{side}/phase/arterial"] == pytest.approx(arterial[f"tumor_sd_{side}"])
+        assert arterial[f"tumor_sd_{side}"] > 0
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "synthx_quality")}
     assert "synthx_quality/examples.png" in artifacts and "synthx_quality/intensity.csv" in artifacts
 
