@@ -28,7 +28,6 @@ import json
 import math
 import os
 import socket
-from copy import deepcopy
 from pathlib import Path
 from typing import Sequence
 
@@ -37,34 +36,34 @@ import nibabel as nib
 import numpy as np
 import pandas as pd
 import torch
-from monai.data import CacheDataset, Dataset, MetaTensor, PersistentDataset, get_track_meta, list_data_collate, set_track_meta
+from monai.data import CacheDataset, Dataset, MetaTensor, PersistentDataset, list_data_collate
 from monai.data.utils import pickle_hashing
 from monai.transforms import (
     CastToTyped,
     ClassesToIndicesd,
     Compose,
-    DeleteItemsd,
     CropForegroundd,
     EnsureChannelFirstd,
     EnsureTyped,
     LoadImaged,
     MapTransform,
     Orientationd,
-    RandCropByLabelClassesd,
-    RandGaussianNoised,
-    RandScaleIntensityd,
-    RandShiftIntensityd,
-    RandomizableTrait,
     ScaleIntensityRanged,
+    SelectItemsd,
     Spacingd,
     SpatialPadd,
-    Transform,
 )
 from omegaconf import DictConfig
 from monai.data import DataLoader
-from monai.transforms.croppad.array import Crop
-from monai.utils import convert_to_tensor, fall_back_tuple
+from monai.utils import convert_to_tensor
 
+from lightning_modules.data.augmentation import (
+    RandCropByLabelClassesPlaind,
+    RandGaussianNoisePlaind,
+    RandomPartWithoutMetadata,
+    RandScaleIntensityPlaind,
+    RandShiftIntensityPlaind,
+)
 from lightning_modules.data.cohort import Cohort, is_lesion_class, load_cohort
 from lightning_modules.data.metadata import RECORD_COLUMNS
 
@@ -141,36 +140,6 @@ def preprocessing(recipe: DictConfig, with_label: bool = True) -> list:
     return transforms
 
 
-class RandCropByLabelClassesPlaind(RandCropByLabelClassesd):
-    """MONAI's ``RandCropByLabelClassesd`` whose crops, when metadata tracking is off, are plain slices.
-
-    The centres are MONAI's (its ``randomize``, the same random draws) and so are the slices (its
-    ``Crop.compute_slices``); what is skipped is building a ``SpatialCrop`` per crop and its check
-    of pending lazy operations and translation affine, which a plain tensor does not carry. The
-    output is identical to MONAI's, tensor for tensor (tested), and a quarter cheaper per CPU-profile
-    batch. With metadata tracking on or lazy execution, MONAI's own path runs unchanged.
-    """
-
-    def __call__(self, data, lazy: bool | None = None):
-        lazy_ = self.lazy if lazy is None else lazy
-        if get_track_meta() or lazy_:
-            return super().__call__(data, lazy=lazy)
-        d = dict(data)
-        self.randomize(d.get(self.label_key), d.pop(self.indices_key, None), d.get(self.image_key))
-        crops: list[dict] = [dict(d) for _ in range(self.cropper.num_samples)]
-        for crop in crops:  # as MONAI: every crop gets its own copy of the keys it does not crop
-            for key in set(d).difference(self.keys):
-                crop[key] = deepcopy(d[key])
-        for key in self.key_iterator(d):
-            image = d[key]
-            shape = image.peek_pending_shape() if isinstance(image, MetaTensor) else image.shape[1:]
-            size = fall_back_tuple(self.cropper.spatial_size, default=shape)
-            plain = image.as_tensor() if isinstance(image, MetaTensor) else convert_to_tensor(image)
-            for crop, centre in zip(crops, self.cropper.centers):
-                crop[key] = plain[(slice(None), *Crop.compute_slices(roi_center=tuple(centre), roi_size=size))]
-        return crops
-
-
 def training_transforms(recipe: DictConfig) -> list:
     """Random patch sampling weighted toward lesions, then light intensity augmentation."""
     data = recipe.data
@@ -185,6 +154,11 @@ def training_transforms(recipe: DictConfig) -> list:
             keys="label", num_classes=len(data.classes) + 1, indices_postfix="_cls_indices",
             max_samples_per_class=CLASS_INDICES_PER_CLASS,
         ),
+        # Training reads only the image and label of a crop; the case's metadata (ids, subgroup
+        # fields, mask paths) would be copied into every crop, through every augmentation, and
+        # collated into every batch for nothing. Deterministic, so the cache keeps the slim item.
+        SelectItemsd(keys=["image", "label", "label_cls_indices"]),
+        # The crop removes the class indices from its output (MONAI's class does too).
         RandCropByLabelClassesPlaind(
             keys=["image", "label"],
             label_key="label",
@@ -195,46 +169,14 @@ def training_transforms(recipe: DictConfig) -> list:
             indices_key="label_cls_indices",
             warn=False,
         ),
-        DeleteItemsd(keys="label_cls_indices"),
     ]
     if data.augment:
         transforms += [
-            RandScaleIntensityd(keys=["image"], factors=0.1, prob=0.5),
-            RandShiftIntensityd(keys=["image"], offsets=0.05, prob=0.5),
-            RandGaussianNoised(keys=["image"], std=0.01, prob=0.15),
+            RandScaleIntensityPlaind(keys=["image"], factors=0.1, prob=0.5),
+            RandShiftIntensityPlaind(keys=["image"], offsets=0.05, prob=0.5),
+            RandGaussianNoisePlaind(keys=["image"], std=0.01, prob=0.15),
         ]
     return transforms
-
-
-class RandomPartWithoutMetadata(Compose):
-    """A Compose that runs its transforms from the first random one on with metadata tracking off.
-
-    The deterministic head (loading, orientation, spacing, windowing) needs each volume's affine
-    and keeps it. The random tail (patch crops, intensity augmentation) only feeds training, which
-    needs plain tensors: with MONAI's metadata tracking on, every crop copies a MetaTensor's
-    metadata and collation stacks it, most of a CPU-profile batch (15 -> 6 ms per batch of 4
-    crops of 32³, same crops). MONAI's switch is process-global (``set_track_meta``); it is set
-    for the tail and restored after, also on error. Evaluation transforms have no random tail.
-    """
-
-    def _first_random(self) -> int | None:
-        # CacheDataset's own rule for where the cached head ends, so the two agree.
-        return self.get_index_of_first(lambda t: isinstance(t, RandomizableTrait) or not isinstance(t, Transform))
-
-    def __call__(self, input_, start=0, end=None, threading=False, lazy=None):
-        first = self._first_random()
-        stop = len(self.transforms) if end is None else end
-        if first is None or first >= stop:
-            return super().__call__(input_, start=start, end=end, threading=threading, lazy=lazy)
-        if start < first:
-            input_ = super().__call__(input_, start=start, end=first, threading=threading, lazy=lazy)
-            start = first
-        tracking = get_track_meta()
-        set_track_meta(False)
-        try:
-            return super().__call__(input_, start=start, end=end, threading=threading, lazy=lazy)
-        finally:
-            set_track_meta(tracking)
 
 
 def seeded_compose(transforms: list, seed: int) -> Compose:
