@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
+
 import pytest
 import torch
 from monai.data import MetaTensor, get_track_meta, set_track_meta
@@ -182,3 +184,30 @@ def test_direct_dispatch_names_the_failing_transform_and_restores_the_switch():
         compose({"image": torch.zeros((1, 4, 4, 4))})
     assert isinstance(raised.value.__cause__, ValueError)
     assert get_track_meta(), "the switch is restored when a random transform fails"
+
+
+def test_legacy_choice_equals_numpys_choice_draw_for_draw():
+    for seed in range(300):
+        ratios = list(np.random.RandomState(10_000 + seed).rand(4) * 5)
+        ratios[seed % 4] = 0.0 if seed % 3 else ratios[seed % 4]
+        ours, numpys = np.random.RandomState(seed), np.random.RandomState(seed)
+        n = 1 + seed % 5
+        expected = numpys.choice(len(ratios), size=n, p=np.asarray(ratios) / np.sum(ratios))
+        assert np.array_equal(aug._legacy_choice(ours, ratios, n), expected), seed
+        assert ours.rand() == numpys.rand(), "the same random state afterwards"
+
+
+def test_first_random_index_is_remembered_only_for_type_predicates():
+    from monai.transforms import Lambdad, RandomizableTrait, Transform
+
+    scale = aug.RandScaleIntensityPlaind(keys=["image"], factors=0.1, prob=1.0)
+    compose = aug.RandomPartWithoutMetadata([Lambdad(keys="image", func=lambda x: x), scale])
+    types = lambda t: isinstance(t, RandomizableTrait) or not isinstance(t, Transform)  # noqa: E731
+    assert compose.get_index_of_first(types) == 1 == Compose.get_index_of_first(compose, types)
+    assert compose.get_index_of_first(types) == 1, "asked again: the remembered answer"
+    flagged = lambda t: getattr(t, "flag", False)  # noqa: E731  (reads state: asked every time)
+    assert compose.get_index_of_first(flagged) is None
+    scale.flag = True
+    assert compose.get_index_of_first(flagged) == 1
+    compose.transforms = compose.transforms[::-1]
+    assert compose.get_index_of_first(types) == 0, "a new transform tuple is asked afresh"
