@@ -102,10 +102,19 @@ class RandCropByLabelClassesPlaind(RandCropByLabelClassesd):
             return super().__call__(data, lazy=lazy)
         d = dict(data)
         label, indices, image = d.get(self.label_key), d.pop(self.indices_key, None), d.get(self.image_key)
+        # Plain views of the volumes to crop (a MetaTensor's every attribute access dispatches
+        # through its __torch_function__; a plain view's does not).
+        plain = {}
+        for key in self.key_iterator(d):
+            value = d[key]
+            if _pending(value):
+                return super().__call__(data, lazy=lazy)
+            plain[key] = value.as_tensor() if isinstance(value, MetaTensor) else convert_to_tensor(value)
         reference = label if label is not None else image
         centres = None
         if indices is not None and reference is not None and not _pending(reference):
-            centres = self._fast_centres(tuple(int(s) for s in reference.shape[1:]), indices)
+            shape = tuple((reference.as_tensor() if isinstance(reference, MetaTensor) else convert_to_tensor(reference)).shape[1:])
+            centres = self._fast_centres(shape, indices)
         if centres is None:
             self.randomize(label, indices, image)
             centres = [tuple(int(c) for c in centre) for centre in self.cropper.centers]
@@ -117,16 +126,28 @@ class RandCropByLabelClassesPlaind(RandCropByLabelClassesd):
             for key in others:
                 value = d[key]  # (deepcopy returns an immutable value itself)
                 crop[key] = value if isinstance(value, _IMMUTABLE) else deepcopy(value)
-        for key in self.key_iterator(d):
-            image_ = d[key]
-            shape = image_.peek_pending_shape() if _pending(image_) else image_.shape[1:]
-            size = fall_back_tuple(self.cropper.spatial_size, default=shape)
-            plain = image_.as_tensor() if isinstance(image_, MetaTensor) else convert_to_tensor(image_)
+        for key, volume in plain.items():
+            size = fall_back_tuple(self.cropper.spatial_size, default=volume.shape[1:])
             for crop, centre in zip(crops, centres):
-                # Crop.compute_slices(roi_center, roi_size): start = max(c - s // 2, 0), end = start + s
-                starts = [max(c - s // 2, 0) for c, s in zip(centre, size)]
-                crop[key] = plain[(slice(None), *(slice(a, a + s) for a, s in zip(starts, size)))]
+                crop[key] = _window(volume, centre, size)
         return crops
+
+
+def _window(volume: torch.Tensor, centre, size) -> torch.Tensor:
+    """``volume[:, Crop.compute_slices(roi_center=centre, roi_size=size)]``.
+
+    ``compute_slices`` starts each axis at ``max(c - s // 2, 0)`` and ends ``s`` later. Where the
+    window fits (always, for MONAI's clamped centres) the view is built in one ``as_strided`` call
+    instead of slicing's four: the same view (storage, offset, strides, sizes). A window that
+    overhangs is sliced, as MONAI slices it.
+    """
+    starts = [max(c - s // 2, 0) for c, s in zip(centre, size)]
+    shape = volume.shape
+    if any(a + s > shape[axis] for axis, (a, s) in enumerate(zip(starts, size), start=1)):
+        return volume[(slice(None), *(slice(a, a + s) for a, s in zip(starts, size)))]
+    strides = volume.stride()
+    offset = volume.storage_offset() + sum(a * strides[axis] for axis, a in enumerate(starts, start=1))
+    return volume.as_strided((shape[0], *size), strides, offset)
 
 
 _IMMUTABLE = (str, int, float, bool, type(None))
