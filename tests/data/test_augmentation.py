@@ -124,24 +124,28 @@ def test_plain_label_crops_equal_monais_crops_tensor_for_tensor(tiny_phantom, tm
 
 
 def test_plain_crops_take_monais_path_where_the_fast_one_does_not_hold(tiny_phantom, tmp_path):
-    """Without precomputed class indices (MONAI computes them from the label) the crops are still MONAI's."""
+    """Without precomputed class indices (MONAI computes them from the label), and with a window
+    larger than the volume (``allow_smaller``), the crops are still MONAI's."""
     recipe = _recipe(tiny_phantom, tmp_path)
     cohort = dm.load_cohort(recipe.data.root)
     head = dm.seeded_compose(dm.preprocessing(recipe), 0)
     items = [head(item) for item in dm.case_items(cohort, cohort.case_ids[:2], list(recipe.data.classes))]
-    settings = dict(keys=["image", "label"], label_key="label", spatial_size=(16, 16, 16), ratios=[1, 1, 4],
-                    num_classes=3, num_samples=2, warn=False)
-    ours, monai = aug.RandCropByLabelClassesPlaind(**settings), RandCropByLabelClassesd(**settings)
-    ours.set_random_state(seed=5)
-    monai.set_random_state(seed=5)
-    set_track_meta(False)
-    try:
-        for _ in range(5):
-            for item in items:
-                for e, g in zip(monai(dict(item)), ours(dict(item))):
-                    assert torch.equal(e["image"], g["image"]) and torch.equal(e["label"], g["label"])
-    finally:
-        set_track_meta(True)
+    depth = int(items[0]["image"].shape[-1])
+    for extra in ({}, {"spatial_size": (16, 16, depth + 8), "allow_smaller": True}):  # the second overhangs
+        settings = dict(keys=["image", "label"], label_key="label", spatial_size=(16, 16, 16), ratios=[1, 1, 4],
+                        num_classes=3, num_samples=2, warn=False) | extra
+        ours, monai = aug.RandCropByLabelClassesPlaind(**settings), RandCropByLabelClassesd(**settings)
+        ours.set_random_state(seed=5)
+        monai.set_random_state(seed=5)
+        set_track_meta(False)
+        try:
+            for _ in range(5):
+                for item in items:
+                    for e, g in zip(monai(dict(item)), ours(dict(item))):
+                        assert e["image"].shape == g["image"].shape
+                        assert torch.equal(e["image"], g["image"]) and torch.equal(e["label"], g["label"])
+        finally:
+            set_track_meta(True)
 
 
 def test_training_chain_equals_monais_classes_in_a_plain_compose(tiny_phantom, tmp_path):
