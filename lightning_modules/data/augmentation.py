@@ -49,8 +49,10 @@ class RandCropByLabelClassesPlaind(RandCropByLabelClassesd):
     computed with plain integer arithmetic, and so are the slices (its ``Crop.compute_slices``);
     what is skipped is building a ``SpatialCrop`` per crop and its check of pending lazy operations
     and translation affine, which a plain tensor does not carry. The output is identical to MONAI's,
-    tensor for tensor (tested). With metadata tracking on, lazy execution, no precomputed class
-    indices, a volume smaller than the patch or ``allow_smaller``, MONAI's own path runs unchanged.
+    tensor for tensor (tested). With metadata tracking on, lazy execution or pending operations,
+    MONAI's own ``__call__`` runs; without precomputed class indices, with a volume smaller than the
+    patch or ``allow_smaller``, MONAI's own ``randomize`` chooses the centres (and a window that
+    overhangs the volume is sliced as MONAI slices it).
     """
 
     def _valid_range(self, shape: tuple[int, ...], size: tuple[int, ...]) -> list[tuple[int, int]]:
