@@ -113,10 +113,13 @@ class RandCropByLabelClassesPlaind(RandCropByLabelClassesd):
                 return super().__call__(data, lazy=lazy)
             plain[key] = value.as_tensor() if isinstance(value, MetaTensor) else convert_to_tensor(value)
         reference = label if label is not None else image
+        reference_key = self.label_key if label is not None else self.image_key
         centres = None
         if indices is not None and reference is not None and not _pending(reference):
-            shape = tuple((reference.as_tensor() if isinstance(reference, MetaTensor) else convert_to_tensor(reference)).shape[1:])
-            centres = self._fast_centres(shape, indices)
+            view = plain.get(reference_key)  # already converted when it is cropped too
+            if view is None:
+                view = reference.as_tensor() if isinstance(reference, MetaTensor) else convert_to_tensor(reference)
+            centres = self._fast_centres(tuple(view.shape[1:]), indices)
         if centres is None:
             self.randomize(label, indices, image)
             centres = [tuple(int(c) for c in centre) for centre in self.cropper.centers]
@@ -189,11 +192,15 @@ class _PlainIntensity:
     inner transform (``_apply``, which draws as the inner transform's ``randomize`` does).
     """
 
+    # Declared here, defined by each transform below. Not ABC's abstractmethod: an ABC base
+    # changes the instance layout, and the tests compare with MONAI's class by swapping __class__.
     def _plain_settings(self) -> bool:
-        raise NotImplementedError
+        """Whether this transform's settings are ones the plain path reproduces."""
+        raise NotImplementedError(f"{type(self).__name__} must define _plain_settings")
 
     def _apply(self, d: dict, keys) -> None:
-        raise NotImplementedError
+        """Draw as the inner transform does and apply it to every key of ``d``, in place."""
+        raise NotImplementedError(f"{type(self).__name__} must define _apply")
 
     def __call__(self, data):
         keys = self.keys
