@@ -186,21 +186,16 @@ def _pending(value) -> bool:
 class _PlainIntensity:
     """The plain-tensor path shared by the intensity transforms below (mixed into MONAI's classes).
 
-    Taken when metadata tracking is off, the transform's settings are ones the path reproduces
-    (``_plain_settings``) and every key holds a plain float32 tensor; MONAI's ``__call__`` otherwise.
-    As in MONAI, the wrapper draws ``rand() < prob`` first, and all keys share one draw of the
-    inner transform (``_apply``, which draws as the inner transform's ``randomize`` does).
+    Taken when metadata tracking is off, the transform's settings are ones the path reproduces and
+    every key holds a plain float32 tensor; MONAI's ``__call__`` otherwise. As in MONAI, the wrapper
+    draws ``rand() < prob`` first, and all keys share one draw of the inner transform.
+
+    Each transform that mixes it in defines two methods:
+
+    - ``_plain_settings(self) -> bool``: whether its settings are ones the plain path reproduces;
+    - ``_apply(self, d, keys) -> None``: draw as the inner transform's ``randomize`` does and apply
+      the draw to every key of ``d``, in place.
     """
-
-    # Declared here, defined by each transform below. Not ABC's abstractmethod: an ABC base
-    # changes the instance layout, and the tests compare with MONAI's class by swapping __class__.
-    def _plain_settings(self) -> bool:
-        """Whether this transform's settings are ones the plain path reproduces."""
-        raise NotImplementedError(f"{type(self).__name__} must define _plain_settings")
-
-    def _apply(self, d: dict, keys) -> None:
-        """Draw as the inner transform does and apply it to every key of ``d``, in place."""
-        raise NotImplementedError(f"{type(self).__name__} must define _apply")
 
     def __call__(self, data):
         keys = self.keys
