@@ -39,6 +39,7 @@ import os
 import socket
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -360,9 +361,30 @@ def log_sweep_summary(study: optuna.Study, recipe: DictConfig) -> None:
         client.log_figure(run_id, axes.figure, "sweep/pareto_front.png")
         plt.close(axes.figure)
     if len(complete) >= 3 and len({t.params.get("ratio") for t in complete}) > 1:
-        axes = optuna_plots.plot_param_importances(study, target=targets[0][0], target_name=targets[0][1])
-        client.log_figure(run_id, axes.figure, "sweep/importance.png")
-        plt.close(axes.figure)
+        for index, (_, name) in enumerate(targets):
+            with warnings.catch_warnings():  # its advice (negate a maximized target) is followed
+                warnings.filterwarnings("ignore", message=".*importances of params to achieve low")
+                axes = optuna_plots.plot_param_importances(
+                    study, target=importance_target(study, index), target_name=name
+                )
+            slug = "" if len(targets) == 1 else "_" + name.replace(" ", "_").replace("-", "_")
+            client.log_figure(run_id, axes.figure, f"sweep/importance{slug}.png")
+            plt.close(axes.figure)
+
+
+def importance_target(study: optuna.Study, index: int):
+    """The target whose parameter importances say what makes objective ``index`` better.
+
+    Optuna's default importance evaluator (PED-ANOVA) asks which parameters the best trials share.
+    Without a target it takes "best" from the study's direction, but an explicit target (needed for
+    one objective of a multi-objective study) it always reads as lower is better. Both objectives
+    here are maximized, so their targets are negated: otherwise the plot would rank the parameters
+    by how much they matter for the worst trials. None for a single-objective study.
+    """
+    if len(study.directions) == 1:
+        return None
+    sign = -1.0 if study.directions[index] == optuna.study.StudyDirection.MAXIMIZE else 1.0
+    return lambda trial: sign * trial.values[index]
 
 
 def sweep(settings: SweepSettings) -> optuna.Study:
