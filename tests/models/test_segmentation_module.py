@@ -93,7 +93,8 @@ def test_validation_records_a_negative_case_without_inflating_the_lesion_dice():
     batch["label"][batch["label"] == 2] = 1
     batch["tumor"] = torch.tensor([0])
     module.on_validation_epoch_start()
-    (record,) = module.validation_step(batch, 0)
+    with torch.no_grad():  # as Lightning's validation loop runs it
+        (record,) = module.validation_step(batch, 0)
     assert record["label"] == 0 and record["tumor_size"] == ""
     if record["volume_mm3"] == 0:
         assert math.isnan(record["dice_pancreatic_lesion"]), "a class absent from prediction and truth is undefined"
