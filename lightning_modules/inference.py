@@ -43,7 +43,7 @@ def predict_scan(module: SegmentationModule, recipe: DictConfig, ct_path: str | 
         logits = module.predict_volume(item["image"][None].float())
     labels = predicted_labels(logits, module.output)[0].to(torch.uint8)
     # Invertd replays the image's recorded preprocessing backwards on the label map (nearest).
-    item["pred"] = MetaTensor(labels[None].float(), affine=item["image"].affine, meta=dict(item["image"].meta))
+    item["pred"] = MetaTensor(labels[None].float(), meta=dict(item["image"].meta))  # the image's affine with it
     inverse = Invertd(keys="pred", transform=transforms, orig_keys="image", nearest_interp=True, to_tensor=True)
     restored = inverse(item)["pred"][0].numpy().round().astype(np.uint8)
     original = nib.load(str(ct_path))

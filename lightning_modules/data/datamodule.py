@@ -107,9 +107,9 @@ class LoadLabelMapd(MapTransform):
             if mask.shape != shape:
                 raise ValueError(f"{item['case_id']}: mask {path} has shape {mask.shape}, CT has {shape}")
             label[mask > 0] = value
+        # The image's metadata, its affine included (the default affine for a plain array).
         meta = dict(image.meta) if isinstance(image, MetaTensor) else {}
-        affine = image.affine if isinstance(image, MetaTensor) else None
-        item[self.label_key] = MetaTensor(torch.from_numpy(label[None]), affine=affine, meta=meta)
+        item[self.label_key] = MetaTensor(torch.from_numpy(label[None]), meta=meta)
         return item
 
 
