@@ -343,11 +343,11 @@ def log_sweep_summary(study: optuna.Study, recipe: DictConfig) -> None:
                 client.set_tag(run_id, "pareto_trials", ",".join(str(t.number) for t in best))
     if len(complete) < 2:
         return
-    targets = [(None, "objective")] if len(study.directions) == 1 else [
-        (lambda t: t.values[0], "overall F1"), (lambda t: t.values[1], "worst-group sensitivity")
-    ]
-    for target, name in targets:
-        slug = name.replace(" ", "_").replace("-", "_")
+    single = len(study.directions) == 1
+    names = ["objective"] if single else ["overall F1", "worst-group sensitivity"]
+    slugs = [name.replace(" ", "_").replace("-", "_") for name in names]
+    for index, (name, slug) in enumerate(zip(names, slugs)):
+        target = None if single else (lambda t, i=index: t.values[i])
         for plot, label in (
             (optuna_plots.plot_optimization_history, "history"),
             (optuna_plots.plot_slice, "ratio_vs_objective"),
@@ -356,19 +356,18 @@ def log_sweep_summary(study: optuna.Study, recipe: DictConfig) -> None:
             figure = axes.flat[0].figure if hasattr(axes, "flat") else axes.figure
             client.log_figure(run_id, figure, f"sweep/{label}_{slug}.png")
             plt.close(figure)
-    if len(study.directions) > 1:
-        axes = optuna_plots.plot_pareto_front(study, target_names=["overall F1", "worst-group sensitivity"])
+    if not single:
+        axes = optuna_plots.plot_pareto_front(study, target_names=names)
         client.log_figure(run_id, axes.figure, "sweep/pareto_front.png")
         plt.close(axes.figure)
     if len(complete) >= 3 and len({t.params.get("ratio") for t in complete}) > 1:
-        for index, (_, name) in enumerate(targets):
+        for index, (name, slug) in enumerate(zip(names, slugs)):
             with warnings.catch_warnings():  # its advice (negate a maximized target) is followed
                 warnings.filterwarnings("ignore", message=".*importances of params to achieve low")
                 axes = optuna_plots.plot_param_importances(
                     study, target=importance_target(study, index), target_name=name
                 )
-            slug = "" if len(targets) == 1 else "_" + name.replace(" ", "_").replace("-", "_")
-            client.log_figure(run_id, axes.figure, f"sweep/importance{slug}.png")
+            client.log_figure(run_id, axes.figure, "sweep/importance.png" if single else f"sweep/importance_{slug}.png")
             plt.close(axes.figure)
 
 

@@ -152,6 +152,7 @@ def test_training_crops_drop_metadata_but_not_the_crops_and_restore_the_switch(t
     # whole volumes (no random transform) keep their affine
     volume = dm.seeded_compose(dm.preprocessing(recipe), 0)(dict(items[0]))
     assert isinstance(volume["image"], MetaTensor) and volume["image"].affine.shape == (4, 4)
+    assert isinstance(volume["label"], MetaTensor) and torch.equal(volume["label"].affine, volume["image"].affine)
 
     def fail(_):
         raise RuntimeError("broken augmentation")

@@ -376,6 +376,15 @@ def test_two_concurrent_workers_share_one_journal_study(tiny_phantom, tmp_path):
     assert len(numbers) == len(set(numbers)) and 4 <= len(finished) <= 5
     runs = {t.user_attrs.get("mlflow_run_id") for t in finished}
     assert len(runs) == len(finished), "every trial trained its own run"
+    # A single-objective sweep's plots keep their names (importance: from three trials of different ratios).
+    from synthx.sweep import PARENT_ATTR
+
+    uri = load_recipe(RECIPES / "unet.yaml", tiny_overrides(root, split, tmp_path)).tracking.uri
+    artifacts = {a.path for a in MlflowClient(uri).list_artifacts(study.user_attrs[PARENT_ATTR], "sweep")}
+    assert {"sweep/history_objective.png", "sweep/ratio_vs_objective_objective.png"} <= artifacts
+    complete = [t for t in finished if t.state == optuna.trial.TrialState.COMPLETE]
+    plotted = len(complete) >= 3 and len({t.params["ratio"] for t in complete}) > 1
+    assert ("sweep/importance.png" in artifacts) == plotted
 
 
 def test_step_cpu_seconds_count_finished_child_processes():
