@@ -1,0 +1,93 @@
+"""The repository's documents speak to users: no development diary, a README that fits, links that resolve.
+
+History lives in git and CHANGELOG.md; figures come from commands (``benchx report --markdown``), so
+tracked documents and recipes must not narrate how they were made (session numbers, UTC times, host
+diaries, commit hashes as narrative, first-person probes).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+DIARY_PATTERNS = {
+    "a session number": re.compile(r"\b[Ss]ession \d+"),
+    "a UTC time": re.compile(r"\b\d{1,2}:\d{2}(:\d{2})? ?UTC\b"),
+    "a host diary": re.compile(r"\b(this|a faster|a slower|an idle|the idle) host\b|\bhosts? of this kind\b", re.IGNORECASE),
+    "a first-person account": re.compile(r"\b(I|we|We) (measured|adopted|ran|tried|kept|chose|found|checked|looked|rewrote)\b"),
+    "a commit hash as narrative": re.compile(r"(`[0-9a-f]{7,40}`|\b(commit|since|at|after|before|of) [0-9a-f]{7,40}\b)"),
+    "a dated experiment": re.compile(r"\b20\d\d-\d\d-\d\d\b"),
+}
+
+# Generated blocks name the run and commit that produced them: that is provenance, not a diary.
+GENERATED_BLOCK = re.compile(r"<!-- benchx-results:start -->.*?<!-- benchx-results:end -->", re.DOTALL)
+GENERATED_PAGES = {"docs/results.md"}
+
+
+def tracked_documents() -> list[str]:
+    listed = subprocess.run(["git", "ls-files", "*.md", "recipes/*.yaml", "recipes/**/*.yaml", "MLproject"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.split()
+    return sorted(set(listed) - GENERATED_PAGES)
+
+
+def diary_findings(text: str) -> list[str]:
+    text = GENERATED_BLOCK.sub("", text)
+    found = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        for what, pattern in DIARY_PATTERNS.items():
+            match = pattern.search(line)
+            if match:
+                found.append(f"line {number}: {what} ({match.group(0)!r})")
+    return found
+
+
+@pytest.mark.parametrize("pattern_name, line", [
+    ("a session number", "Measured in session 17 on main."),
+    ("a UTC time", "ran at 13:16 UTC on the idle machine"),
+    ("a host diary", "this host ran it faster"),
+    ("a first-person account", "I measured the wait three times"),
+    ("a commit hash as narrative", "the default since 16d4d6b"),
+    ("a dated experiment", "chosen on validation (2026-12-02, 3,000 steps)"),
+])
+def test_the_diary_check_catches_each_kind_of_narrative(pattern_name, line):
+    findings = diary_findings(line)
+    assert findings and pattern_name in findings[0]
+
+
+def test_the_diary_check_leaves_generated_results_alone():
+    block = "<!-- benchx-results:start -->\nRun abc, commit `0123456789abcdef`, 2026-12-03\n<!-- benchx-results:end -->"
+    assert diary_findings(block) == []
+
+
+def test_tracked_documents_and_recipes_do_not_narrate_their_development():
+    documents = tracked_documents()
+    assert "README.md" in documents and any(d.startswith("recipes/") for d in documents)
+    problems = {path: diary_findings((REPO_ROOT / path).read_text(encoding="utf-8")) for path in documents}
+    problems = {path: found for path, found in problems.items() if found}
+    assert not problems, "development narrative in tracked documents:\n" + "\n".join(
+        f"{path}: {'; '.join(found[:5])}" for path, found in problems.items())
+
+
+def test_the_readme_fits_on_a_few_screens():
+    lines = (REPO_ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move details into docs/"
+
+
+def test_relative_links_in_documents_resolve():
+    broken = []
+    for path in tracked_documents():
+        if not path.endswith(".md"):
+            continue
+        text = (REPO_ROOT / path).read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            file_part = target.split("#", 1)[0]
+            if not (REPO_ROOT / path).parent.joinpath(file_part).exists():
+                broken.append(f"{path}: {target}")
+    assert not broken, "links to files that do not exist: " + ", ".join(broken)
