@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
@@ -30,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "validate": ("lightning_modules.commands.validate", "main", "check a cohort and list every problem at once"),
     "make-splits": ("lightning_modules.commands.make_splits", "main", "write a patient-grouped, stratified split CSV"),
     "audit": ("lightning_modules.commands.audit", "main", "leakage audit: duplicates, patient overlap, header cues (exit 1 on leakage)"),
-    "recipe": ("lightning_modules.commands.recipe", "main", "print a resolved recipe (recipe show RECIPE [key=value ...])"),
+    "recipe": ("lightning_modules.commands.recipe", "main", "print a resolved recipe (recipe show --recipe RECIPE [key=value ...])"),
     "train": ("lightning_modules.commands.train", "main", "train a backbone from a recipe (+ key=value overrides)"),
     "evaluate": ("lightning_modules.commands.evaluate", "main", "subgroup evaluation of a trained model into a new MLflow run"),
     "predict": ("lightning_modules.commands.predict", "main", "segment CT scans; masks written on each scan's own grid and affine"),
@@ -49,6 +50,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 EXPECTED_ERRORS: frozenset[str] = frozenset(
     {
         "lightning_modules.config.loader.RecipeError",
+        "lightning_modules.commands.common.ProfileConflict",
         "lightning_modules.run_folder.RunFolderError",
         "lightning_modules.trainer.RankZeroRefusal",
         "lightning_modules.data.cohort.CohortError",
@@ -70,7 +72,7 @@ EXPECTED_ERRORS: frozenset[str] = frozenset(
 
 # What to do next, by error type, when the message alone does not say it.
 HINTS: dict[str, str] = {
-    "RecipeError": "check the key against 'benchx recipe show <recipe>'",
+    "RecipeError": "check the key against 'benchx recipe show --recipe <recipe>'",
     "CohortError": "'benchx validate --root <cohort>' lists every problem",
     "SplitError": "'benchx make-splits' writes a patient-grouped split for the cohort",
     "FolderLockedError": "wait for that process, or give this run another --out folder",
@@ -100,6 +102,13 @@ def usage() -> str:
         "Run 'benchx <command> --help' for a command's options, e.g. 'benchx train --help'.",
     ]
     return "\n".join(lines)
+
+
+def unknown_command_message(name: str) -> str:
+    """The message for a mistyped command: the closest command names, then the usage."""
+    close = difflib.get_close_matches(name, list(COMMANDS), n=3, cutoff=0.5)
+    guess = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return f"benchx: unknown command {name!r}{guess}\n\n{usage()}"
 
 
 def expected_error(error: BaseException) -> bool:
@@ -135,12 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"benchx: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        print(unknown_command_message(name), file=sys.stderr)
         return EXIT_USAGE
     from lightning_modules.commands.common import command_help
     from lightning_modules.warnings_filter import install
 
     install()
+    # A command's log is read as text: MLflow's artifact download bars (one per file) say nothing there.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     module_name, function, _ = COMMANDS[name]
     try:
         module = importlib.import_module(module_name)

@@ -27,6 +27,8 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -164,7 +166,7 @@ def train(recipe: DictConfig, settings: TrainSettings | None = None, **options) 
             val_every_n_steps=int(recipe.trainer.val_every_n_steps),
             **(settings.trainer_overrides or {}),
         )
-        with deferred_signals():
+        with deferred_signals(), expected_checkpoint_warnings(recipe, best):
             trainer.fit(module, datamodule=datamodule, ckpt_path=start.resume_from)
         best_path = Path(best.best_model_path) if best.best_model_path else None
         if trainer.is_global_zero:
@@ -289,6 +291,17 @@ def checkpoint_callbacks(recipe: DictConfig, checkpoint_dir: Path) -> tuple[Mode
         checkpoint_dir, int(recipe.trainer.checkpoint_every_n_steps), int(recipe.trainer.val_every_n_steps)
     )
     return best, periodic
+
+
+@contextlib.contextmanager
+def expected_checkpoint_warnings(recipe: DictConfig, best: ModelCheckpoint):
+    """Without validation (``trainer.val_every_n_steps: 0``, as in the CPU profiles) the validation Dice
+    that ``best.ckpt`` monitors never exists, by design: the model is ``last.ckpt``. Lightning's warning
+    that the monitored key is missing is then expected and hidden; with validation it still shows."""
+    with warnings.catch_warnings():
+        if int(recipe.trainer.val_every_n_steps) == 0:
+            warnings.filterwarnings("ignore", message=re.escape(f"`ModelCheckpoint(monitor={best.monitor!r})` could not find"))
+        yield
 
 
 def log_checkpoints(logger: MLFlowLogger, paths: Sequence[Path | None]) -> None:

@@ -34,14 +34,14 @@ def test_a_mistyped_recipe_key_exits_2_with_a_short_message_and_no_traceback(tmp
     assert "trainer.max_stepz" in done.stderr and "max_steps" in done.stderr, done.stderr
     assert len([line for line in done.stderr.splitlines() if line.startswith("benchx train:")]) == 1
     # --debug (anywhere on the line) shows the traceback instead.
-    debug = benchx("recipe", "show", str(RECIPES / "unet.yaml"), "trainer.max_stepz=1", "--debug")
+    debug = benchx("recipe", "show", "--recipe", str(RECIPES / "unet.yaml"), "trainer.max_stepz=1", "--debug")
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "RecipeError" in debug.stderr
 
 
 def test_recipe_show_prints_the_resolved_recipe(capsys):
     from omegaconf import OmegaConf
 
-    assert main(["recipe", "show", str(RECIPES / "unet.yaml"), "profile=cpu", "trainer.max_steps=7"]) == 0
+    assert main(["recipe", "show", "--recipe", str(RECIPES / "unet.yaml"), "profile=cpu", "trainer.max_steps=7"]) == 0
     shown = OmegaConf.create(capsys.readouterr().out)
     assert shown.trainer.max_steps == 7 and shown.profile == "cpu" and shown.model.backbone == "unet"
 
@@ -130,3 +130,62 @@ def test_the_command_line_silences_each_known_noise_warning_and_nothing_else():
         warnings.warn_explicit(NOISE[3][0], UserWarning, "elsewhere.py", 1, module="lightning_modules.data.datamodule")
         warnings.warn_explicit("The model has no parameters", UserWarning, "x.py", 1, module="lightning.pytorch.trainer")
     assert [str(w.message) for w in caught] == [NOISE[3][0], "The model has no parameters"]
+
+
+def test_a_mistyped_command_gets_a_did_you_mean(capsys):
+    assert main(["trian"]) == EXIT_USAGE
+    assert "did you mean 'train'?" in capsys.readouterr().err
+    assert main(["sythesize"]) == EXIT_USAGE
+    assert "did you mean 'synthesize'?" in capsys.readouterr().err
+    assert main(["zzzz"]) == EXIT_USAGE
+    assert "did you mean" not in capsys.readouterr().err
+
+
+def test_options_and_overrides_in_any_order_and_the_profile_spelled_either_way():
+    from lightning_modules.commands import train
+
+    expected = ["profile=cpu", "trainer.max_steps=5"]
+    for argv in (
+        ["--recipe", "r.yaml", "profile=cpu", "trainer.max_steps=5", "--out", "o"],
+        ["profile=cpu", "--out", "o", "trainer.max_steps=5", "--recipe", "r.yaml"],
+        ["--profile", "cpu", "--recipe", "r.yaml", "trainer.max_steps=5", "--out", "o"],
+        ["--recipe", "r.yaml", "profile=cpu trainer.max_steps=5", "--out", "o"],  # mlflow run's one parameter
+    ):
+        args = train.parse_args(argv)
+        assert (args.recipe, args.out, args.overrides, args.profile) == ("r.yaml", "o", expected, "cpu"), argv
+
+
+def test_two_different_profiles_are_refused(capsys):
+    assert main(["train", "--recipe", str(RECIPES / "unet.yaml"), "--profile", "cpu", "profile=gpu"]) == EXIT_USAGE
+    assert "name different profiles" in capsys.readouterr().err
+
+
+def test_the_study_takes_the_profile_either_way():
+    from lightning_modules.commands.common import parse_command_line
+    from synthx.commands.study import build_parser
+
+    for argv in (["--profile", "cpu", "trainer.max_steps=9"], ["trainer.max_steps=9", "profile=cpu"]):
+        args = parse_command_line(build_parser(), argv)
+        assert args.profile == "cpu" and "trainer.max_steps=9" in args.overrides
+
+
+def test_recipe_show_takes_recipe_like_every_other_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["recipe", "show", str(RECIPES / "unet.yaml")])  # the positional spelling is gone
+    assert "--recipe" in capsys.readouterr().err
+    assert main(["recipe", "show", "profile=cpu", "--recipe", str(RECIPES / "unet.yaml")]) == 0
+
+
+def test_a_recipe_error_is_reported_before_torch_is_imported(tmp_path):
+    """A mistyped key must not wait for torch, Lightning and MLflow to import (seconds on a small machine)."""
+    probe = (
+        "import sys\n"
+        "from lightning_modules.cli import main\n"
+        f"code = main(['train', '--recipe', {str(RECIPES / 'unet.yaml')!r}, 'trainer.max_stepz=1'])\n"
+        "print('torch imported' if 'torch' in sys.modules else 'torch not imported', code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}"})
+    assert done.stdout.strip() == f"torch not imported {EXIT_USAGE}", done.stdout + done.stderr[-2000:]
+    assert "trainer.max_stepz" in done.stderr
+    assert not (tmp_path / "m.db").exists()

@@ -272,3 +272,18 @@ def test_resume_after_a_crash_in_validation_and_a_damaged_checkpoint_logs_every_
     steps = sorted({m.step for m in client.get_metric_history(run_id, "val/dice/pancreatic_lesion")})
     # Lightning logs a validation after step k at MLflow step k - 1: the validations at 2, 4 and 6.
     assert steps == [1, 3, 5]
+
+
+def test_training_without_validation_does_not_warn_about_the_missing_validation_metric(tiny_phantom, tmp_path):
+    """The CPU profiles train without validation on purpose; Lightning's warning that best.ckpt's
+    monitored validation Dice is missing is then expected noise. With validation it would be real."""
+    import warnings
+
+    root, split = tiny_phantom
+    recipe = load_recipe(RECIPES / "unet.yaml", [*tiny_overrides(root, split, tmp_path, steps=2), "trainer.val_every_n_steps=0"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = train(recipe)
+    assert result.global_step == 2 and result.last_checkpoint.exists()
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "could not find the monitored key" in m], messages

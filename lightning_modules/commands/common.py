@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import re
-from typing import Iterable
+from typing import Iterable, Sequence
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -97,8 +97,41 @@ def split_overrides(values: Iterable[str]) -> list[str]:
 
 
 def add_overrides_argument(parser: argparse.ArgumentParser) -> None:
-    """Trailing ``key=value`` recipe overrides (dotted keys), applied after the recipe and profile."""
+    """``key=value`` recipe overrides (dotted keys), applied after the recipe and profile, and
+    ``--profile NAME``, the same as the override ``profile=NAME`` (both spellings work in every command).
+
+    Parse with :func:`parse_command_line`, so options and overrides may come in any order.
+    """
     parser.add_argument("overrides", nargs="*", help="key=value recipe overrides, e.g. profile=cpu trainer.max_steps=100")
+    parser.add_argument("--profile", default=None, help="recipe profile, the same as the override profile=NAME (e.g. cpu)")
+
+
+class ProfileConflict(ValueError):
+    """``--profile`` and a ``profile=`` override name two different profiles."""
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``argv`` with options and positional overrides in any order (``--out`` may follow them).
+
+    When the parser has recipe overrides (:func:`add_overrides_argument`), ``args.overrides`` is
+    the flat list of ``key=value`` strings (``mlflow run``'s space-joined parameter split), with
+    ``--profile NAME`` turned into ``profile=NAME``, and ``args.profile`` the profile named either way
+    (None when neither names one).
+    """
+    args = parser.parse_intermixed_args(list(argv))
+    if not hasattr(args, "overrides"):
+        return args
+    overrides = split_overrides(args.overrides)
+    named = [item.split("=", 1)[1] for item in overrides if item.split("=", 1)[0].strip() == "profile"]
+    if args.profile is not None:
+        if any(value != args.profile for value in named):
+            raise ProfileConflict(f"--profile {args.profile} and profile={named[-1]} name different profiles; give one")
+        if not named:
+            overrides = [f"profile={args.profile}", *overrides]
+    elif named:
+        args.profile = named[-1]
+    args.overrides = overrides
+    return args
 
 
 def run_id(text: str) -> str:

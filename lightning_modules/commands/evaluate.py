@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from lightning_modules.commands.common import add_model_source_arguments, add_overrides_argument, split_overrides
+from lightning_modules.commands.common import add_model_source_arguments, add_overrides_argument, parse_command_line, split_overrides
 
 DESCRIPTION = (
     "Evaluate a trained model on a cohort + split into a new MLflow run linked to its training run: "
@@ -46,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_command_line(parser(), sys.argv[1:] if argv is None else argv)
     # Heavy imports after parsing, so --help answers at once.
     from lightning_modules.data.cohort import CohortError
     from lightning_modules.data.splits import SplitError

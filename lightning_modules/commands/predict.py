@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from lightning_modules.commands.common import add_model_source_arguments, add_overrides_argument, split_overrides
+from lightning_modules.commands.common import add_model_source_arguments, add_overrides_argument, parse_command_line, split_overrides
 
 EXIT_SKIPPED = 3
 
@@ -39,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_command_line(parser(), sys.argv[1:] if argv is None else argv)
     # Heavy imports after parsing, so --help answers at once.
     from lightning_modules.inference import input_cases, predict_cases
     from lightning_modules.models.checkpoints import load_module_from_checkpoint, resolve_model_source

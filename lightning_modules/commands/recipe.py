@@ -6,7 +6,7 @@ mistyped key or a wrong value is reported as an error, so this is also a cheap c
 
 Example::
 
-    benchx recipe show recipes/unet.yaml profile=cpu trainer.max_steps=100
+    benchx recipe show --recipe recipes/unet.yaml profile=cpu trainer.max_steps=100
 """
 
 from __future__ import annotations
@@ -24,13 +24,16 @@ def show(path: str, overrides: Sequence[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from lightning_modules.commands.common import add_overrides_argument, split_overrides
+    from lightning_modules.commands.common import add_overrides_argument, parse_command_line
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="benchx recipe", description="Recipes: print one as it is resolved.")
     actions = parser.add_subparsers(dest="action", required=True, metavar="show")
     show_parser = actions.add_parser("show", help="print the resolved recipe", description=__doc__.split("\n\n")[0])
-    show_parser.add_argument("recipe", help="recipe YAML, e.g. recipes/unet.yaml")
+    show_parser.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/unet.yaml")
     add_overrides_argument(show_parser)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    print(show(args.recipe, split_overrides(args.overrides)), end="")
+    if not argv or argv[0] != "show":
+        parser.parse_args(argv)  # prints the usage (or --help) and exits
+    args = parse_command_line(show_parser, argv[1:])
+    print(show(args.recipe, args.overrides), end="")
     return 0

@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Sequence
 
-from lightning_modules.commands.common import add_overrides_argument, split_overrides
+from lightning_modules.commands.common import add_overrides_argument, parse_command_line
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -33,20 +33,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="run folder (default: <tracking.output_dir>/<recipe>-<hash>)")
     parser.add_argument("--fresh", action="store_true", help="start a new run in the folder, replacing its checkpoints")
     add_overrides_argument(parser)
-    return parser.parse_args(list(argv))
+    return parse_command_line(parser, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    # Heavy imports after parsing, so --help answers at once.
     from lightning_modules.config.recipe import load_recipe
+
+    # Recipe, cohort and run-folder errors go to the dispatcher (lightning_modules.cli): two lines, exit 2.
+    # The recipe is read before torch, Lightning and MLflow are imported, so a mistyped key is
+    # reported at once.
+    recipe = load_recipe(args.recipe, args.overrides)
     from lightning_modules.tracking import Terminated
     from lightning_modules.trainer import global_rank
     from lightning_modules.training import TrainSettings, train
 
-    # Recipe, cohort and run-folder errors go to the dispatcher (lightning_modules.cli): two lines, exit 2.
     try:
-        recipe = load_recipe(args.recipe, split_overrides(args.overrides))
         # Under `mlflow run`, log into the run it opened (Lightning would otherwise start another).
         settings = TrainSettings(output_dir=args.out, resume=not args.fresh, run_id=os.environ.get("MLFLOW_RUN_ID"))
         result = train(recipe, settings)

@@ -16,7 +16,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from lightning_modules.commands.common import add_overrides_argument, split_overrides
+from lightning_modules.commands.common import add_overrides_argument, parse_command_line
 from synthx.painters import PAINTERS
 from synthx.study import StudySettings, run_study
 
@@ -24,7 +24,6 @@ from synthx.study import StudySettings, run_study
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="benchx study", description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", default=StudySettings.recipe, help="backbone recipe (default: %(default)s)")
-    parser.add_argument("--profile", default=StudySettings.profile, help="recipe profile (default: %(default)s)")
     parser.add_argument("--synthx-recipe", default=StudySettings.synthx_recipe, help="SynthX recipe (default: %(default)s)")
     parser.add_argument("--synthx-override", action="append", default=[], help="key=value for the SynthX recipe (repeatable)")
     parser.add_argument("--cases", type=int, default=None,
@@ -51,9 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the arguments and run the study; returns 0 when it finished."""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_command_line(build_parser(), sys.argv[1:] if argv is None else argv)
+    # The profile, given as --profile NAME or profile=NAME, is the study's own setting (default cpu).
+    overrides = [item for item in args.overrides if item.split("=", 1)[0].strip() != "profile"]
     settings = StudySettings(
-        recipe=args.recipe, profile=args.profile, overrides=split_overrides(args.overrides),
+        recipe=args.recipe, profile=args.profile or StudySettings.profile, overrides=overrides,
         synthx_recipe=args.synthx_recipe, synthx_overrides=args.synthx_override, cases=args.cases,
         ratio=args.ratio, target=args.target, budget=args.budget, synthesis_steps=args.synthesis_steps,
         experiment=args.experiment, output_dir=args.out, painter=args.painter,

@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from lightning_modules.commands.common import add_overrides_argument, split_overrides
+from lightning_modules.commands.common import add_overrides_argument, parse_command_line, split_overrides
 from lightning_modules.config.recipe import load_recipe
 from synthx.sweep import DEFAULT_HEARTBEAT_S, DEFAULT_STORAGE, OBJECTIVES, PARENT_ATTR, SweepSettings, safe_url, sweep
 
@@ -39,7 +39,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "failed and retried (default %(default)s)")
     parser.add_argument("--create-only", action="store_true", help="create the study and its MLflow run, then exit")
     add_overrides_argument(parser)
-    return parser.parse_args(list(argv))
+    return parse_command_line(parser, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,7 +19,7 @@ import sys
 
 import pandas as pd
 
-from lightning_modules.commands.common import add_overrides_argument, split_overrides
+from lightning_modules.commands.common import add_overrides_argument, parse_command_line, split_overrides
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_intermixed_args(argv)
+    args = parse_command_line(build_parser(), sys.argv[1:] if argv is None else argv)
     # Heavy imports after parsing, so --help answers at once.
     import torch
 

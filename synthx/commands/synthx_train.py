@@ -18,7 +18,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from lightning_modules.commands.common import add_overrides_argument, split_overrides
+from lightning_modules.commands.common import add_overrides_argument, parse_command_line, split_overrides
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
+    args = parse_command_line(build_parser(), sys.argv[1:] if argv is None else argv)
     from synthx.config import load_synthx_recipe
     from synthx.training import train_autoencoder, train_synthx
 
