@@ -48,7 +48,7 @@ WARNING_FILTERS: tuple[tuple[str, type[Warning], str, str], ...] = (
         UserWarning,
         r"lightning\..*",
         "Slurm's client tools are installed (the project's own Slurm scripts use them); a run started "
-        "without srun is a one-machine run on purpose, and the README says how to start under Slurm",
+        "without srun is a one-machine run on purpose, and docs/scaling.md says how to start under Slurm",
     ),
     (
         r"When using the `ThroughputMonitor`, you need to define a `flops_per_batch`",
@@ -84,6 +84,11 @@ LOG_FILTERS: tuple[tuple[str, str, str], ...] = (
         "lightning.pytorch.utilities.rank_zero",
         "try installing [litlogger]",
         "an advertisement for a cloud logger; runs are tracked in MLflow",
+    ),
+    (
+        "diffusers.models.modeling_utils",
+        "Cannot initialize model with low cpu memory usage because `accelerate` was not found",
+        "accelerate is not a dependency: SynthX's models are small and load whole, as diffusers then does",
     ),
 )
 

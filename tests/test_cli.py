@@ -189,3 +189,16 @@ def test_a_recipe_error_is_reported_before_torch_is_imported(tmp_path):
     assert done.stdout.strip() == f"torch not imported {EXIT_USAGE}", done.stdout + done.stderr[-2000:]
     assert "trainer.max_stepz" in done.stderr
     assert not (tmp_path / "m.db").exists()
+
+
+def test_the_command_line_drops_diffusers_accelerate_advice_from_its_log(caplog):
+    import logging
+
+    from lightning_modules import warnings_filter
+
+    warnings_filter.install()
+    logger = logging.getLogger("diffusers.models.modeling_utils")
+    with caplog.at_level(logging.WARNING):
+        logger.warning("Cannot initialize model with low cpu memory usage because `accelerate` was not found in the environment.")
+        logger.warning("Some weights of the model checkpoint were not used")
+    assert [r.getMessage() for r in caplog.records] == ["Some weights of the model checkpoint were not used"]
