@@ -1,8 +1,10 @@
 """The ``benchx`` command line: a thin dispatcher that loads each subcommand's module by name.
 
 Each subcommand is a module-level ``main(argv) -> int`` with its own argparse parser, so
-``benchx train --help`` imports only what training needs. Loading by name keeps the dependency
-direction of docs/design.md "Layering": the base package never imports :mod:`synthx`.
+``benchx train --help`` imports only what training needs. The commands come from command tables:
+the base's own (:mod:`lightning_modules.commands`) and one per installed package that declares one
+in the entry-point group ``benchx.commands`` (SynthX does, in ``pyproject.toml``). The base names
+none of another package's commands or errors (docs/design.md "Layering").
 
 Errors a user can fix (a mistyped recipe key, a broken cohort, a leaking split, a missing run, ...)
 are caught here, in one place, and printed as a short message with exit code 2; ``--debug`` (anywhere
@@ -22,63 +24,40 @@ import difflib
 import importlib
 import os
 import sys
+from types import ModuleType
 
-# name -> (module, function, one-line help)
-COMMANDS: dict[str, tuple[str, str, str]] = {
-    "phantom": ("lightning_modules.commands.phantom", "main", "write the embedded phantom cohort (layout A + metadata.csv)"),
-    "import": ("lightning_modules.commands.import_cohort", "main", "import TotalSegmentator / nnU-Net / MSD / DICOM data into layout A"),
-    "fetch-example": ("lightning_modules.commands.fetch_example", "main", "fetch the real TotalSegmentator example CT as case TS_EXAMPLE"),
-    "validate": ("lightning_modules.commands.validate", "main", "check a cohort and list every problem at once"),
-    "make-splits": ("lightning_modules.commands.make_splits", "main", "write a patient-grouped, stratified split CSV"),
-    "audit": ("lightning_modules.commands.audit", "main", "leakage audit: duplicates, patient overlap, header cues (exit 1 on leakage)"),
-    "recipe": ("lightning_modules.commands.recipe", "main", "print a resolved recipe (recipe show --recipe RECIPE [key=value ...])"),
-    "train": ("lightning_modules.commands.train", "main", "train a backbone from a recipe (+ key=value overrides)"),
-    "evaluate": ("lightning_modules.commands.evaluate", "main", "subgroup evaluation of a trained model into a new MLflow run"),
-    "predict": ("lightning_modules.commands.predict", "main", "segment CT scans; masks written on each scan's own grid and affine"),
-    "compare": ("lightning_modules.commands.compare", "main", "paired comparison of evaluation runs (BenchX table 6)"),
-    "study": ("synthx.commands.study", "main", "the baseline-vs-SynthX study on a cohort (the main job)"),
-    "report": ("synthx.commands.report", "main", "rebuild a study's HTML report from MLflow"),
-    "replicates": ("synthx.commands.replicates", "main", "several finished studies (one per seed) side by side, per subgroup"),
-    "sweep": ("synthx.commands.sweep", "main", "Optuna sweep over the synthesis ratio"),
-    "synthx-train": ("synthx.commands.synthx_train", "main", "train the SynthX tumor generator (conditional 3D diffusion)"),
-    "synthesize": ("synthx.commands.synthesize", "main", "paint conditioned synthetic tumors into healthy training scans (resumable)"),
-    "synthx-quality": ("synthx.commands.synthx_quality", "main", "synthetic vs real tumors: HU, contrast, phase faithfulness, diversity"),
-}
+# The group through which each package contributes its command table (pyproject.toml).
+ENTRY_POINT_GROUP = "benchx.commands"
+BASE_TABLE = "lightning_modules.commands"
 
-# Errors a user can fix from the message alone: printed without a traceback, exit code 2. Named by
-# "module.Class" so the dispatcher need not import heavy modules to recognise them.
-EXPECTED_ERRORS: frozenset[str] = frozenset(
-    {
-        "lightning_modules.config.loader.RecipeError",
-        "lightning_modules.commands.common.ProfileConflict",
-        "lightning_modules.run_folder.RunFolderError",
-        "lightning_modules.trainer.RankZeroRefusal",
-        "lightning_modules.data.cohort.CohortError",
-        "lightning_modules.data.splits.SplitError",
-        "lightning_modules.data.importers.core.ImportSourceError",
-        "lightning_modules.data.importers.core.ImportCaseError",
-        "lightning_modules.data.example_ct.ExampleFetchError",
-        "lightning_modules.models.checkpoints.ModelSourceError",
-        "lightning_modules.evaluation.runs.EvaluationError",
-        "lightning_modules.evaluation.thresholds.ThresholdError",
-        "synthx.generation.canvases.GenerationError",
-        "synthx.provenance.ProvenanceError",
-        "synthx.targeting.TargetingError",
-        "synthx.quality.QualityError",
-        "synthx.report.ReportError",
-        "synthx.replicates.ReplicateError",
-    }
-)
 
-# What to do next, by error type, when the message alone does not say it.
-HINTS: dict[str, str] = {
-    "RecipeError": "check the key against 'benchx recipe show --recipe <recipe>'",
-    "CohortError": "'benchx validate --root <cohort>' lists every problem",
-    "SplitError": "'benchx make-splits' writes a patient-grouped split for the cohort",
-    "FolderLockedError": "wait for that process, or give this run another --out folder",
-    "ModelSourceError": "name a training run (--run-id), a registered model (models:/NAME@ALIAS) or --checkpoint + --recipe",
-    "MlflowException": "check the run id and MLFLOW_TRACKING_URI (or tracking.uri) point at the store that holds it",
-}
+def command_tables() -> list[ModuleType]:
+    """The base's command table, then every installed package's, by entry-point name."""
+    from importlib.metadata import entry_points
+
+    tables = [importlib.import_module(BASE_TABLE)]
+    for point in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda point: point.name):
+        if point.value != BASE_TABLE:
+            tables.append(point.load())
+    return tables
+
+
+def merged_tables(tables: list[ModuleType]) -> tuple[dict[str, tuple[str, str, str]], frozenset[str], dict[str, str]]:
+    """Commands, expected errors and hints of all tables; two tables naming one command is an error."""
+    commands: dict[str, tuple[str, str, str]] = {}
+    errors: set[str] = set()
+    hints: dict[str, str] = {}
+    for table in tables:
+        clash = sorted(set(commands) & set(table.COMMANDS))
+        if clash:
+            raise RuntimeError(f"{table.__name__} redefines the benchx command(s) {', '.join(clash)}")
+        commands.update(table.COMMANDS)
+        errors.update(getattr(table, "EXPECTED_ERRORS", ()))
+        hints.update(getattr(table, "HINTS", {}))
+    return commands, frozenset(errors), hints
+
+
+COMMANDS, EXPECTED_ERRORS, HINTS = merged_tables(command_tables())
 
 EXIT_USAGE = 2
 

@@ -121,3 +121,45 @@ def test_cited_design_sections_exist():
     }
     missing = sorted(f"{path}: {title!r}" for path, title in cited if title not in sections)
     assert not missing, f"citations of sections docs/design.md does not have: {missing}"
+
+
+def _synthx_module_names() -> set[str]:
+    return {name for name in _sources() if name.startswith("synthx.")} | {"synthx"}
+
+
+def test_base_package_names_no_synthx_module_even_as_a_string():
+    """The base reaches SynthX's commands only through the ``benchx.commands`` entry points."""
+    synthx_modules = _synthx_module_names()
+    named = []
+    for name, path in _sources().items():
+        if not name.startswith("lightning_modules"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                for word in re.findall(r"\bsynthx(?:\.[A-Za-z_]+)+", node.value):
+                    # "synthx.generation.canvases.GenerationError" names a module by its prefix.
+                    parts = word.split(".")
+                    if any(".".join(parts[:i]) in synthx_modules for i in range(2, len(parts) + 1)):
+                        named.append(f"{name}: {word}")
+    assert not named, "the base names SynthX modules: " + ", ".join(sorted(set(named)))
+
+
+def test_every_package_contributes_its_commands_through_the_entry_point_group():
+    from lightning_modules import cli
+    import synthx.commands
+
+    assert set(synthx.commands.COMMANDS) <= set(cli.COMMANDS) and "train" in cli.COMMANDS
+    assert synthx.commands.EXPECTED_ERRORS <= cli.EXPECTED_ERRORS
+    tables = cli.command_tables()
+    assert [t.__name__ for t in tables] == ["lightning_modules.commands", "synthx.commands"]
+
+
+def test_two_tables_naming_one_command_are_refused():
+    from types import SimpleNamespace
+
+    from lightning_modules import cli
+
+    first = SimpleNamespace(__name__="a", COMMANDS={"train": ("a", "main", "")})
+    second = SimpleNamespace(__name__="b", COMMANDS={"train": ("b", "main", "")}, EXPECTED_ERRORS=frozenset())
+    with pytest.raises(RuntimeError, match="b redefines the benchx command"):
+        cli.merged_tables([first, second])
