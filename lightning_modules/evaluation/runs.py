@@ -10,7 +10,8 @@ thresholds, ``operating_point/val_chosen_low`` and ``_high`` the spread of a bag
 refuses an evaluation set holding a training case or patient of the model unless
 ``allow_training_overlap`` is set (then tagged ``training_overlap_override``).
 
-``compare`` takes two or more evaluation runs on the same evaluation set (same case-id hash) and
+``compare`` takes two or more evaluation runs on the same evaluation set (same case-id hash),
+refuses any of them evaluated with ``allow_training_overlap`` (its numbers are contaminated), and
 writes the table of BenchX table 6 at each operating point (fixed m, validation-chosen, matched
 specificity): for each subgroup its patients, positives and negatives, baseline, augmented, the
 difference with its paired bootstrap CI, the share of resamples where it was defined, and whether
@@ -291,6 +292,13 @@ def _load_run(client: MlflowClient, run_id: str, stage: str, folder: str) -> Eva
         run = client.get_run(run_id)
     except Exception as error:  # MLflow raises its own exception for an unknown run
         raise EvaluationError(f"run {run_id}: not found in the tracking store ({error})") from error
+    if run.data.tags.get(OVERLAP_OVERRIDE_TAG) == "true":
+        check = run.data.tags.get(OVERLAP_CHECK_TAG, "failed")
+        raise EvaluationError(
+            f"run {run_id} was evaluated with --allow-training-overlap ({OVERLAP_CHECK_TAG}: {check}): its evaluation "
+            "set holds cases the model learned from, so a difference to it says nothing; evaluate the model on a "
+            "split whose val/test cases it never saw"
+        )
     records = download_records(client, run_id, stage, folder)
     if records is None:
         raise EvaluationError(f"run {run_id} has no {stage} records: evaluate it first")
@@ -381,7 +389,8 @@ def compare(
 
     Raises:
         EvaluationError: fewer than two runs, a malformed or repeated run id, a run without
-            records, or runs evaluated on different sets.
+            records, a run evaluated with the training overlap allowed (tag
+            ``training_overlap_override``), or runs evaluated on different sets.
     """
     run_ids = _check_run_ids(run_ids)
     uri = tracking_uri(uri)
