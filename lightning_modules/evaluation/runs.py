@@ -43,7 +43,7 @@ from lightning_modules.evaluation.bootstrap import bootstrap_subgroup_metrics, e
 from lightning_modules.evaluation.callback import FALLBACK_TAG, SubgroupEvaluation
 from lightning_modules.evaluation.figures import close, comparison_figure
 from lightning_modules.evaluation.metric_keys import mlflow_metric_keys
-from lightning_modules.evaluation.provenance import training_cases, training_overlap
+from lightning_modules.evaluation.provenance import GENERATOR_CASES_ARTIFACT, generator_overlap, training_cases, training_overlap
 from lightning_modules.evaluation.subgroups import support_rule_text
 from lightning_modules.evaluation.thresholds import (
     OperatingPoint,
@@ -97,7 +97,8 @@ def check_training_overlap(
     client: MlflowClient, training_run_id: str | None, evaluated: pd.DataFrame, allow: bool
 ) -> dict[str, str]:
     """Refuse (EvaluationError) an evaluation set sharing a case or patient with the model's training
-    cases, unless ``allow``; returns the tags that record what was checked."""
+    cases or with the cases its synthetic data's generator learned from, unless ``allow``; returns
+    the tags that record what was checked."""
     if training_run_id is None:
         log.warning("evaluate: no training run known for this checkpoint, so its training cases are not checked")
         return {OVERLAP_CHECK_TAG: "unavailable: no training run"}
@@ -107,11 +108,19 @@ def check_training_overlap(
         raise EvaluationError(f"training run {training_run_id}: not found in the tracking store ({error})") from error
     with tempfile.TemporaryDirectory() as folder:
         training = training_cases(client, training_run_id, folder)
+        generator = training_cases(client, training_run_id, folder, GENERATOR_CASES_ARTIFACT)
     if training is None:
         log.warning("evaluate: training run %s records no training cases; overlap not checked", training_run_id)
         return {OVERLAP_CHECK_TAG: "unavailable: the training run records no training_cases.csv"}
-    problems = training_overlap(evaluated, training)
+    # A model trained on synthetic data also learned from the cases its generator learned from.
+    problems = training_overlap(evaluated, training) + (generator_overlap(evaluated, generator) if generator is not None else [])
     if not problems:
+        from lightning_modules.data.mixing import SYNTHETIC_COHORT_TAG
+
+        if generator is None and client.get_run(training_run_id).data.tags.get(SYNTHETIC_COHORT_TAG):
+            log.warning("evaluate: training run %s mixed in synthetic data but records no %s; the generator's training "
+                        "cases are not checked", training_run_id, GENERATOR_CASES_ARTIFACT)
+            return {OVERLAP_CHECK_TAG: f"passed for the real training cases; the generator's are unknown (no {GENERATOR_CASES_ARTIFACT})"}
         return {OVERLAP_CHECK_TAG: "passed"}
     listing = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
     if not allow:
