@@ -136,7 +136,7 @@ def resolve_synthetic_cohort(recipe: DictConfig) -> Path | None:
     return None
 
 
-def check_synthetic_cohort(synthetic: Cohort, split: pd.DataFrame, real: Cohort, split_sha256: str | None = None) -> None:
+def check_synthetic_cohort(synthetic: Cohort, split: pd.DataFrame, real: Cohort, split_sha256: str) -> None:
     """Refuse synthetic cases that would leak: canvases outside the training split, real rows, val/test
     use, and a generator that learned from a case outside the training split.
 
@@ -144,13 +144,10 @@ def check_synthetic_cohort(synthetic: Cohort, split: pd.DataFrame, real: Cohort,
         synthetic: the synthetic cohort.
         split: the current split table.
         real: the real cohort.
-        split_sha256: the current split file's sha256 (None: the generator's provenance is not checked).
+        split_sha256: the current split file's sha256.
     """
-    problems = []
-    if split_sha256 is not None:
-        problem = cohort_provenance_problem(synthetic.root, split, split_sha256)
-        problems += [problem] if problem else []
-        problems += generator_mismatches(synthetic)
+    problem = cohort_provenance_problem(synthetic.root, split, split_sha256)
+    problems = ([problem] if problem else []) + generator_mismatches(synthetic)
     train_cases = set(split.loc[split["split"] == "train", "case_id"])
     held_out = set(split.loc[split["split"] != "train", "case_id"])
     for row in synthetic.metadata.itertuples():
@@ -170,7 +167,10 @@ def check_synthetic_cohort(synthetic: Cohort, split: pd.DataFrame, real: Cohort,
 def generator_mismatches(synthetic: Cohort) -> list[str]:
     """The first case made by another generator than the one the cohort's provenance describes (a cohort
     holds the output of one generator, so one provenance file speaks for every case)."""
-    provenance = read_provenance(synthetic.root)
+    try:
+        provenance = read_provenance(synthetic.root)
+    except ValueError:  # reported by cohort_provenance_problem
+        return []
     recorded = provenance.generator_run_id if provenance is not None else ""
     if not recorded or "generator_run_id" not in synthetic.metadata.columns:
         return []
@@ -209,13 +209,8 @@ def mixing_datamodule(recipe: DictConfig) -> CohortDataModule:
             raise CohortError(["synthx.ratio > 0 needs synthx.cohort or synthx.generator_run"])
         return CohortDataModule(recipe)
     synthetic = load_cohort(synthetic_root)
-    # Checked now, before any run is opened; the same check runs again when the training set is built.
-    probe = CohortDataModule(recipe)
-    probe._load()
-    check_synthetic_cohort(synthetic, probe.split, probe.cohort, split_sha256(recipe.data.split))
 
     def build(datamodule: CohortDataModule, transforms: list):
-        check_synthetic_cohort(synthetic, datamodule.split, datamodule.cohort, split_sha256(recipe.data.split))
         classes = list(recipe.data.classes)
         real_items = case_items(datamodule.cohort, datamodule.case_ids("train"), classes)
         synth_items = case_items(synthetic, synthetic.case_ids, classes)
@@ -225,6 +220,9 @@ def mixing_datamodule(recipe: DictConfig) -> CohortDataModule:
         )
 
     datamodule = CohortDataModule(recipe, train_dataset_factory=build)
+    # Checked here, before any run is opened (training refuses before it touches MLflow).
+    datamodule._load()
+    check_synthetic_cohort(synthetic, datamodule.split, datamodule.cohort, split_sha256(recipe.data.split))
     datamodule.synthetic_cohort = synthetic
     return datamodule
 
