@@ -2,7 +2,11 @@
 
 Example::
 
-    benchx sweep --recipe recipes/unet.yaml --trials 8 --objective both profile=cpu synthx.cohort=data/synthetic
+    benchx sweep --recipe recipes/unet.yaml --trials 8 --objective both profile=cpu trainer.val_every_n_steps=1000 synthx.cohort=data/synthetic
+
+Every trial is scored on validation: a recipe that validates nothing during training (unet's cpu
+profile sets trainer.val_every_n_steps: 0) is refused with exit 2, naming the setting; one that
+validates only at its last step runs without pruning.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Sequence
 
 from lightning_modules.commands.common import add_overrides_argument, split_overrides
 from lightning_modules.config.recipe import load_recipe
-from synthx.sweep import DEFAULT_HEARTBEAT_S, DEFAULT_STORAGE, OBJECTIVES, PARENT_ATTR, SweepSettings, safe_url, sweep
+from synthx.sweep import DEFAULT_HEARTBEAT_S, DEFAULT_STORAGE, OBJECTIVES, PARENT_ATTR, SweepError, SweepSettings, safe_url, sweep
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -59,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         study = sweep(settings)
+    except SweepError as error:
+        print(f"benchx sweep: {error}", file=sys.stderr)
+        return 2
     except RuntimeError as error:
         print(f"benchx sweep: {error}", file=sys.stderr)
         return 1
