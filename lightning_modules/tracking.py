@@ -129,10 +129,19 @@ def prepare_store(uri: str) -> None:
     _PREPARED_STORES.add(uri)
 
 
+def tracking_client(uri: str) -> MlflowClient:
+    """An ``MlflowClient`` on ``uri``, built after :func:`prepare_store`.
+
+    MLflow creates (migrates) a SQLite store's tables when the client is built, so a client built
+    before the lock races another process's first use of the same new store.
+    """
+    prepare_store(uri)
+    return MlflowClient(tracking_uri=uri)
+
+
 def experiment_id(name: str, uri: str) -> str:
     """Get or create an experiment by name (used before workers start, so creation never races)."""
-    prepare_store(uri)
-    client = MlflowClient(tracking_uri=uri)
+    client = tracking_client(uri)
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         return experiment.experiment_id
@@ -210,16 +219,15 @@ def flatten(mapping, prefix: str = "") -> dict[str, str]:
 
 def start_run(uri: str, experiment: str, run_name: str, tags: dict[str, str]) -> str:
     """Create a RUNNING run in ``experiment`` (created if missing) and return its id."""
-    client = MlflowClient(tracking_uri=uri)
+    client = tracking_client(uri)
     run = client.create_run(experiment_id(experiment, uri), run_name=run_name, tags=tags)
     return run.info.run_id
 
 
 def run_status(uri: str, run_id: str) -> str | None:
     """The run's status (``RUNNING``, ``FINISHED``, ``FAILED``, ``KILLED``), or None if the store lacks it."""
-    prepare_store(uri)
     try:
-        return MlflowClient(tracking_uri=uri).get_run(run_id).info.status
+        return tracking_client(uri).get_run(run_id).info.status
     except mlflow.exceptions.MlflowException:
         return None
 
@@ -312,7 +320,7 @@ def final_status(error: BaseException | None) -> str:
 
 def end_run(uri: str, run_id: str, status: str) -> None:
     """Set the run's final status; a run another process already marked FAILED is not relabelled KILLED."""
-    client = MlflowClient(tracking_uri=uri)
+    client = tracking_client(uri)
     if status == "KILLED" and run_status(uri, run_id) == "FAILED":
         return
     client.set_terminated(run_id, status)

@@ -19,13 +19,20 @@ finished trials. On an RDB storage every running trial sends a heartbeat; a tria
 MLflow run is ended FAILED, and the trial is queued again with the same parameters (Optuna's
 ``RetryHeartbeatStaleTrialCallback``; the enqueued ratio-0 baseline included), so finished trials
 are never repeated. Pruned trials end their MLflow run KILLED with the tag ``optuna_state=PRUNED``.
+
+Every trial is scored on validation, so a recipe that validates nothing during training (some
+``cpu`` profiles set ``trainer.val_every_n_steps: 0``) is refused before anything is created,
+naming the setting; a recipe that validates only at the last step runs without pruning (there is
+nothing earlier to prune on, and pruning at the last step would throw away a finished trial).
+Each worker ends the sweep's parent run: FINISHED once the study holds its trials, FAILED when the
+worker fails (KILLED on a signal); a later worker reopens it.
 Each trial is an MLflow run whose parent is the sweep's run (``mlflow.parentRunId``, set
 explicitly: ``nested=True`` loses the parent across processes), tagged with its trial number and
 ratio. ``optuna-dashboard <storage>`` (the ``server`` extra) shows the same storage.
 
 Example::
 
-    benchx sweep --recipe recipes/unet.yaml --trials 8 --objective both profile=cpu synthx.cohort=data/synthetic
+    benchx sweep --recipe recipes/unet.yaml --trials 8 --objective both profile=cpu trainer.val_every_n_steps=1000 synthx.cohort=data/synthetic
     benchx sweep --recipe recipes/unet.yaml --storage postgresql://postgres@db:5432/optuna --create-only ...
     benchx sweep --recipe recipes/unet.yaml --storage postgresql://postgres@db:5432/optuna --trials 8 ...   # on each worker
 """
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import math
 import os
 import socket
@@ -46,15 +54,24 @@ from typing import Iterator, Sequence
 
 import mlflow
 import optuna
-from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from lightning_modules.tracking import database_url, experiment_id, git_commit, tracking_uri
+from lightning_modules.tracking import (
+    database_url,
+    end_run,
+    experiment_id,
+    final_status,
+    git_commit,
+    terminating_signals,
+    tracking_client,
+    tracking_uri,
+)
 from lightning_modules.training import train
 
+log = logging.getLogger(__name__)
 PARENT_ATTR = "mlflow_parent_run_id"
 OBJECTIVES = {"f1": ["maximize"], "worst_sensitivity": ["maximize"], "both": ["maximize", "maximize"]}
 DEFAULT_STORAGE = "sqlite:///optuna.db"
@@ -96,6 +113,28 @@ class SweepSettings:
     create_only: bool = False
 
 
+class SweepError(ValueError):
+    """A sweep that cannot score its trials as asked; the message names the setting to change."""
+
+
+def prunes(recipe: DictConfig, objective: str) -> bool:
+    """Whether the trials are pruned: only the single ``f1`` objective, and only when a validation
+    comes before the last step (otherwise there is nothing to prune on).
+
+    Raises:
+        SweepError: the recipe runs no validation during training, so no trial could be scored.
+    """
+    max_steps, every = int(recipe.trainer.max_steps), int(recipe.trainer.val_every_n_steps)
+    if every <= 0 or every > max_steps:
+        suggestion = max(1, max_steps // 3)
+        raise SweepError(
+            f"each trial is scored on validation, but trainer.val_every_n_steps={every} runs no validation within "
+            f"trainer.max_steps={max_steps} (the recipe's profile trains without validation): set "
+            f"trainer.val_every_n_steps, e.g. trainer.val_every_n_steps={suggestion}"
+        )
+    return objective == "f1" and every < max_steps
+
+
 class RetryStaleTrial(optuna.storages.RetryHeartbeatStaleTrialCallback):
     """Optuna's retry of a trial whose worker died, which also ends that trial's MLflow run FAILED."""
 
@@ -106,7 +145,7 @@ class RetryStaleTrial(optuna.storages.RetryHeartbeatStaleTrialCallback):
     def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         run_id = trial.user_attrs.get("mlflow_run_id")
         if run_id and self.mlflow_uri:
-            client = MlflowClient(tracking_uri=self.mlflow_uri)
+            client = tracking_client(self.mlflow_uri)
             client.set_tag(run_id, "optuna_state", "FAIL (worker stopped sending heartbeats)")
             client.set_terminated(run_id, "FAILED")
         super().__call__(study, trial)
@@ -176,7 +215,7 @@ def create_sweep(
         raise ValueError(f"study {study_name!r} was created with objective {study.user_attrs['objective']!r}, not {objective!r}")
     if PARENT_ATTR not in study.user_attrs:
         uri = tracking_uri(recipe.tracking.uri)
-        client = MlflowClient(tracking_uri=uri)
+        client = tracking_client(uri)
         run = client.create_run(
             experiment_id(str(recipe.tracking.experiment), uri),
             run_name=f"sweep-{study_name}",
@@ -230,7 +269,7 @@ def make_objective(
         trial_recipe = OmegaConf.merge(recipe, OmegaConf.from_dotlist(overrides))
         trial_recipe.tracking.run_name = f"{study_name}-trial-{trial.number}"
         callbacks = []
-        if len(OBJECTIVES[objective]) == 1 and objective == "f1":
+        if prunes(trial_recipe, objective):
             from optuna_integration import PyTorchLightningPruningCallback
 
             callbacks.append(PyTorchLightningPruningCallback(trial, monitor="val/f1/overall"))
@@ -261,10 +300,11 @@ def make_objective(
         trial.set_user_attr("mlflow_run_id", result.run_id)
         table = evaluation.results.get("val")
         if table is None:
+            end_pruned_run(trial, tracking_uri(recipe.tracking.uri))
             raise optuna.TrialPruned("no validation ran")
         overall_f1 = float(table.loc[table["attribute"] == "overall", "f1"].iloc[0])
         worst_sensitivity = worst_group(table, "sensitivity", attributes)
-        client = MlflowClient(tracking_uri=tracking_uri(recipe.tracking.uri))
+        client = tracking_client(tracking_uri(recipe.tracking.uri))
         client.log_metric(result.run_id, "objective/f1_overall", _finite(overall_f1))
         client.log_metric(result.run_id, "objective/worst_sensitivity", _finite(worst_sensitivity))
         if objective == "f1":
@@ -280,7 +320,7 @@ def end_pruned_run(trial: optuna.Trial, uri: str) -> None:
     """A pruned trial's MLflow run ends KILLED (Lightning ended it FAILED), tagged ``optuna_state=PRUNED``."""
     run_id = trial.user_attrs.get("mlflow_run_id")
     if run_id:
-        client = MlflowClient(tracking_uri=uri)
+        client = tracking_client(uri)
         client.set_tag(run_id, "optuna_state", "PRUNED")
         client.set_terminated(run_id, "KILLED")
 
@@ -319,7 +359,7 @@ def log_sweep_summary(study: optuna.Study, recipe: DictConfig) -> None:
     import matplotlib.pyplot as plt
     from optuna.visualization import matplotlib as optuna_plots
 
-    client = MlflowClient(tracking_uri=tracking_uri(recipe.tracking.uri))
+    client = tracking_client(tracking_uri(recipe.tracking.uri))
     run_id = study.user_attrs[PARENT_ATTR]
     trials = study.trials_dataframe(attrs=("number", "value", "values", "params", "state", "user_attrs"))
     complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
@@ -386,9 +426,37 @@ def importance_target(study: optuna.Study, index: int):
     return lambda trial: sign * trial.values[index]
 
 
+def finished_trials(study: optuna.Study) -> int:
+    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
+
+
+@contextlib.contextmanager
+def parent_run_ended(study: optuna.Study, uri: str, trials: int) -> Iterator[None]:
+    """Around one worker's work: the sweep's parent run is RUNNING meanwhile and then ends FINISHED
+    when the study holds ``trials`` finished trials, FAILED when the worker fails, KILLED on a
+    signal; never left RUNNING by its last worker."""
+    run_id = study.user_attrs[PARENT_ATTR]
+    tracking_client(uri).update_run(run_id, status="RUNNING")
+    with terminating_signals():
+        try:
+            yield
+        except BaseException as error:
+            end_run(uri, run_id, final_status(error))
+            raise
+    if finished_trials(study) >= trials:
+        end_run(uri, run_id, "FINISHED")
+
+
 def sweep(settings: SweepSettings) -> optuna.Study:
-    """Create the study (once) and, unless ``create_only``, work on it as one worker; returns the study."""
+    """Create the study (once) and, unless ``create_only``, work on it as one worker; returns the study.
+
+    Raises:
+        SweepError: the recipe validates nothing during training (checked before anything is created).
+    """
     recipe = settings.recipe
+    if not prunes(recipe, settings.objective) and settings.objective == "f1":
+        log.warning("trainer.val_every_n_steps=%d validates only at the last step: trials run without pruning",
+                    int(recipe.trainer.val_every_n_steps))
     enqueue = list(settings.enqueue)
     shared = not settings.storage.startswith("sqlite:")
     if shared and not settings.create_only and settings.study_name not in optuna.get_all_study_names(make_storage(settings.storage)):
@@ -400,11 +468,11 @@ def sweep(settings: SweepSettings) -> optuna.Study:
     study = create_sweep(recipe, settings.study_name, settings.storage, settings.objective, enqueue, settings.heartbeat_interval)
     if settings.create_only:
         return study
-    with sqlite_worker_slot(settings.storage):
+    with sqlite_worker_slot(settings.storage), parent_run_ended(study, tracking_uri(recipe.tracking.uri), settings.trials):
         objective = make_objective(
             recipe, settings.objective, study.user_attrs[PARENT_ATTR], settings.study_name, settings.attributes,
             settings.ratio_range, list(settings.targeting), settings.targeting,
         )
         run_worker(study, objective, settings.trials)
-    log_sweep_summary(study, recipe)
+        log_sweep_summary(study, recipe)
     return study

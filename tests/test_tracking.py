@@ -25,36 +25,47 @@ from lightning_modules.tracking import (
 )
 
 # Each process imports first, then waits for the go-file, so their first store accesses coincide.
+# argv: uri, go-file, index, entry point (experiment_id, or start_run as `benchx train` opens its run).
 FIRST_USE = """
 import sys, time
 from pathlib import Path
-from lightning_modules.tracking import experiment_id
+from lightning_modules.tracking import experiment_id, start_run
 go = Path(sys.argv[2])
 (go.parent / f"ready-{sys.argv[3]}").touch()
 while not go.exists():
     time.sleep(0.01)
+if sys.argv[4] == "start_run":
+    run_id = start_run(sys.argv[1], "concurrent", "train", {})
 print(experiment_id("concurrent", sys.argv[1]))
 """
 
 
-def test_concurrent_first_use_of_a_new_sqlite_store(tmp_path):
-    """Three processes on a fresh database at once: without the lock MLflow's table setup fails
-    (duplicate column name / alembic version); with it all three get the same experiment."""
+@pytest.mark.parametrize("entry", ["experiment_id", "start_run"])
+def test_concurrent_first_use_of_a_new_sqlite_store(tmp_path, entry):
+    """Processes on a fresh database at once: without the lock MLflow's table setup fails
+    (duplicate column name / alembic "Online migration expected to match one row"); with it all
+    get the same experiment. ``start_run`` is the path of two ``benchx train`` on a new store."""
     uri = f"sqlite:///{tmp_path / 'new.db'}"
     go = tmp_path / "go"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    count = 3 if entry == "experiment_id" else 2
     processes = [
-        subprocess.Popen([sys.executable, "-c", FIRST_USE, uri, str(go), str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(3)
+        subprocess.Popen([sys.executable, "-c", FIRST_USE, uri, str(go), str(i), entry], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for i in range(count)
     ]
     deadline = time.time() + 300
-    while len(list(tmp_path.glob("ready-*"))) < 3 and time.time() < deadline:
+    while len(list(tmp_path.glob("ready-*"))) < count and time.time() < deadline:
         time.sleep(0.2)
     go.touch()
     outputs = [p.communicate(timeout=300) for p in processes]
     for process, (out, err) in zip(processes, outputs):
         assert process.returncode == 0, err[-2000:]
     assert len({out.strip() for out, _ in outputs}) == 1, "every process found the same experiment"
+    if entry == "start_run":
+        client = MlflowClient(uri)
+        runs = client.search_runs([client.get_experiment_by_name("concurrent").experiment_id])
+        assert len(runs) == count and {run.info.status for run in runs} == {"RUNNING"}
 
 
 def test_ended_run_sets_the_status_by_outcome(mlflow_uri):

@@ -17,7 +17,9 @@ from typing import Sequence
 DESCRIPTION = (
     "Compare evaluation runs on the same evaluation set with the first (the baseline): per subgroup the "
     "difference with its paired bootstrap CI at the fixed m, at the m chosen on validation and at matched "
-    "specificity (docs/design.md \"Confidence intervals and comparisons\")."
+    "specificity (docs/design.md \"Confidence intervals and comparisons\"). An evaluation run made with "
+    "--allow-training-overlap (tag training_overlap_override) is refused: its evaluation set holds cases the "
+    "model learned from. Errors a user can fix exit with status 2."
 )
 
 
@@ -39,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         table, run_id = compare(args.run_ids, args.stage, experiment=args.experiment or None, n_resamples=args.resamples)
     except EvaluationError as error:
         print(f"benchx compare: {error}", file=sys.stderr)
-        return 1
+        return 2
     print(format_comparison(table))
     if run_id:
         print(f"comparison logged to run {run_id}")

@@ -14,10 +14,15 @@ The real and synthetic exposures of each epoch are logged (``mixing/real_exposur
 ``mixing/synthetic_exposures``). With r = 0 the training data is exactly the baseline's: the mixing
 dataset is not built at all.
 
-Refusals, each naming the cases: a synthetic case in the validation or test split, a synthetic case
-whose canvas (``source_case_id``) is not a real training case of the current split, a "synthetic"
-cohort with real rows. The synthetic cohort is logged as an MLflow dataset input of the training
-run (lineage back to the generator run through ``generator_run_id``).
+Refusals, each naming the cases, before any run is opened: a synthetic case in the validation or
+test split, a synthetic case whose canvas (``source_case_id``) is not a real training case of the
+current split, a "synthetic" cohort with real rows, and a cohort whose generator learned from a
+case that is not a real training case of the current split (its ``synthx_provenance.json``, naming
+the first such case; a cohort without the file is refused too:
+:mod:`lightning_modules.data.synthetic_provenance`). The synthetic cohort is logged as an MLflow
+dataset input of the training run (lineage back to the generator run through ``generator_run_id``),
+and the cases its generator learned from as ``generator_training_cases.csv``, which evaluation
+checks against the cases it scores.
 
 Example::
 
@@ -40,6 +45,14 @@ from omegaconf import DictConfig
 from torch.utils.data import Sampler
 
 from lightning_modules.data.cohort import Cohort, CohortError, load_cohort
+from lightning_modules.data.splits import split_sha256
+from lightning_modules.data.synthetic_provenance import (
+    PROVENANCE_FILE,
+    cohort_provenance_problem,
+    generator_training_cases,
+    read_provenance,
+)
+from lightning_modules.evaluation.provenance import log_generator_training_cases
 from lightning_modules.tracking import log_inputs
 from lightning_modules.data.datamodule import CohortDataModule, cached_dataset, case_items, seeded_compose
 
@@ -113,9 +126,9 @@ def resolve_synthetic_cohort(recipe: DictConfig) -> Path | None:
     if recipe.synthx.cohort:
         return Path(recipe.synthx.cohort)
     if recipe.synthx.generator_run:
-        from lightning_modules.tracking import tracking_uri
+        from lightning_modules.tracking import tracking_client, tracking_uri
 
-        run = MlflowClient(tracking_uri=tracking_uri(recipe.tracking.uri)).get_run(str(recipe.synthx.generator_run))
+        run = tracking_client(tracking_uri(recipe.tracking.uri)).get_run(str(recipe.synthx.generator_run))
         path = run.data.tags.get(SYNTHETIC_COHORT_TAG) or run.data.params.get("out")
         if not path:
             raise CohortError([f"MLflow run {recipe.synthx.generator_run} has no '{SYNTHETIC_COHORT_TAG}' tag"])
@@ -123,9 +136,18 @@ def resolve_synthetic_cohort(recipe: DictConfig) -> Path | None:
     return None
 
 
-def check_synthetic_cohort(synthetic: Cohort, split: pd.DataFrame, real: Cohort) -> None:
-    """Refuse synthetic cases that would leak: canvases outside the training split, real rows, val/test use."""
-    problems = []
+def check_synthetic_cohort(synthetic: Cohort, split: pd.DataFrame, real: Cohort, split_sha256: str) -> None:
+    """Refuse synthetic cases that would leak: canvases outside the training split, real rows, val/test
+    use, and a generator that learned from a case outside the training split.
+
+    Args:
+        synthetic: the synthetic cohort.
+        split: the current split table.
+        real: the real cohort.
+        split_sha256: the current split file's sha256.
+    """
+    problem = cohort_provenance_problem(synthetic.root, split, split_sha256)
+    problems = ([problem] if problem else []) + generator_mismatches(synthetic)
     train_cases = set(split.loc[split["split"] == "train", "case_id"])
     held_out = set(split.loc[split["split"] != "train", "case_id"])
     for row in synthetic.metadata.itertuples():
@@ -140,6 +162,23 @@ def check_synthetic_cohort(synthetic: Cohort, split: pd.DataFrame, real: Cohort)
         problems.append(f"{case_id}: synthetic case in the validation/test split: synthetic data is training-only")
     if problems:
         raise CohortError(problems, synthetic.root)
+
+
+def generator_mismatches(synthetic: Cohort) -> list[str]:
+    """The first case made by another generator than the one the cohort's provenance describes (a cohort
+    holds the output of one generator, so one provenance file speaks for every case)."""
+    try:
+        provenance = read_provenance(synthetic.root)
+    except ValueError:  # reported by cohort_provenance_problem
+        return []
+    recorded = provenance.generator_run_id if provenance is not None else ""
+    if not recorded or "generator_run_id" not in synthetic.metadata.columns:
+        return []
+    for case_id, run_id in zip(synthetic.metadata["case_id"], synthetic.metadata["generator_run_id"].astype(str)):
+        if run_id and run_id != recorded:
+            return [f"{case_id}: made by generator run {run_id}, but {synthetic.root}/{PROVENANCE_FILE} describes run "
+                    f"{recorded}: keep each generator's cases in a cohort of their own"]
+    return []
 
 
 class MixedTrainingSet(Dataset):
@@ -172,7 +211,6 @@ def mixing_datamodule(recipe: DictConfig) -> CohortDataModule:
     synthetic = load_cohort(synthetic_root)
 
     def build(datamodule: CohortDataModule, transforms: list):
-        check_synthetic_cohort(synthetic, datamodule.split, datamodule.cohort)
         classes = list(recipe.data.classes)
         real_items = case_items(datamodule.cohort, datamodule.case_ids("train"), classes)
         synth_items = case_items(synthetic, synthetic.case_ids, classes)
@@ -182,6 +220,9 @@ def mixing_datamodule(recipe: DictConfig) -> CohortDataModule:
         )
 
     datamodule = CohortDataModule(recipe, train_dataset_factory=build)
+    # Checked here, before any run is opened (training refuses before it touches MLflow).
+    datamodule._load()
+    check_synthetic_cohort(synthetic, datamodule.split, datamodule.cohort, split_sha256(recipe.data.split))
     datamodule.synthetic_cohort = synthetic
     return datamodule
 
@@ -218,4 +259,5 @@ def log_dataset_inputs(client: MlflowClient, run_id: str, datamodule: CohortData
         if generators:
             client.set_tag(run_id, "generator_run_ids", ",".join(generators))
         client.set_tag(run_id, SYNTHETIC_COHORT_TAG, str(synthetic.root))
+        log_generator_training_cases(client, run_id, generator_training_cases(synthetic.root, datamodule.cohort.metadata))
     log_inputs(client, run_id, inputs)  # concurrent workers may log the same dataset

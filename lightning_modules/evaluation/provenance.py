@@ -1,9 +1,11 @@
 """Which cases a model was trained on, and the check that an evaluation never scores them
 (docs/design.md "Split files").
 
-A training run logs ``training_cases.csv`` (case id and patient id of every real training case).
-``evaluate`` reads it back and refuses an evaluation set that holds a training case, or a case of a
-training patient, unless the caller overrides it explicitly (the override is recorded in the run).
+A training run logs ``training_cases.csv`` (case id and patient id of every real training case)
+and, when it mixed in a synthetic cohort, ``generator_training_cases.csv`` (the cases the cohort's
+generator learned from: a model trained on its output learned from them too). ``evaluate`` reads
+both back and refuses an evaluation set that holds such a case, or a case of such a patient,
+unless the caller overrides it explicitly (the override is recorded in the run).
 
 Example::
 
@@ -21,6 +23,7 @@ import pandas as pd
 from lightning_modules.tracking import check_run_id
 
 TRAINING_CASES_ARTIFACT = "training_cases.csv"
+GENERATOR_CASES_ARTIFACT = "generator_training_cases.csv"
 
 
 def log_training_cases(client, run_id: str, split: pd.DataFrame) -> None:
@@ -32,12 +35,21 @@ def log_training_cases(client, run_id: str, split: pd.DataFrame) -> None:
         client.log_artifact(run_id, str(path))
 
 
-def training_cases(client, run_id: str, folder: str | Path) -> pd.DataFrame | None:
-    """A training run's recorded training cases (case_id, patient_id), or None when it has none."""
+def log_generator_training_cases(client, run_id: str, cases: pd.DataFrame) -> None:
+    """Log the cases the generator of a mixed-in synthetic cohort learned from (case_id, patient_id)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / GENERATOR_CASES_ARTIFACT
+        cases[["case_id", "patient_id"]].astype(str).sort_values("case_id").to_csv(path, index=False)
+        client.log_artifact(run_id, str(path))
+
+
+def training_cases(client, run_id: str, folder: str | Path, artifact: str = TRAINING_CASES_ARTIFACT) -> pd.DataFrame | None:
+    """A training run's recorded training cases (case_id, patient_id), or None when it has none.
+    ``artifact=GENERATOR_CASES_ARTIFACT``: the cases its synthetic data's generator learned from."""
     names = {item.path for item in client.list_artifacts(check_run_id(run_id))}
-    if TRAINING_CASES_ARTIFACT not in names:
+    if artifact not in names:
         return None
-    path = client.download_artifacts(run_id, TRAINING_CASES_ARTIFACT, str(folder))
+    path = client.download_artifacts(run_id, artifact, str(folder))
     return pd.read_csv(path, dtype=str, keep_default_na=False)
 
 
@@ -56,4 +68,24 @@ def training_overlap(evaluated: pd.DataFrame, training: pd.DataFrame) -> list[st
             problems.append(f"case {case_id}: is one of the model's training cases")
         elif patient_id in train_patients:
             problems.append(f"case {case_id}: patient {patient_id} has training cases")
+    return problems
+
+
+def generator_overlap(evaluated: pd.DataFrame, generator: pd.DataFrame) -> list[str]:
+    """One line per evaluated case that the generator of the model's synthetic training data learned
+    from, or that belongs to a patient of such a case.
+
+    Args:
+        evaluated: the evaluated cases (columns case_id, patient_id).
+        generator: the cases the generator learned from (same columns; patient may be empty).
+    """
+    cases = set(generator["case_id"].astype(str).str.strip())
+    patients = {p: c for c, p in zip(generator["case_id"].astype(str).str.strip(), generator["patient_id"].astype(str).str.strip()) if p}
+    problems = []
+    for case_id, patient_id in zip(evaluated["case_id"].astype(str).str.strip(), evaluated["patient_id"].astype(str).str.strip()):
+        if case_id in cases:
+            problems.append(f"case {case_id}: the generator of the model's synthetic training data learned from it")
+        elif patient_id in patients:
+            problems.append(f"case {case_id}: patient {patient_id}: the generator of the model's synthetic training data "
+                            f"learned from this patient's case {patients[patient_id]}")
     return problems

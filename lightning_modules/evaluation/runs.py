@@ -10,7 +10,8 @@ thresholds, ``operating_point/val_chosen_low`` and ``_high`` the spread of a bag
 refuses an evaluation set holding a training case or patient of the model unless
 ``allow_training_overlap`` is set (then tagged ``training_overlap_override``).
 
-``compare`` takes two or more evaluation runs on the same evaluation set (same case-id hash) and
+``compare`` takes two or more evaluation runs on the same evaluation set (same case-id hash),
+refuses any of them evaluated with ``allow_training_overlap`` (its numbers are contaminated), and
 writes the table of BenchX table 6 at each operating point (fixed m, validation-chosen, matched
 specificity): for each subgroup its patients, positives and negatives, baseline, augmented, the
 difference with its paired bootstrap CI, the share of resamples where it was defined, and whether
@@ -42,7 +43,7 @@ from lightning_modules.evaluation.bootstrap import bootstrap_subgroup_metrics, e
 from lightning_modules.evaluation.callback import FALLBACK_TAG, SubgroupEvaluation
 from lightning_modules.evaluation.figures import close, comparison_figure
 from lightning_modules.evaluation.metric_keys import mlflow_metric_keys
-from lightning_modules.evaluation.provenance import training_cases, training_overlap
+from lightning_modules.evaluation.provenance import GENERATOR_CASES_ARTIFACT, generator_overlap, training_cases, training_overlap
 from lightning_modules.evaluation.subgroups import support_rule_text
 from lightning_modules.evaluation.thresholds import (
     OperatingPoint,
@@ -96,7 +97,8 @@ def check_training_overlap(
     client: MlflowClient, training_run_id: str | None, evaluated: pd.DataFrame, allow: bool
 ) -> dict[str, str]:
     """Refuse (EvaluationError) an evaluation set sharing a case or patient with the model's training
-    cases, unless ``allow``; returns the tags that record what was checked."""
+    cases or with the cases its synthetic data's generator learned from, unless ``allow``; returns
+    the tags that record what was checked."""
     if training_run_id is None:
         log.warning("evaluate: no training run known for this checkpoint, so its training cases are not checked")
         return {OVERLAP_CHECK_TAG: "unavailable: no training run"}
@@ -106,11 +108,19 @@ def check_training_overlap(
         raise EvaluationError(f"training run {training_run_id}: not found in the tracking store ({error})") from error
     with tempfile.TemporaryDirectory() as folder:
         training = training_cases(client, training_run_id, folder)
+        generator = training_cases(client, training_run_id, folder, GENERATOR_CASES_ARTIFACT)
     if training is None:
         log.warning("evaluate: training run %s records no training cases; overlap not checked", training_run_id)
         return {OVERLAP_CHECK_TAG: "unavailable: the training run records no training_cases.csv"}
-    problems = training_overlap(evaluated, training)
+    # A model trained on synthetic data also learned from the cases its generator learned from.
+    problems = training_overlap(evaluated, training) + (generator_overlap(evaluated, generator) if generator is not None else [])
     if not problems:
+        from lightning_modules.data.mixing import SYNTHETIC_COHORT_TAG
+
+        if generator is None and client.get_run(training_run_id).data.tags.get(SYNTHETIC_COHORT_TAG):
+            log.warning("evaluate: training run %s mixed in synthetic data but records no %s; the generator's training "
+                        "cases are not checked", training_run_id, GENERATOR_CASES_ARTIFACT)
+            return {OVERLAP_CHECK_TAG: f"passed for the real training cases; the generator's are unknown (no {GENERATOR_CASES_ARTIFACT})"}
         return {OVERLAP_CHECK_TAG: "passed"}
     listing = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
     if not allow:
@@ -291,6 +301,13 @@ def _load_run(client: MlflowClient, run_id: str, stage: str, folder: str) -> Eva
         run = client.get_run(run_id)
     except Exception as error:  # MLflow raises its own exception for an unknown run
         raise EvaluationError(f"run {run_id}: not found in the tracking store ({error})") from error
+    if run.data.tags.get(OVERLAP_OVERRIDE_TAG) == "true":
+        check = run.data.tags.get(OVERLAP_CHECK_TAG, "failed")
+        raise EvaluationError(
+            f"run {run_id} was evaluated with --allow-training-overlap ({OVERLAP_CHECK_TAG}: {check}): its evaluation "
+            "set holds cases the model learned from, so a difference to it says nothing; evaluate the model on a "
+            "split whose val/test cases it never saw"
+        )
     records = download_records(client, run_id, stage, folder)
     if records is None:
         raise EvaluationError(f"run {run_id} has no {stage} records: evaluate it first")
@@ -381,7 +398,8 @@ def compare(
 
     Raises:
         EvaluationError: fewer than two runs, a malformed or repeated run id, a run without
-            records, or runs evaluated on different sets.
+            records, a run evaluated with the training overlap allowed (tag
+            ``training_overlap_override``), or runs evaluated on different sets.
     """
     run_ids = _check_run_ids(run_ids)
     uri = tracking_uri(uri)

@@ -2,7 +2,7 @@
 
 Example::
 
-    benchx sweep --recipe recipes/unet.yaml --trials 8 --objective both profile=cpu synthx.cohort=data/synthetic
+    benchx sweep --recipe recipes/unet.yaml --trials 8 --objective both profile=cpu trainer.val_every_n_steps=1000 synthx.cohort=data/synthetic
 """
 
 from __future__ import annotations
@@ -13,13 +13,20 @@ from typing import Sequence
 
 from lightning_modules.commands.common import add_overrides_argument, parse_command_line, split_overrides
 from lightning_modules.config.recipe import load_recipe
-from synthx.sweep import DEFAULT_HEARTBEAT_S, DEFAULT_STORAGE, OBJECTIVES, PARENT_ATTR, SweepSettings, safe_url, sweep
+from synthx.sweep import DEFAULT_HEARTBEAT_S, DEFAULT_STORAGE, OBJECTIVES, PARENT_ATTR, SweepError, SweepSettings, safe_url, sweep
+
+
+VALIDATION_NOTE = (
+    "Every trial is scored on validation: a recipe that validates nothing during training "
+    "(trainer.val_every_n_steps 0, as in unet's cpu profile) is refused with exit 2; one that validates only at "
+    "its last step runs without pruning. The sweep's MLflow run ends FINISHED or FAILED with its worker."
+)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     from synthx import sweep as library
 
-    parser = argparse.ArgumentParser(prog="benchx sweep", description=library.__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="benchx sweep", description=library.__doc__.split("\n\n")[0] + " " + VALIDATION_NOTE)
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--study-name", default="synthx-ratio")
     parser.add_argument("--storage", default=DEFAULT_STORAGE,
@@ -59,6 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         study = sweep(settings)
+    except SweepError as error:
+        print(f"benchx sweep: {error}", file=sys.stderr)
+        return 2
     except RuntimeError as error:
         print(f"benchx sweep: {error}", file=sys.stderr)
         return 1

@@ -14,7 +14,10 @@ cases. A case that fails is reported and quarantined, and nothing of it is writt
 
 Synthetic cases are training data only: the output cohort gets no split file, and the mixing code
 (:mod:`lightning_modules.data.mixing`) checks that each canvas is a real training case of the split
-in use. Metadata: ``synthetic=1``, ``tumor=1``, ``source_case_id`` (the canvas), the canvas'
+in use. The generator's provenance is copied into the cohort (``synthx_provenance.json``; the
+phantom painter's says it learned from no case), so that mixing, the audit and evaluation check
+what the generator learned from against their own split
+(:mod:`lightning_modules.data.synthetic_provenance`). Metadata: ``synthetic=1``, ``tumor=1``, ``source_case_id`` (the canvas), the canvas'
 ``patient_id``, ``cohort``, ``sex``, ``age``, ``race`` and ``phase``, ``tumor_diameter_mm``,
 ``tumor_location``, ``generator_run_id`` and ``synthesis_run_id``.
 
@@ -258,6 +261,15 @@ def _manifest(settings: SynthesisSettings, source: str, run_id: str, provenance:
     }
 
 
+def _cohort_provenance(provenance: GeneratorProvenance | None, run_id: str) -> GeneratorProvenance:
+    """What the synthetic cohort records of its generator, so that mixing, the audit and evaluation
+    can check it against the split they use: the generator's provenance with its resolved run id,
+    or, for the phantom painter (provenance None), a painter that learned from no case."""
+    if provenance is None:
+        return GeneratorProvenance(trained=False)
+    return replace(provenance, generator_run_id=run_id or provenance.generator_run_id)
+
+
 SYNTHESIS_RUN_FILE = "synthesis_run.json"
 
 
@@ -387,6 +399,7 @@ def synthesize(settings: SynthesisSettings, requests) -> SynthesisSummary:
         out_root.mkdir(parents=True, exist_ok=True)
         manifest = _manifest(settings, source, generator_run_id, provenance, split_hash)
         check_manifest(out_root, manifest)
+        _cohort_provenance(provenance, generator_run_id).write(out_root)
         rows = read_existing_rows(out_root)
         remove_stale_staging(out_root)
         summary = SynthesisSummary(out_root, len(fillable), generator_run_id=generator_run_id,

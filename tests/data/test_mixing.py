@@ -70,6 +70,8 @@ def test_training_with_additive_mixing_logs_each_epochs_exposures(tiny_phantom, 
 
     from conftest import tiny_overrides
     from lightning_modules.data.cohort import load_cohort, write_metadata
+    from lightning_modules.data.splits import split_sha256
+    from lightning_modules.data.synthetic_provenance import GeneratorProvenance
     from lightning_modules.training import train
 
     root, split = tiny_phantom
@@ -84,6 +86,8 @@ def test_training_with_additive_mixing_logs_each_epochs_exposures(tiny_phantom, 
         rows.append({"case_id": f"SX{index:04d}", "patient_id": row["patient_id"], "sex": row["sex"], "age": row["age"],
                      "phase": row["phase"], "synthetic": 1, "source_case_id": canvas, "generator_run_id": ""})
     write_metadata(synthetic, pd.DataFrame(rows))
+    # As benchx synthesize records it: the generator learned from training cases of this split.
+    GeneratorProvenance(training_cases=train_ids[:2], split_sha256=split_sha256(split)).write(synthetic)
     steps = 2 * len(train_ids)  # about two epochs at batch size 2 with r = 1
     recipe = load_recipe(RECIPE, [*tiny_overrides(root, split, tmp_path, steps=steps), "synthx.ratio=1.0", f"synthx.cohort={synthetic}",
                                   "data.batch_size=2", "data.cache=none"])

@@ -11,6 +11,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from lightning_modules.commands.compare import main as compare_main
+from lightning_modules.commands.compare import parser as compare_parser
 from lightning_modules.commands.evaluate import main as evaluate_main
 from lightning_modules.config.recipe import load_recipe
 from lightning_modules.evaluation.provenance import TRAINING_CASES_ARTIFACT, training_overlap
@@ -121,7 +122,7 @@ def test_compare_refuses_the_same_run_twice_malformed_ids_and_different_sets(two
         compare([run_id, run_id], "test", uri=recipe.tracking.uri, experiment=None, n_resamples=20)
     with pytest.raises(EvaluationError, match="not an MLflow run id"):
         compare([run_id, "../../etc"], "test", uri=recipe.tracking.uri, experiment=None, n_resamples=20)
-    assert compare_main([run_id, run_id.upper()]) == 1
+    assert compare_main([run_id, run_id.upper()]) == 2
     assert "not an MLflow run id" in capsys.readouterr().err
     # An evaluation on another set (of cases the model never trained on) is refused by compare.
     frame = pd.read_csv(split)
@@ -169,6 +170,31 @@ def test_evaluate_refuses_training_cases_unless_overridden(two_models, tiny_phan
     run_id, _ = evaluate(leaking, result.best_checkpoint, ("test",), training_run_id=result.run_id, allow_training_overlap=True)
     tags = client.get_run(run_id).data.tags
     assert tags[OVERLAP_OVERRIDE_TAG] == "true" and tags[OVERLAP_CHECK_TAG].startswith("failed: ")
+
+
+def test_compare_refuses_an_evaluation_made_with_the_training_overlap_allowed(two_models, tiny_phantom, tmp_path, capsys, monkeypatch):
+    """A clean evaluation compared with one made with --allow-training-overlap: exit 2 naming the run, no comparison run."""
+    models, store = two_models
+    root, split = tiny_phantom
+    recipe, result = models[0]
+    clean, _ = evaluate(recipe, result.best_checkpoint, ("test",), training_run_id=result.run_id)
+    frame = pd.read_csv(split)
+    train_case = frame.index[frame["split"] == "train"][0]
+    frame.loc[frame["patient_id"] == frame.loc[train_case, "patient_id"], "split"] = "test"
+    leaking_split = tmp_path / "leaking.csv"
+    frame.to_csv(leaking_split, index=False)
+    leaking = load_recipe(RECIPES / "unet.yaml", tiny_overrides(root, leaking_split, store, steps=2))
+    overlapping, _ = evaluate(leaking, result.best_checkpoint, ("test",), training_run_id=result.run_id, allow_training_overlap=True)
+    client = MlflowClient(recipe.tracking.uri)
+    experiment = client.get_experiment_by_name("benchx").experiment_id
+    compares_before = len(client.search_runs([experiment], "tags.stage = 'compare'"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", recipe.tracking.uri)
+    for order in ([clean, overlapping], [overlapping, clean]):
+        assert compare_main([*order, "--resamples", "20"]) == 2
+        err = capsys.readouterr().err
+        assert f"run {overlapping} was evaluated with --allow-training-overlap" in err and "Traceback" not in err
+    assert len(client.search_runs([experiment], "tags.stage = 'compare'")) == compares_before, "nothing logged"
+    assert "--allow-training-overlap" in " ".join(compare_parser().format_help().split())
 
 
 def test_a_case_of_a_training_patient_is_named():

@@ -21,6 +21,8 @@ from lightning_modules.data.cohort import CohortError, load_cohort, write_metada
 from lightning_modules.data.datamodule import CohortDataModule
 from lightning_modules.config.recipe import load_recipe
 from lightning_modules.data.mixing import MixingSampler, mixing_datamodule
+from lightning_modules.data.splits import split_sha256
+from lightning_modules.data.synthetic_provenance import GeneratorProvenance
 from lightning_modules.training import train
 
 
@@ -39,6 +41,9 @@ def fake_synthetic_cohort(root, split, out, canvas_split: str = "train", n: int 
                      "age": row["age"], "phase": row["phase"], "race": row["race"], "synthetic": 1,
                      "source_case_id": canvas, "generator_run_id": "gen-run-1"})
     write_metadata(out, pd.DataFrame(rows))
+    # As benchx synthesize records it: a generator that learned from the split's training cases.
+    training = list(table.loc[table["split"] == "train", "case_id"])
+    GeneratorProvenance(training_cases=training, split_sha256=split_sha256(split), generator_run_id="gen-run-1").write(out)
     return out
 
 

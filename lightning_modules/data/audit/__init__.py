@@ -14,7 +14,9 @@ Missouri et al.), whose near-duplicate count stays flat from NCC 0.98 to 0.995 o
    (the paper's flagged count stays flat from 0.98 to 0.995 when the pairs are true duplicates).
 2. Patients. A patient in two splits; a metadata table without ``patient_id`` (each case is then
    its own patient, so scans of one person cannot be traced: the audit says so); synthetic cases
-   made from a validation/test canvas or from a case outside the split.
+   made from a validation/test canvas or from a case outside the split; a synthetic cohort whose
+   generator learned from a case that is not a training case of the split (naming the first), or
+   whose generator's provenance is unknown.
 3. Source/header. Gradient-boosted trees trained on acquisition metadata alone (spacing, shape,
    dtype, file size, scanner, cohort, phase) predict the tumor label on train and are scored on
    test by balanced accuracy. Well above chance (default > 0.65, and p < 0.05 by a label-permutation
@@ -22,7 +24,7 @@ Missouri et al.), whose near-duplicate count stays flat from NCC 0.98 to 0.995 o
    learn the site or protocol instead of the tumor.
 
 Findings of severity ``leak`` (cross-split duplicates, patient overlap, synthetic canvases outside
-train) make ``benchx audit`` exit 1; training refuses to start on them unless
+train, a generator that learned from validation/test cases) make ``benchx audit`` exit 1; training refuses to start on them unless
 ``data.allow_leakage=true`` (:func:`check_split_leakage`, the fast path without the classifier).
 
 Modules: ``volumes`` (one read per CT: hash, signatures, header features), ``duplicates`` (layer 1),

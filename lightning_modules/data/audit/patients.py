@@ -1,8 +1,11 @@
 """The audit's patient layer: which cases are audited, patients in two splits, and synthetic canvases.
 
-A patient in two splits is a leak; so is a synthetic case in val/test, or one painted on a canvas
-that is not a training case of the split (the evaluation scan then leaks into training). A table
-without ``patient_id`` (each case its own patient) is a warning: scans of one person cannot be traced.
+A patient in two splits is a leak; so is a synthetic case in val/test, one painted on a canvas
+that is not a training case of the split (the evaluation scan then leaks into training), and a
+synthetic cohort whose generator learned from a case that is not a training case of the split, or
+whose generator's provenance is unknown (:mod:`lightning_modules.data.synthetic_provenance`). A
+table without ``patient_id`` (each case its own patient) is a warning: scans of one person cannot
+be traced.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import pandas as pd
 from lightning_modules.data.audit.findings import Finding, split_order
 from lightning_modules.data.cohort import Cohort
 from lightning_modules.data.splits import SPLITS
+from lightning_modules.data.synthetic_provenance import cohort_provenance_problem, read_provenance
 
 CASE_COLUMNS = ("case_id", "split", "patient_id", "synthetic", "source_case_id", "cohort_index")
 
@@ -117,4 +121,24 @@ def _synthetic_findings(row, split_of: dict[str, str]) -> list[Finding]:
                 detail=detail,
             )
         )  # fmt: skip
+    return findings
+
+
+def generator_findings(synthetic_cohorts: Sequence[Cohort], split: pd.DataFrame, split_sha256: str) -> list[Finding]:
+    """One leak per synthetic cohort whose generator learned from a case outside this split's training
+    set (naming the first such case), or whose generator's provenance is missing or unreadable."""
+    findings = []
+    for synthetic in synthetic_cohorts:
+        problem = cohort_provenance_problem(synthetic.root, split, split_sha256)
+        if problem is None:
+            continue
+        try:
+            provenance = read_provenance(synthetic.root)
+        except ValueError:
+            provenance = None
+        split_of = dict(zip(split["case_id"].astype(str), split["split"].astype(str)))
+        outside = [c for c in (provenance.training_cases if provenance else []) if split_of.get(c) != "train"]
+        case_id = outside[0] if outside else ""
+        kind = "synthetic_generator_learned_eval" if outside else "synthetic_generator_unknown"
+        findings.append(Finding("patients", kind, "leak", case_id, split=split_of.get(case_id, "") if case_id else "", detail=problem))
     return findings

@@ -26,7 +26,7 @@ from lightning_modules.data.audit.duplicates import (
 )
 from lightning_modules.data.audit.findings import Finding
 from lightning_modules.data.audit.header import HeaderLeakage, header_leakage
-from lightning_modules.data.audit.patients import audited_cases, patient_findings
+from lightning_modules.data.audit.patients import audited_cases, generator_findings, patient_findings
 from lightning_modules.data.audit.volumes import CONFIRM_SIZE, SIGNATURE_SIZE, AuditedVolume, read_volumes
 from lightning_modules.data.cohort import Cohort, load_cohort
 from lightning_modules.data.splits import SPLITS, load_split, split_sha256
@@ -114,6 +114,7 @@ def _scan(cohort, split, synthetic_cohorts, settings: AuditSettings, thresholds:
     split_table, digest = _as_split(split)
     cases, findings = audited_cases(cohort, split_table, synthetic_cohorts)
     findings += patient_findings(cohort, cases)
+    findings += generator_findings(synthetic_cohorts, split_table, digest)
     volumes = read_volumes(
         [cohort, *synthetic_cohorts], cases, settings.lesion_class, settings.coarse_size, settings.fine_size,
         settings.workers,
