@@ -118,7 +118,8 @@ def _real_cases(metadata: pd.DataFrame, val_fraction: float, test_fraction: floa
     missing = [c for c in ("case_id", "patient_id", "tumor", "phase") if c not in metadata.columns]
     if missing:
         raise SplitSettingError(f"metadata lacks column(s) {missing} needed to split")
-    if not (0 <= val_fraction <= 1 and 0 <= test_fraction <= 1 and val_fraction + test_fraction <= 1 + FRACTION_TOLERANCE):
+    in_range = 0 <= val_fraction <= 1 and 0 <= test_fraction <= 1
+    if not (in_range and val_fraction + test_fraction <= 1 + FRACTION_TOLERANCE):
         raise SplitSettingError(
             f"--val and --test must be shares in [0, 1] with val + test <= 1 (1: no training share, for an "
             f"external cohort), got val={val_fraction}, test={test_fraction}"

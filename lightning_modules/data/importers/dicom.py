@@ -131,7 +131,9 @@ _DATE_PATTERNS = (
     re.compile(r"(?<!\d)(0[1-9]|[12]\d|3[01])(0[1-9]|1[0-2])(19|20)\d{2}(?!\d)"),
     re.compile(r"(?<!\d)(0[1-9]|1[0-2])(0[1-9]|[12]\d|3[01])(19|20)\d{2}(?!\d)"),
     re.compile(rf"(?<!\d)\d{{1,4}}{_SEPARATOR}+\d{{1,2}}{_SEPARATOR}+\d{{1,4}}(?!\d)"),
-    re.compile(rf"(?<!\d)\d{{1,4}}(st|nd|rd|th)?{_SEPARATOR}*(?<![a-z])({_ANY_MONTH})(?![a-z]){_SEPARATOR}*\d{{2,4}}(?!\d)"),
+    re.compile(
+        rf"(?<!\d)\d{{1,4}}(st|nd|rd|th)?{_SEPARATOR}*(?<![a-z])({_ANY_MONTH})(?![a-z]){_SEPARATOR}*\d{{2,4}}(?!\d)"
+    ),
     re.compile(rf"(?<![a-z])({_ANY_MONTH})(?![a-z]){_SEPARATOR}*\d{{1,2}}(st|nd|rd|th)?{_SEPARATOR}*\d{{2,4}}(?!\d)"),
 )
 _IDENTIFIER_PATTERN = re.compile(r"\d{6,}")
@@ -159,7 +161,9 @@ def _folded(text: str) -> str:
 
 
 def _words(text: str) -> set[str]:
-    return {_folded(word) for word in re.split(r"[^0-9a-z]+|(?<=[a-z])(?=\d)|(?<=\d)(?=[a-z])", transliterated(text)) if word}
+    # Words split at separators and between letters and digits ("Ng2" -> "ng", "2").
+    parts = re.split(r"[^0-9a-z]+|(?<=[a-z])(?=\d)|(?<=\d)(?=[a-z])", transliterated(text))
+    return {_folded(word) for word in parts if word}
 
 
 def looks_like_date_or_identifier(name: str) -> bool:
@@ -189,8 +193,8 @@ def date_spellings(value: str) -> re.Pattern | None:
     years = (f"{year:04d}", f"{year % 100:02d}")
     alternatives = []
     for y in years:
-        for order in ((y, f"{month:02d}", f"{day:02d}"), (f"{day:02d}", f"{month:02d}", y), (f"{month:02d}", f"{day:02d}", y)):
-            alternatives.append("".join(order))
+        mm, dd = f"{month:02d}", f"{day:02d}"
+        alternatives += [y + mm + dd, dd + mm + y, mm + dd + y]
     y_any, m_num, d_num = rf"(?:{year // 100:02d})?{year % 100:02d}", rf"0?{month}", rf"0?{day}(?:st|nd|rd|th)?"
     m_name = rf"(?<![a-z])(?:{'|'.join(sorted(_MONTHS[month - 1], key=len, reverse=True))})(?![a-z])"
     separated = rf"{_SEPARATOR}+"
