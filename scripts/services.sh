@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# Start or stop the services a scaled-out run uses, on one machine, bound to 127.0.0.1:
-#   postgres  PostgreSQL 15 (a new cluster in FOLDER/pg; databases "mlflow" and "optuna")
+# Start or stop the services a scaled-out run uses, on one machine, bound to 127.0.0.1 only:
+#   postgres  PostgreSQL 15 (a new cluster in FOLDER/pg; databases "mlflow" and "optuna"); TCP clients
+#             authenticate with a generated password (scram-sha-256, kept in FOLDER/pgpass, mode 600,
+#             found through PGPASSFILE), the Unix socket with peer authentication
 #   mlflow    `mlflow server` on that PostgreSQL, artifacts in FOLDER/artifacts (needs postgres)
-#   slurm     a single-node Slurm (munged, slurmctld, slurmd) with FOLDER/slurm/slurm.conf
+#   slurm     a single-node Slurm (munged on a Unix socket only; slurmctld and slurmd bound to
+#             127.0.0.1 by CommunicationParameters=NoCtldInAddrAny,NoInAddrAny) with FOLDER/slurm/slurm.conf
 #
 # Usage:
 #   bash scripts/services.sh start FOLDER [postgres] [mlflow] [slurm]   # default: all three
-#   source FOLDER/env.sh      # MLFLOW_TRACKING_URI, BENCHX_POSTGRES_URL, BENCHX_OPTUNA_STORAGE, SLURM_CONF
+#   source FOLDER/env.sh      # MLFLOW_TRACKING_URI, BENCHX_POSTGRES_URL, BENCHX_OPTUNA_STORAGE, PGPASSFILE, SLURM_CONF
 #   bash scripts/services.sh stop FOLDER
 #
-# Environment: HOST (default 127.0.0.1; another address exposes the services, see README "Scaling"),
+# Environment: HOST (default 127.0.0.1; another address exposes PostgreSQL and MLflow, still with
+# the password, to the hosts of that network, see README "Scaling"; the test Slurm stays on loopback),
 # PYTHON (the Python that has mlflow and psycopg; default .venv/bin/python, else python3),
 # MLFLOW_WORKERS (default 1: gunicorn workers of the server; raise on a real server).
 # Debian packages: postgresql, slurm-wlm, munge (.ci/setup installs them). Every process is
@@ -45,13 +49,27 @@ start_postgres() {
     chown postgres:postgres "$DIR/pg"
   fi
   chmod 700 "$DIR/pg"
-  as_service_user postgres "$PGBIN/initdb" -D "$DIR/pg/data" -U postgres --auth=trust -E UTF8 --locale=C.UTF-8 >"$DIR/pg/initdb.log"
+  # The superuser's password: only in the pgpass file of whoever started the services (libpq and
+  # psycopg read it through PGPASSFILE), never on a command line or in a URL.
+  local password; password="$("$PYTHON" -c 'import secrets; print(secrets.token_hex(24))')"
+  (umask 077; printf '%s\n' "$password" >"$DIR/pg/pwfile")
+  [ "$(id -u)" = 0 ] && chown postgres:postgres "$DIR/pg/pwfile"
+  (umask 077; printf '%s:%s:*:postgres:%s\n' "$HOST" "$port" "$password" >"$DIR/pgpass")
+  as_service_user postgres "$PGBIN/initdb" -D "$DIR/pg/data" -U postgres --pwfile="$DIR/pg/pwfile" \
+    --auth-host=scram-sha-256 --auth-local=peer -E UTF8 --locale=C.UTF-8 >"$DIR/pg/initdb.log"
+  rm -f "$DIR/pg/pwfile"
+  case "$HOST" in
+    127.*|localhost|::1) ;;
+    # initdb's pg_hba.conf admits loopback clients only; an exposed server admits its network, by password.
+    *) echo "host all all samenet scram-sha-256" | as_service_user postgres tee -a "$DIR/pg/data/pg_hba.conf" >/dev/null ;;
+  esac
   as_service_user postgres "$PGBIN/pg_ctl" -D "$DIR/pg/data" -l "$DIR/pg/server.log" -w start \
     -o "-c listen_addresses=$HOST -c port=$port -c unix_socket_directories=$DIR/pg -c max_connections=400" >/dev/null
-  for db in mlflow optuna; do psql -q -h "$HOST" -p "$port" -U postgres -c "CREATE DATABASE $db"; done
+  env_line PGPASSFILE "$DIR/pgpass"
+  for db in mlflow optuna; do psql -q -h "$HOST" -p "$port" -U postgres -d postgres -c "CREATE DATABASE $db"; done
   env_line BENCHX_POSTGRES_URL "postgresql://postgres@$HOST:$port"
   env_line BENCHX_OPTUNA_STORAGE "postgresql+psycopg://postgres@$HOST:$port/optuna"
-  echo "postgres: $BENCHX_POSTGRES_URL (databases mlflow, optuna; log $DIR/pg/server.log)"
+  echo "postgres: $BENCHX_POSTGRES_URL (password in PGPASSFILE=$PGPASSFILE; databases mlflow, optuna; log $DIR/pg/server.log)"
 }
 
 start_mlflow() {
@@ -79,6 +97,8 @@ SlurmdPort=$2
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# Listen on the SlurmctldHost and NodeAddr address (127.0.0.1) instead of every interface.
+CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
 # cred_expire: the default 120 s would delay a requeued job's restart by two minutes.
 AuthInfo=socket=$DIR/munge/munge.sock,cred_expire=10
 CredType=cred/munge

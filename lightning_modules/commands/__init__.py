@@ -36,6 +36,8 @@ EXPECTED_ERRORS: frozenset[str] = frozenset(
         "lightning_modules.trainer.RankZeroRefusal",
         "lightning_modules.data.cohort.CohortError",
         "lightning_modules.data.splits.SplitError",
+        "lightning_modules.data.splits.SplitSettingError",
+        "lightning_modules.data.splits.SplitExistsError",
         "lightning_modules.data.importers.core.ImportSourceError",
         "lightning_modules.data.importers.core.ImportCaseError",
         "lightning_modules.data.example_ct.ExampleFetchError",

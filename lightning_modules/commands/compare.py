@@ -35,13 +35,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     # Heavy imports after parsing, so --help answers at once.
-    from lightning_modules.evaluation.runs import EvaluationError, compare, format_comparison
+    from lightning_modules.evaluation.runs import compare, format_comparison
 
-    try:
-        table, run_id = compare(args.run_ids, args.stage, experiment=args.experiment or None, n_resamples=args.resamples)
-    except EvaluationError as error:
-        print(f"benchx compare: {error}", file=sys.stderr)
-        return 2
+    # A refused comparison (EvaluationError) is a short message with exit 2 from the benchx dispatcher.
+    table, run_id = compare(args.run_ids, args.stage, experiment=args.experiment or None, n_resamples=args.resamples)
     print(format_comparison(table))
     if run_id:
         print(f"comparison logged to run {run_id}")

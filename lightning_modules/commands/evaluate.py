@@ -48,21 +48,17 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_command_line(parser(), sys.argv[1:] if argv is None else argv)
     # Heavy imports after parsing, so --help answers at once.
-    from lightning_modules.data.cohort import CohortError
-    from lightning_modules.data.splits import SplitError
-    from lightning_modules.evaluation.runs import EvaluationError, evaluate
-    from lightning_modules.models.checkpoints import ModelSourceError, resolve_model_source
+    from lightning_modules.evaluation.runs import evaluate
+    from lightning_modules.models.checkpoints import resolve_model_source
 
-    try:
-        with tempfile.TemporaryDirectory() as folder:
-            recipe, checkpoint = resolve_model_source(
-                Path(folder), args.run_id, args.checkpoint, args.recipe, split_overrides(args.overrides)
-            )
-            run_id, results = evaluate(recipe, checkpoint, args.stages, training_run_id=args.run_id,
-                                       allow_training_overlap=args.allow_training_overlap)
-    except (EvaluationError, ModelSourceError, SplitError, CohortError, FileNotFoundError) as error:
-        print(f"benchx evaluate: {error}", file=sys.stderr)
-        return 1
+    # A refusal the user can fix (training cases in the evaluation set, a run that is no segmentation
+    # model, a broken cohort or split) is a short message with exit 2 from the benchx dispatcher.
+    with tempfile.TemporaryDirectory() as folder:
+        recipe, checkpoint = resolve_model_source(
+            Path(folder), args.run_id, args.checkpoint, args.recipe, split_overrides(args.overrides)
+        )
+        run_id, results = evaluate(recipe, checkpoint, args.stages, training_run_id=args.run_id,
+                                   allow_training_overlap=args.allow_training_overlap)
     from lightning_modules.trainer import global_rank
 
     if global_rank() > 0:  # under DDP only rank 0 reports

@@ -3,8 +3,10 @@
 Run::
 
     benchx make-splits --root data/phantom --out splits/phantom.csv --seed 0 --val 0.1 --test 0.2
+    benchx make-splits --root data/external --out splits/external.csv --val 0.1 --test 0.9   # no training share
 
-Exit status 0 when the split was written, 1 when the cohort or the split was refused.
+Exit status 0 when the split was written; a refused cohort, split or setting (an existing file,
+fractions out of range) is a short message with exit status 2 from the ``benchx`` dispatcher.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_modules.data.cohort import CohortError
 from lightning_modules.data.splits import write_cohort_split
 
 
@@ -22,7 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="split CSV to write (e.g. splits/phantom.csv)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--val", type=float, default=0.1, help="share of cases in val")
-    parser.add_argument("--test", type=float, default=0.2, help="share of cases in test")
+    parser.add_argument(
+        "--test", type=float, default=0.2, help="share of cases in test (val + test = 1 leaves no training share)"
+    )
     parser.add_argument(
         "--tumor-class", default="pancreatic_lesion", help="lesion mask that defines an unrecorded tumor label"
     )
@@ -32,14 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        written = write_cohort_split(args.root, args.out, args.seed, args.val, args.test, args.tumor_class, args.force)
-    except CohortError as error:
-        print(error, file=sys.stderr)
-        return 1
-    except (ValueError, FileExistsError) as error:
-        print(f"benchx make-splits: {error}", file=sys.stderr)
-        return 1
+    written = write_cohort_split(args.root, args.out, args.seed, args.val, args.test, args.tumor_class, args.force)
     print(f"wrote {args.out} (sha256 {written.sha256[:12]}, seed {args.seed})")
     print(written.summary.to_string(index=False))
     if written.synthetic_left_out:

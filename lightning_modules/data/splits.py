@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 SPLITS = ("train", "val", "test")
 SPLIT_COLUMNS = ("case_id", "patient_id", "split")
+# val + test may exceed 1 by float rounding (0.7 + 0.3) and still mean "no training share".
+FRACTION_TOLERANCE = 1e-9
 
 
 class SplitError(ValueError):
@@ -42,6 +44,14 @@ class SplitError(ValueError):
         head = f"split {path}: " if path else "split: "
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{head}{len(self.problems)} problem(s):\n{lines}")
+
+
+class SplitSettingError(ValueError):
+    """Settings that cannot make a split: fractions out of range, too few patients, missing columns."""
+
+
+class SplitExistsError(FileExistsError):
+    """The split file exists: splits are written once and then only read."""
 
 
 def _strata(metadata: pd.DataFrame) -> pd.Series:
@@ -72,18 +82,24 @@ def make_splits(
             dropped: they are training-only data.
         seed: shuffling seed; the same table and seed give the same split.
         val_fraction: target share of cases in ``val``.
-        test_fraction: target share of cases in ``test``.
+        test_fraction: target share of cases in ``test``; ``val + test`` may be 1 (no training
+            share), for an external cohort that only evaluates a model trained elsewhere.
 
     Returns:
         ``case_id, patient_id, split`` for every real case, in the input order.
+
+    Raises:
+        SplitSettingError: fractions out of range, too few patients, missing columns, duplicate ids.
     """
     real = _real_cases(metadata, val_fraction, test_fraction)
-    fractions = np.array([1.0 - val_fraction - test_fraction, val_fraction, test_fraction])
+    train_fraction = 1.0 - val_fraction - test_fraction
+    # val + test == 1 (no training share: an external cohort) may leave a rounding residue.
+    fractions = np.array([train_fraction if train_fraction > FRACTION_TOLERANCE else 0.0, val_fraction, test_fraction])
     patients = real["patient_id"].astype(str).to_numpy()
     patient_names = np.unique(patients)
     needed = int(np.count_nonzero(fractions > 0))
     if len(patient_names) < needed:
-        raise ValueError(f"{len(patient_names)} patient(s) cannot fill {needed} non-empty split(s)")
+        raise SplitSettingError(f"{len(patient_names)} patient(s) cannot fill {needed} non-empty split(s)")
     patient_of_case = np.searchsorted(patient_names, patients)
     counts = _patient_counts(real, patient_of_case, len(patient_names))
     assignment = _allocate(counts, fractions, seed)
@@ -101,10 +117,12 @@ def _real_cases(metadata: pd.DataFrame, val_fraction: float, test_fraction: floa
     """The real (non-synthetic) rows to split, after checking columns, fractions and case ids."""
     missing = [c for c in ("case_id", "patient_id", "tumor", "phase") if c not in metadata.columns]
     if missing:
-        raise ValueError(f"metadata lacks column(s) {missing} needed to split")
-    if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
-        raise ValueError(
-            f"fractions must be in [0, 1) with val + test < 1, got val={val_fraction}, test={test_fraction}"
+        raise SplitSettingError(f"metadata lacks column(s) {missing} needed to split")
+    in_range = 0 <= val_fraction <= 1 and 0 <= test_fraction <= 1
+    if not (in_range and val_fraction + test_fraction <= 1 + FRACTION_TOLERANCE):
+        raise SplitSettingError(
+            f"--val and --test must be shares in [0, 1] with val + test <= 1 (1: no training share, for an "
+            f"external cohort), got val={val_fraction}, test={test_fraction}"
         )
     real = metadata
     if "synthetic" in metadata.columns:
@@ -112,7 +130,7 @@ def _real_cases(metadata: pd.DataFrame, val_fraction: float, test_fraction: floa
     real = real.reset_index(drop=True)
     duplicated = real.loc[real["case_id"].duplicated(), "case_id"].tolist()
     if duplicated:
-        raise ValueError(f"duplicate case id(s) in metadata: {duplicated}")
+        raise SplitSettingError(f"duplicate case id(s) in metadata: {duplicated}")
     return real
 
 
@@ -263,12 +281,12 @@ def write_split(table: pd.DataFrame, path: Path | str, force: bool = False) -> P
     """Write a split once (atomically). An existing file is kept unless ``force``.
 
     Raises:
-        FileExistsError: the file exists and ``force`` is false.
+        SplitExistsError: the file exists and ``force`` is false.
         SplitError: the table is not a sound split (e.g. a patient in two splits).
     """
     path = Path(path)
     if path.exists() and not force:
-        raise FileExistsError(
+        raise SplitExistsError(
             f"split {path} already exists; splits are written once and then only read "
             "(pass force=True / --force to replace it, which changes every result that used it)"
         )
@@ -329,7 +347,7 @@ def write_cohort_split(
 
     Raises:
         CohortError: the cohort cannot be read.
-        ValueError / FileExistsError: see :func:`make_splits` and :func:`write_split`.
+        SplitSettingError / SplitExistsError / SplitError: see :func:`make_splits` and :func:`write_split`.
     """
     cohort = load_cohort(root)
     metadata = cohort.metadata.copy()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 from pathlib import Path
 
 import nibabel as nib
@@ -614,3 +615,112 @@ def test_cli_dispatch_has_import_command():
     from lightning_modules.cli import COMMANDS
 
     assert COMMANDS["import"][:2] == ("lightning_modules.commands.import_cohort", "main")
+
+
+# The three attacks on folder and file names: a transliterated patient name, a birth date spelled
+# with a month name, and a truncated slice whose file name holds the name and birth date.
+
+
+def _imported_everything(out: Path, caplog, capsys) -> str:
+    captured = capsys.readouterr()
+    listing = "\n".join(str(p) for p in out.rglob("*"))
+    return _all_output_bytes(out).decode("latin-1") + listing + caplog.text + captured.out + captured.err
+
+
+@pytest.mark.parametrize(
+    ("folder", "patient_name"),
+    [
+        ("Mueller_Juergen", "Müller^Jürgen"),
+        ("MÜLLER-JÜRGEN", "Mueller^Juergen"),
+        ("muller.jurgen", "Müller^Jürgen"),
+        ("ct_strasse", "Straße^Anna"),
+        ("Oestergaard Soeren", "Østergaard^Søren"),
+    ],
+)
+def test_dicom_folder_with_a_transliterated_patient_name_is_refused(tmp_path, caplog, capsys, folder, patient_name):
+    src = tmp_path / "export"
+    write_dicom_series(src / folder, dicom_hu(), tags={"PatientName": patient_name, "PatientID": "X-1"}, **GEOMETRY)
+    out = tmp_path / "cohort"
+    caplog.set_level("DEBUG")
+    status = import_main(["dicom", str(src), "--out", str(out), "--cohort", "site-t", "--salt", "s3cret", "-v"])
+    assert status == 1  # quarantined, not imported
+    quarantine = pd.read_csv(out / "quarantine.csv", dtype=str, keep_default_na=False)
+    [reason] = quarantine["reason"]
+    assert quarantine["case_id"].iloc[0] == importers.folder_pseudonym(folder, "s3cret")
+    assert "contains the series' PatientName" in reason and "rename the folder" in reason
+    everything = _imported_everything(out, caplog, capsys)
+    assert folder not in everything and not (out / "metadata.csv").exists()
+    for part in re.split(r"[^A-Za-zÀ-ÿ]+", folder):
+        assert len(part) < 4 or part not in everything
+
+
+@pytest.mark.parametrize(
+    "folder",
+    ["pt_14Mar1952", "pt_14-MAR-52", "March 14th 1952", "1952mar14", "born_19520314", "dob_1952-03-14",
+     "dob_14.03.1952", "dob 03-14-1952", "x14031952", "id_520314", "id_140352", "d_14.3.52"],
+)
+def test_dicom_folder_with_the_birth_date_in_any_spelling_is_refused(tmp_path, caplog, folder):
+    src = tmp_path / "export"
+    write_dicom_series(src / folder, dicom_hu(), tags={"PatientBirthDate": "19520314"}, **GEOMETRY)
+    out = tmp_path / "cohort"
+    caplog.set_level("DEBUG")
+    report = importers.import_source("dicom", src, out, cohort="site-b", salt="s3cret")
+    assert not report.imported
+    [(case_id, reason)] = report.quarantined.items()
+    assert case_id == importers.folder_pseudonym(folder, "s3cret") and "PatientBirthDate" in reason
+    written = (out / "quarantine.csv").read_text() + caplog.text
+    assert folder not in written
+
+
+@pytest.mark.parametrize("folder", ["scan_05Apr2023", "scan 5 April 2023", "ct_050423", "ct_2023_4_5", "Doe^Jane"])
+def test_dicom_folder_with_the_study_date_or_a_person_name_gets_a_pseudonym(tmp_path, folder):
+    src = tmp_path / "export"
+    write_dicom_series(src / folder, dicom_hu(), tags={"StudyDate": "20230405"}, **GEOMETRY)
+    out = tmp_path / "cohort"
+    report = importers.import_source("dicom", src, out, cohort="site-s", salt="s3cret")
+    assert report.imported == [importers.folder_pseudonym(folder, "s3cret")] and not report.quarantined
+    assert folder not in (out / "metadata.csv").read_text()
+
+
+def test_dicom_folder_without_a_readable_header_gets_a_pseudonym(tmp_path):
+    src = tmp_path / "export" / "brown"
+    src.mkdir(parents=True)
+    (src / "IM0001").write_bytes(b"not dicom")
+    out = tmp_path / "cohort"
+    report = importers.import_source("dicom", src.parent, out, cohort="site-u", salt="s3cret")
+    # Nothing to check the name against: in doubt, pseudonymized (and quarantined: no series).
+    [(case_id, reason)] = report.quarantined.items()
+    assert case_id == importers.folder_pseudonym("brown", "s3cret") and "brown" not in reason
+
+
+def test_harmless_names_are_kept():
+    header = {"PatientName": "Müller^Jürgen", "PatientID": "MRN55501234", "PatientBirthDate": "19520314",
+              "StudyDate": "20230405"}
+    for name in ("anon001", "case01", "scan_a", "ct_v2", "series", "IM0004", "site-b_017"):
+        assert importers.name_is_harmless(name, header), name
+    # No header to compare with: nothing is harmless.
+    assert not importers.name_is_harmless("anon001", None)
+
+
+@pytest.mark.parametrize("folder", ["anon003", "scan_2021-05-03"])
+def test_a_truncated_slice_is_named_by_position_not_by_its_file_name(tmp_path, caplog, capsys, folder):
+    tags = {"PatientName": "BROWN^BOB", "PatientBirthDate": "19600101", "PatientID": "MRN777"}
+    src = tmp_path / "export"
+    written = write_dicom_series(src / folder, dicom_hu(), tags=tags, **GEOMETRY)
+    named = [path.rename(path.with_name(f"BROWN_BOB_19600101_{i:03d}.dcm")) for i, path in enumerate(written, start=1)]
+    data = named[2].read_bytes()
+    named[2].write_bytes(data[: len(data) - 20])  # the pixel data is cut short
+    out = tmp_path / "cohort"
+    caplog.set_level("DEBUG")
+    status = import_main(["dicom", str(src), "--out", str(out), "--cohort", "site-v", "--salt", "s3cret", "-v"])
+    assert status == 1
+    quarantine = pd.read_csv(out / "quarantine.csv", dtype=str, keep_default_na=False)
+    [reason] = quarantine["reason"]
+    assert "file 3 of 4 (by name)" in reason and "cannot decode pixel data" in reason
+    everything = _imported_everything(out, caplog, capsys)
+    for token in ("BROWN", "19600101", ".dcm", "MRN777"):
+        assert token not in everything, token
+    if folder == "anon003":  # a harmless folder keeps its name; only the file names are hidden
+        assert quarantine["case_id"].iloc[0] == "anon003" and reason.startswith(str(src / "anon003"))
+    else:
+        assert quarantine["case_id"].iloc[0] == importers.folder_pseudonym(folder, "s3cret") and folder not in everything

@@ -9,11 +9,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from lightning_modules.cli import EXIT_USAGE
+from lightning_modules.cli import main as benchx
 from lightning_modules.commands.make_splits import main
 from lightning_modules.data.cohort import load_cohort, write_case, write_metadata
 from lightning_modules.data.metadata import normalize_metadata
 from lightning_modules.data.splits import (
     SplitError,
+    SplitExistsError,
+    SplitSettingError,
     load_split,
     make_splits,
     patient_overlaps,
@@ -93,7 +97,7 @@ def test_tiny_cohort_fills_every_split():
     metadata, _ = normalize_metadata(pd.DataFrame({"case_id": list("abcde"), "tumor": ["1", "0", "0", "1", "0"]}))
     table = make_splits(metadata, seed=0)
     assert set(table["split"]) == {"train", "val", "test"}
-    with pytest.raises(ValueError, match="cannot fill"):
+    with pytest.raises(SplitSettingError, match="cannot fill"):
         make_splits(metadata.iloc[:2], seed=0)
 
 
@@ -103,7 +107,7 @@ def test_write_once_and_sha(tmp_path):
     write_split(table, path)
     digest = split_sha256(path)
     assert len(digest) == 64
-    with pytest.raises(FileExistsError, match="written once"):
+    with pytest.raises(SplitExistsError, match="written once"):
         write_split(table, path)
     write_split(make_splits(synthetic_metadata(30), seed=5), path, force=True)
     assert split_sha256(path) != digest
@@ -196,8 +200,44 @@ def test_make_splits_command(tmp_path, capsys):
     table = load_split(out, load_cohort(root))
     assert len(table) == 10 and "S0" not in set(table["case_id"])
     assert patient_overlaps(table) == {}
-    assert main(["--root", str(root), "--out", str(out)]) == 1
-    assert "already exists" in capsys.readouterr().err
+    before = out.read_bytes()
+    # A fixable refusal is a short message with the usage exit code, through the benchx dispatcher.
+    assert benchx(["make-splits", "--root", str(root), "--out", str(out)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "already exists" in err and "--force" in err and "Traceback" not in err
+    assert out.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("val", "test", "message"),
+    [("0.6", "0.6", "val + test <= 1"), ("-0.1", "0.2", "in [0, 1]"), ("nan", "0.2", "in [0, 1]")],
+)
+def test_make_splits_refuses_fractions_with_exit_2(tmp_path, capsys, val, test, message):
+    root = _tiny_cohort(tmp_path / "cohort")
+    out = tmp_path / "split.csv"
+    assert benchx(["make-splits", "--root", str(root), "--out", str(out), "--val", val, "--test", test]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("benchx make-splits: ") and message in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_make_splits_refuses_a_missing_cohort_with_exit_2(tmp_path, capsys):
+    out = tmp_path / "split.csv"
+    assert benchx(["make-splits", "--root", str(tmp_path / "nowhere"), "--out", str(out)]) == EXIT_USAGE
+    assert "Traceback" not in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize(("val", "test"), [("0.1", "0.9"), ("0.7", "0.3"), ("0", "1")])
+def test_an_external_cohort_may_have_no_training_share(tmp_path, capsys, val, test):
+    root = _tiny_cohort(tmp_path / "cohort")
+    out = tmp_path / "external.csv"
+    assert benchx(["make-splits", "--root", str(root), "--out", str(out), "--val", val, "--test", test]) == 0
+    table = load_split(out, load_cohort(root))
+    counts = table["split"].value_counts()
+    assert "train" not in counts and counts.sum() == 10
+    assert counts.get("test", 0) >= 1 and (counts.get("val", 0) >= 1) == (float(val) > 0)
+    # The larger share gets the larger split.
+    assert (counts.get("test", 0) > counts.get("val", 0)) == (float(test) > float(val))
 
 
 def test_the_one_reader_reads_leniently_for_the_audit(tmp_path):

@@ -10,6 +10,8 @@ from conftest import RECIPES, tiny_overrides
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
+from lightning_modules.cli import EXIT_USAGE
+from lightning_modules.cli import main as benchx
 from lightning_modules.commands.compare import main as compare_main
 from lightning_modules.commands.compare import parser as compare_parser
 from lightning_modules.commands.evaluate import main as evaluate_main
@@ -122,8 +124,10 @@ def test_compare_refuses_the_same_run_twice_malformed_ids_and_different_sets(two
         compare([run_id, run_id], "test", uri=recipe.tracking.uri, experiment=None, n_resamples=20)
     with pytest.raises(EvaluationError, match="not an MLflow run id"):
         compare([run_id, "../../etc"], "test", uri=recipe.tracking.uri, experiment=None, n_resamples=20)
-    assert compare_main([run_id, run_id.upper()]) == 2
-    assert "not an MLflow run id" in capsys.readouterr().err
+    # Through the benchx dispatcher a refused comparison is a short message with the usage exit code.
+    assert benchx(["compare", run_id, run_id.upper()]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("benchx compare: ") and "not an MLflow run id" in err and "Traceback" not in err
     # An evaluation on another set (of cases the model never trained on) is refused by compare.
     frame = pd.read_csv(split)
     val = frame.index[frame["split"] == "val"]
@@ -144,7 +148,7 @@ def test_evaluate_refuses_a_run_id_of_the_wrong_shape(capsys):
     assert "not an MLflow run id" in capsys.readouterr().err
 
 
-def test_evaluate_refuses_training_cases_unless_overridden(two_models, tiny_phantom, tmp_path):
+def test_evaluate_refuses_training_cases_unless_overridden(two_models, tiny_phantom, tmp_path, monkeypatch, capsys):
     models, store = two_models
     root, split = tiny_phantom
     recipe, result = models[0]
@@ -164,6 +168,13 @@ def test_evaluate_refuses_training_cases_unless_overridden(two_models, tiny_phan
     # The training run is also found from the checkpoint's run folder when not given.
     with pytest.raises(EvaluationError, match="overlap the training cases"):
         evaluate(leaking, result.best_checkpoint, ("test",))
+    assert len(client.search_runs([client.get_experiment_by_name("benchx").experiment_id])) == runs_before
+    # The command line refuses with the usage exit code and a short message, and logs no run.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", leaking.tracking.uri)
+    assert benchx(["evaluate", "--run-id", result.run_id, "--stages", "test", f"data.split={leaking_split}"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("benchx evaluate: ") and f"case {case_id}: is one of the model's training cases" in err
+    assert "Traceback" not in err
     assert len(client.search_runs([client.get_experiment_by_name("benchx").experiment_id])) == runs_before
     with pytest.raises(EvaluationError, match="not found in the tracking store"):
         evaluate(leaking, result.best_checkpoint, ("test",), training_run_id="0" * 32)
@@ -190,11 +201,35 @@ def test_compare_refuses_an_evaluation_made_with_the_training_overlap_allowed(tw
     compares_before = len(client.search_runs([experiment], "tags.stage = 'compare'"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", recipe.tracking.uri)
     for order in ([clean, overlapping], [overlapping, clean]):
-        assert compare_main([*order, "--resamples", "20"]) == 2
+        assert benchx(["compare", *order, "--resamples", "20"]) == EXIT_USAGE
         err = capsys.readouterr().err
         assert f"run {overlapping} was evaluated with --allow-training-overlap" in err and "Traceback" not in err
     assert len(client.search_runs([experiment], "tags.stage = 'compare'")) == compares_before, "nothing logged"
     assert "--allow-training-overlap" in " ".join(compare_parser().format_help().split())
+
+
+def test_evaluate_on_a_generator_run_or_model_uri_exits_2(mlflow_uri, capsys):
+    import mlflow
+
+    client = MlflowClient(mlflow_uri)
+    experiment = client.create_experiment("synthx")
+    # A generator training run: a recipe.yaml artifact but no segmentation checkpoint.
+    generator_run = client.create_run(experiment).info.run_id
+    client.log_text(generator_run, "model:\n  kind: synthx\n", "recipe.yaml")
+    client.set_terminated(generator_run)
+    assert benchx(["evaluate", "--run-id", generator_run, "--stages", "test"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("benchx evaluate: ") and "no checkpoints/best.ckpt" in err and "Traceback" not in err
+
+    class Generator(mlflow.pyfunc.PythonModel):
+        def predict(self, context, model_input: list[str], params=None) -> list[str]:
+            return model_input
+
+    with mlflow.start_run(experiment_id=experiment):
+        mlflow.pyfunc.log_model(name="generator", python_model=Generator(), registered_model_name="synthx-generator")
+    assert benchx(["evaluate", "--model-uri", "models:/synthx-generator/1", "--stages", "test"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "models:/synthx-generator/1 is not a benchx segmentation model" in err and "Traceback" not in err
 
 
 def test_a_case_of_a_training_patient_is_named():

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ import pytest
 from conftest import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "services.sh"
-NAMES = ("BENCHX_POSTGRES_URL", "BENCHX_OPTUNA_STORAGE", "MLFLOW_TRACKING_URI", "SLURM_CONF")
+NAMES = ("BENCHX_POSTGRES_URL", "BENCHX_OPTUNA_STORAGE", "MLFLOW_TRACKING_URI", "SLURM_CONF", "PGPASSFILE")
 
 
 def read_env(folder: Path) -> dict[str, str]:
@@ -37,16 +38,33 @@ def read_env(folder: Path) -> dict[str, str]:
     return values
 
 
+@contextmanager
+def _password_file(values: dict[str, str]):
+    """PostgreSQL asks for its password: libpq (psycopg, psql) of this process and of the workers and
+    jobs it starts finds it through PGPASSFILE, as after ``source FOLDER/env.sh``."""
+    saved = os.environ.get("PGPASSFILE")
+    os.environ["PGPASSFILE"] = values["PGPASSFILE"]
+    try:
+        yield values
+    finally:
+        if saved is None:
+            os.environ.pop("PGPASSFILE", None)
+        else:
+            os.environ["PGPASSFILE"] = saved
+
+
 @pytest.fixture(scope="session")
 def services() -> dict[str, str]:
-    """Addresses of the running services: BENCHX_POSTGRES_URL, MLFLOW_TRACKING_URI (the server), SLURM_CONF."""
+    """Addresses of the running services: BENCHX_POSTGRES_URL, MLFLOW_TRACKING_URI (the server), SLURM_CONF,
+    PGPASSFILE (the PostgreSQL password, also set in this process's environment)."""
     given = os.environ.get("BENCHX_TEST_SERVICES")
     if given:
         values = read_env(Path(given))
         missing = [name for name in NAMES if not values.get(name)]
         if missing:
             pytest.fail(f"BENCHX_TEST_SERVICES={given}: env.sh lacks {', '.join(missing)} (scripts/services.sh start {given})")
-        yield values
+        with _password_file(values):
+            yield values
         return
     # Not under pytest's temporary folder: its parents are private, and PostgreSQL and munged run as
     # their own users, who must enter the folder.
@@ -58,7 +76,8 @@ def services() -> dict[str, str]:
         if started.returncode != 0:
             pytest.fail(f"could not start the services (scripts/services.sh start; needs root and the Debian "
                         f"packages of .ci/setup):\n{started.stdout}\n{started.stderr}")
-        yield read_env(folder)
+        with _password_file(read_env(folder)) as values:
+            yield values
     finally:
         subprocess.run(["bash", str(SCRIPT), "stop", str(folder)], capture_output=True, text=True)
         shutil.rmtree(folder, ignore_errors=True)

@@ -42,6 +42,7 @@ from lightning_modules.data.importers.dicom import (
     folder_pseudonym,
     list_dicom,
     looks_like_date_or_identifier,
+    name_is_harmless,
     pseudonymous_patient_id,
     series_geometry,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "folder_pseudonym",
     "import_source",
     "looks_like_date_or_identifier",
+    "name_is_harmless",
     "list_dicom",
     "list_msd",
     "list_nnunet",
