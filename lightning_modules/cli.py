@@ -57,6 +57,7 @@ EXPECTED_ERRORS: frozenset[str] = frozenset(
         "lightning_modules.data.importers.core.ImportCaseError",
         "lightning_modules.data.example_ct.ExampleFetchError",
         "lightning_modules.models.checkpoints.ModelSourceError",
+        "lightning_modules.inference.PredictionInputError",
         "lightning_modules.evaluation.runs.EvaluationError",
         "lightning_modules.evaluation.thresholds.ThresholdError",
         "synthx.generation.canvases.GenerationError",
