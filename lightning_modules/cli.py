@@ -51,6 +51,8 @@ EXPECTED_ERRORS: frozenset[str] = frozenset(
         "lightning_modules.config.loader.RecipeError",
         "lightning_modules.run_folder.RunFolderError",
         "lightning_modules.trainer.RankZeroRefusal",
+        "lightning_modules.trainer.CheckpointWriteError",
+        "lightning_modules.trainer.MemoryAdviceError",
         "lightning_modules.data.cohort.CohortError",
         "lightning_modules.data.splits.SplitError",
         "lightning_modules.data.importers.core.ImportSourceError",

@@ -38,6 +38,24 @@ def test_a_mistyped_recipe_key_exits_2_with_a_short_message_and_no_traceback(tmp
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "RecipeError" in debug.stderr
 
 
+@pytest.mark.parametrize("override", ["optim.lr=-1", "optim.lr=nan", "data.batch_size=0", "trainer.max_steps=-5",
+                                      "data.patch_size=[0,32,32]"])
+def test_a_value_out_of_range_exits_2_before_any_store_or_run_exists(tmp_path, capsys, override):
+    store = tmp_path / "mlflow.db"
+    code = main(["train", "--recipe", str(RECIPES / "unet.yaml"), "profile=cpu", override, f"tracking.uri=sqlite:///{store}",
+                 f"tracking.output_dir={tmp_path / 'outputs'}"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "Traceback" not in err
+    assert f"unet.yaml: {override.split('=')[0]} must be" in err
+    assert not store.exists() and not (tmp_path / "outputs").exists(), "refused before any run (or store) is created"
+
+
+def test_a_recipe_that_is_a_directory_exits_2(tmp_path, capsys):
+    code = main(["train", "--recipe", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and f"recipe {tmp_path} is not a file" in err and "Traceback" not in err
+
+
 def test_recipe_show_prints_the_resolved_recipe(capsys):
     from omegaconf import OmegaConf
 
