@@ -98,10 +98,11 @@ def write_prediction(out_dir: Path, labels: np.ndarray, affine: np.ndarray, clas
 CT_SUFFIXES = (".nii.gz", ".nii")
 
 
-def case_name(path: Path) -> str:
-    """A CT file's case id: ``ct.nii.gz`` is named by its folder, ``x.nii.gz`` and ``x.nii`` by ``x``."""
+def case_name(path: Path, in_case_folder: bool = True) -> str:
+    """A CT file's case id: ``x.nii.gz`` and ``x.nii`` are ``x``; ``<case>/ct.nii.gz`` in a folder of
+    cases is ``<case>`` (``in_case_folder``)."""
     path = Path(path)
-    if path.name == CT_FILE:
+    if in_case_folder and path.name == CT_FILE:
         return path.parent.name
     for suffix in CT_SUFFIXES:
         if path.name.endswith(suffix):
@@ -118,7 +119,7 @@ def input_cases(path: Path) -> list[tuple[str, Path]]:
     """
     path = Path(path)
     if path.is_file():
-        return [(case_name(path), path)]
+        return [(case_name(path, in_case_folder=False), path)]
     if (path / "metadata.csv").exists():
         cohort = load_cohort(path)
         return [(case.case_id, case.ct_path) for case in cohort.cases()]
