@@ -206,7 +206,7 @@ def is_allocation_failure(error: BaseException) -> bool:
     """torch's out-of-memory errors: CUDA's ``OutOfMemoryError`` and the CPU allocator's RuntimeError."""
     import torch
 
-    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+    if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
         return True
     text = str(error)
     return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)

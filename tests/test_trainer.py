@@ -59,7 +59,7 @@ def test_a_patch_too_large_for_memory_names_the_settings_to_lower(tiny_phantom, 
     root, split = tiny_phantom
 
     def out_of_memory(self, batch, batch_idx):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
     monkeypatch.setattr(SegmentationModule, "training_step", out_of_memory)
     overrides = tiny_overrides(root, split, tmp_path)
