@@ -6,8 +6,11 @@ back through the inverse of every preprocessing step (MONAI ``Invertd``), so the
 the CT's exact shape and affine. For each scan it writes ``<out>/<case_id>/prediction.nii.gz``
 (integer labels in recipe class order) and ``<out>/<case_id>/segmentations/<class>.nii.gz``, and
 reports the predicted tumor volume in mm^3, the scan-level score of
-docs/design.md "Scan-level detection". A file that cannot be read (e.g. a truncated ``.nii.gz``) is named, skipped and listed
-in the summary; the other scans are still predicted.
+docs/design.md "Scan-level detection". A file that cannot be read (e.g. a truncated ``.nii.gz``) or
+that holds NaN or infinite voxels (which the network would turn into an empty mask, a silent
+0 mm^3) is named, skipped and listed in the summary; the other scans are still predicted. Inputs
+whose outputs would land in one folder (``x.nii.gz`` and ``x.nii``) and an ``--out`` that is a file
+are refused before anything is written (:class:`PredictionInputError`).
 
 Example::
 
@@ -34,8 +37,36 @@ from lightning_modules.models.segmentation_module import SegmentationModule
 from lightning_modules.models.tumor_outputs import predicted_labels
 
 
+class PredictionInputError(ValueError):
+    """Inputs or an output folder that ``predict`` refuses before writing anything."""
+
+
+class NonFiniteScanError(ValueError):
+    """A CT holding NaN or infinite voxels: its prediction would be meaningless, so it is not made."""
+
+
+def non_finite_voxels(image: nib.Nifti1Image) -> int:
+    """How many voxels of a CT are NaN or +-inf (0 for an integer CT without a scaling that makes them)."""
+    slope, intercept = getattr(image.dataobj, "slope", 1.0), getattr(image.dataobj, "inter", 0.0)
+    if image.get_data_dtype().kind in "iub" and np.isfinite(slope) and np.isfinite(intercept):
+        return 0
+    return int(np.count_nonzero(~np.isfinite(np.asanyarray(image.dataobj))))
+
+
 def predict_scan(module: SegmentationModule, recipe: DictConfig, ct_path: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """Label map of one scan on its own grid, and that grid's affine (from the CT file)."""
+    """Label map of one scan on its own grid, and that grid's affine (from the CT file).
+
+    Raises:
+        NonFiniteScanError: the CT holds NaN or infinite voxels (named with their count).
+    """
+    original = nib.load(str(ct_path))
+    bad = non_finite_voxels(original)
+    if bad:
+        total = int(np.prod(original.shape[:3]))
+        raise NonFiniteScanError(
+            f"{ct_path}: {bad} of {total} voxels are NaN or infinite; no prediction is made "
+            "(replace them, e.g. by the air value -1024 HU, and predict again)"
+        )
     transforms = Compose(preprocessing(recipe, with_label=False))
     item = transforms({"image": str(ct_path)})
     module.eval()
@@ -46,7 +77,6 @@ def predict_scan(module: SegmentationModule, recipe: DictConfig, ct_path: str | 
     item["pred"] = MetaTensor(labels[None].float(), meta=dict(item["image"].meta))  # the image's affine with it
     inverse = Invertd(keys="pred", transform=transforms, orig_keys="image", nearest_interp=True, to_tensor=True)
     restored = inverse(item)["pred"][0].numpy().round().astype(np.uint8)
-    original = nib.load(str(ct_path))
     if restored.shape != original.shape[:3]:
         raise RuntimeError(f"{ct_path}: inverted prediction has shape {restored.shape}, the CT {original.shape[:3]}")
     return restored, original.affine
@@ -65,19 +95,61 @@ def write_prediction(out_dir: Path, labels: np.ndarray, affine: np.ndarray, clas
     return out_dir / "prediction.nii.gz"
 
 
+CT_SUFFIXES = (".nii.gz", ".nii")
+
+
+def case_name(path: Path, in_case_folder: bool = True) -> str:
+    """A CT file's case id: ``x.nii.gz`` and ``x.nii`` are ``x``; ``<case>/ct.nii.gz`` in a folder of
+    cases is ``<case>`` (``in_case_folder``)."""
+    path = Path(path)
+    if in_case_folder and path.name == CT_FILE:
+        return path.parent.name
+    for suffix in CT_SUFFIXES:
+        if path.name.endswith(suffix):
+            return path.name[: -len(suffix)]
+    return path.stem
+
+
 def input_cases(path: Path) -> list[tuple[str, Path]]:
-    """(case id, CT path) pairs from a CT file, a cohort folder, or a folder of CT files."""
+    """(case id, CT path) pairs from a CT file, a cohort folder, or a folder of CT files (``.nii.gz``,
+    ``.nii``, or ``<case>/ct.nii.gz``).
+
+    Raises:
+        PredictionInputError: two inputs have the same case id (their outputs would share a folder).
+    """
     path = Path(path)
     if path.is_file():
-        name = path.name[: -len(".nii.gz")] if path.name.endswith(".nii.gz") else path.stem
-        return [(name, path)]
+        return [(case_name(path, in_case_folder=False), path)]
     if (path / "metadata.csv").exists():
         cohort = load_cohort(path)
         return [(case.case_id, case.ct_path) for case in cohort.cases()]
-    files = sorted(path.glob("*.nii.gz")) or sorted(path.glob(f"*/{CT_FILE}"))
+    files = sorted({*path.glob("*.nii.gz"), *path.glob("*.nii")}) or sorted(path.glob(f"*/{CT_FILE}"))
     if not files:
         raise FileNotFoundError(f"{path}: no CT (a .nii.gz file, a cohort with metadata.csv, or a folder of them)")
-    return [((f.parent.name if f.name == CT_FILE else f.name[: -len(".nii.gz")]), f) for f in files]
+    cases = [(case_name(f), f) for f in files]
+    check_distinct_outputs(cases)
+    return cases
+
+
+def check_distinct_outputs(cases: Sequence[tuple[str, Path]]) -> None:
+    """Refuse inputs whose output folders would coincide (same case id, or ids differing only in
+    letter case, which are one folder on case-insensitive file systems)."""
+    seen: dict[str, Path] = {}
+    for case_id, ct_path in cases:
+        key = case_id.casefold()
+        if key in seen:
+            raise PredictionInputError(
+                f"{seen[key]} and {ct_path} would both be written to the output folder {case_id!r}: "
+                "rename or move one of them and predict again (nothing was written)"
+            )
+        seen[key] = Path(ct_path)
+
+
+def check_output_folder(out: Path) -> None:
+    """The output must be a folder or not exist yet."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise PredictionInputError(f"--out {out} is an existing file: name a folder for the predictions")
 
 
 def unreadable_reason(ct_path: Path) -> str | None:
@@ -96,7 +168,7 @@ class PredictionSummary:
 
     Attributes:
         written: (case id, output folder, predicted tumor volume in mm^3) per predicted scan.
-        skipped: (CT path, reason) per file that could not be read.
+        skipped: (CT path, reason) per file that could not be read or holds non-finite voxels.
     """
 
     written: list[tuple[str, Path, float]] = field(default_factory=list)
@@ -113,8 +185,9 @@ def predict_cases(
     """Predict every case and write its masks under ``out/<case id>``; unreadable files are skipped.
 
     A scan whose prediction fails is checked with :func:`unreadable_reason`: when the file itself
-    cannot be read it is skipped (named, with the reason) and the next scan is predicted; any other
-    error is raised, as it is a fault of the model or the code, not of that file.
+    cannot be read, or holds NaN or infinite voxels, it is skipped (named, with the reason) and the
+    next scan is predicted; any other error is raised, as it is a fault of the model or the code,
+    not of that file. Colliding outputs and an output that is a file are refused first.
 
     Args:
         module: the trained module.
@@ -123,10 +196,16 @@ def predict_cases(
         out: output folder.
         report: called with one line per scan written or skipped (e.g. ``print``).
     """
+    check_output_folder(out)
+    check_distinct_outputs(cases)
     summary = PredictionSummary()
     for case_id, ct_path in cases:
         try:
             labels, affine = predict_scan(module, recipe, ct_path)
+        except NonFiniteScanError as error:
+            summary.skipped.append((Path(ct_path), str(error).removeprefix(f"{ct_path}: ")))
+            report(f"{case_id}: skipped, {error}")
+            continue
         except Exception:
             reason = unreadable_reason(Path(ct_path))
             if reason is None:

@@ -20,6 +20,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -55,10 +57,26 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        super().save_checkpoint(checkpoint, temporary, storage_options)
+        try:
+            super().save_checkpoint(checkpoint, temporary, storage_options)
+        except BaseException as error:
+            # A partial file is of no use to anyone: the previous checkpoint stays the one to resume from.
+            temporary.unlink(missing_ok=True)
+            cause = error if isinstance(error, OSError) else error.__cause__ or error.__context__
+            if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise CheckpointWriteError(
+                    f"cannot write checkpoint {path}: {os.strerror(cause.errno).lower()} in {path.parent}; "
+                    "free space there (or give the run another --out folder) and rerun the same command to "
+                    "resume from the previous checkpoint"
+                ) from error
+            raise
         if path.name == "last.ckpt" and path.exists():
             os.replace(path, path.with_name(PREVIOUS_LAST))
         os.replace(temporary, path)
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written for lack of space (the disk or the quota is full)."""
 
 
 class PeriodicCheckpoint(ModelCheckpoint):
@@ -175,6 +193,47 @@ def build_trainer(
     )
     arguments.update(overrides)
     return pl.Trainer(**arguments)
+
+
+class MemoryAdviceError(MemoryError):
+    """Training or inference ran out of (GPU or CPU) memory; the message names the settings to lower."""
+
+
+MEMORY_SETTINGS = "data.patch_size, data.batch_size or data.samples_per_volume (training), trainer.sw_batch_size (inference)"
+
+
+def is_allocation_failure(error: BaseException) -> bool:
+    """torch's out-of-memory errors: CUDA's ``OutOfMemoryError`` and the CPU allocator's RuntimeError."""
+    import torch
+
+    if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+@contextlib.contextmanager
+def memory_advice(recipe, stage: str = "training"):
+    """Turn an allocation failure inside the block into :class:`MemoryAdviceError`, naming the
+    recipe's values to lower; any other error passes unchanged.
+
+    Example::
+
+        with memory_advice(recipe):
+            trainer.fit(module, datamodule=datamodule)
+    """
+    try:
+        yield
+    except Exception as error:
+        if isinstance(error, MemoryAdviceError) or not is_allocation_failure(error):
+            raise
+        data, trainer = recipe.data, recipe.trainer
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise MemoryAdviceError(
+            f"{stage} ran out of memory ({first[:200]}); lower {MEMORY_SETTINGS}: now "
+            f"data.patch_size={list(data.patch_size)}, data.batch_size={data.batch_size}, "
+            f"data.samples_per_volume={data.samples_per_volume}, trainer.sw_batch_size={trainer.sw_batch_size}"
+        ) from error
 
 
 class RunLogger(MLFlowLogger):

@@ -60,7 +60,9 @@ from lightning_modules.run_folder import (
     resume_checkpoint,
 )
 from lightning_modules.tracking import deferred_signals, ended_run, flatten, run_status, run_tags, start_run, tracking_uri
-from lightning_modules.trainer import FailWithLaunchedProcesses, PeriodicCheckpoint, RunLogger, build_trainer, global_rank, share_from_rank_zero
+from lightning_modules.trainer import (
+    FailWithLaunchedProcesses, PeriodicCheckpoint, RunLogger, build_trainer, global_rank, memory_advice, share_from_rank_zero,
+)
 
 __all__ = ["TrainResult", "TrainSettings", "default_output_dir", "recipe_fingerprint", "train"]
 
@@ -166,7 +168,7 @@ def train(recipe: DictConfig, settings: TrainSettings | None = None, **options) 
             val_every_n_steps=int(recipe.trainer.val_every_n_steps),
             **(settings.trainer_overrides or {}),
         )
-        with deferred_signals(), expected_checkpoint_warnings(recipe, best):
+        with deferred_signals(), memory_advice(recipe), expected_checkpoint_warnings(recipe, best):
             trainer.fit(module, datamodule=datamodule, ckpt_path=start.resume_from)
         best_path = Path(best.best_model_path) if best.best_model_path else None
         if trainer.is_global_zero:

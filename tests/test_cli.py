@@ -38,6 +38,24 @@ def test_a_mistyped_recipe_key_exits_2_with_a_short_message_and_no_traceback(tmp
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "RecipeError" in debug.stderr
 
 
+@pytest.mark.parametrize("override", ["optim.lr=-1", "optim.lr=nan", "data.batch_size=0", "trainer.max_steps=-5",
+                                      "data.patch_size=[0,32,32]"])
+def test_a_value_out_of_range_exits_2_before_any_store_or_run_exists(tmp_path, capsys, override):
+    store = tmp_path / "mlflow.db"
+    code = main(["train", "--recipe", str(RECIPES / "unet.yaml"), "profile=cpu", override, f"tracking.uri=sqlite:///{store}",
+                 f"tracking.output_dir={tmp_path / 'outputs'}"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "Traceback" not in err
+    assert f"unet.yaml: {override.split('=')[0]} must be" in err
+    assert not store.exists() and not (tmp_path / "outputs").exists(), "refused before any run (or store) is created"
+
+
+def test_a_recipe_that_is_a_directory_exits_2(tmp_path, capsys):
+    code = main(["train", "--recipe", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and f"recipe {tmp_path} is not a file" in err and "Traceback" not in err
+
+
 def test_recipe_show_prints_the_resolved_recipe(capsys):
     from omegaconf import OmegaConf
 
@@ -47,13 +65,32 @@ def test_recipe_show_prints_the_resolved_recipe(capsys):
 
 
 def test_a_missing_run_or_model_is_named_with_exit_2(tmp_path, mlflow_uri, capsys):
-    code = main(["predict", "--run-id", "0123456789abcdef0123456789abcdef", "--input", str(tmp_path), "--out", str(tmp_path / "out")])
+    (tmp_path / "scan.nii.gz").write_bytes(b"")
+    code = main(["predict", "--run-id", "0123456789abcdef0123456789abcdef", "--input", str(tmp_path / "scan.nii.gz"),
+                 "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == EXIT_USAGE and "0123456789abcdef0123456789abcdef" in err and "Traceback" not in err
-    code = main(["predict", "--model-uri", "models:/benchx-unet@nothing", "--input", str(tmp_path), "--out", str(tmp_path)])
+    code = main(["predict", "--model-uri", "models:/benchx-unet@nothing", "--input", str(tmp_path / "scan.nii.gz"),
+                 "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == EXIT_USAGE and "models:/benchx-unet@nothing" in err
     assert len(err.strip().splitlines()) <= 3
+
+
+@pytest.mark.parametrize("source", ["models:/benchx-unet@baseline", "0123456789abcdef0123456789abcdef"])
+def test_a_model_without_a_tracking_store_names_the_store_and_creates_no_database(tmp_path, source):
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    environment["PYTHONPATH"] = str(REPO_ROOT)
+    scan = tmp_path / "scan.nii.gz"
+    scan.write_bytes(b"")
+    done = subprocess.run([sys.executable, "-m", "lightning_modules.cli", "predict", "--run-id", source, "--input",
+                           str(scan), "--out", "predictions"], cwd=tmp_path, env=environment, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == EXIT_USAGE, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert f"{source} needs the tracking store that holds it, and sqlite:///mlflow.db does not exist" in done.stderr
+    assert "MLFLOW_TRACKING_URI" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scan.nii.gz"], "no ./mlflow.db, no output folder"
 
 
 def test_a_split_naming_unknown_cases_exits_2(tiny_phantom, tmp_path, capsys):

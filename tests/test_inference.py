@@ -11,7 +11,7 @@ from conftest import RECIPES, tiny_overrides
 from lightning_modules.data.cohort import load_cohort, write_metadata
 from lightning_modules.commands.predict import EXIT_SKIPPED
 from lightning_modules.commands.predict import main as predict_main
-from lightning_modules.inference import predict_scan
+from lightning_modules.inference import PredictionInputError, input_cases, predict_scan
 from lightning_modules.config.recipe import load_recipe
 from lightning_modules.models.checkpoints import load_module_from_checkpoint
 from lightning_modules.training import train
@@ -76,30 +76,82 @@ def test_real_ct_validate_train_step_and_prediction_on_its_own_grid(tiny_phantom
     assert labels.shape == ct.shape and np.allclose(affine, ct.affine)
 
 
-def test_a_truncated_scan_is_named_skipped_and_listed_while_the_others_are_predicted(tiny_phantom, tmp_path, capsys):
+def test_a_truncated_scan_and_a_scan_with_nan_voxels_are_named_skipped_and_listed_while_the_others_are_predicted(
+    tiny_phantom, tmp_path, capsys
+):
     import shutil
 
     root, split = tiny_phantom
     overrides = tiny_overrides(root, split, tmp_path, steps=1)
     result = train(load_recipe(RECIPES / "unet.yaml", overrides))
-    cases = list(load_cohort(root).cases())[:3]
+    cases = list(load_cohort(root).cases())[:4]
     folder = tmp_path / "scans"
     folder.mkdir()
-    for case in cases:
+    for case in cases[:3]:
         shutil.copy(case.ct_path, folder / f"{case.case_id}.nii.gz")
     # The middle scan loses the second half of its bytes, as an interrupted copy would leave it.
     broken = folder / f"{cases[1].case_id}.nii.gz"
     broken.write_bytes(broken.read_bytes()[: broken.stat().st_size // 2])
+    # The last scan is a float CT with a slab of NaN and one infinite voxel (a failed conversion).
+    clean = nib.load(str(cases[3].ct_path))
+    voxels = np.asarray(clean.dataobj, dtype=np.float32)
+    voxels[:, :, :2] = np.nan
+    voxels[0, 0, 5] = np.inf
+    with_nan = folder / f"{cases[3].case_id}.nii"
+    nib.save(nib.Nifti1Image(voxels, clean.affine), str(with_nan))
+    n_bad = voxels.shape[0] * voxels.shape[1] * 2 + 1
     out = tmp_path / "predictions"
     code = predict_main(["--checkpoint", str(result.last_checkpoint), "--recipe", str(RECIPES / "unet.yaml"),
                          "--input", str(folder), "--out", str(out), *overrides])
     captured = capsys.readouterr()
     assert code == EXIT_SKIPPED
     assert f"{cases[1].case_id}: skipped, cannot read {broken}" in captured.out
-    assert "1 file(s) skipped" in captured.err and str(broken) in captured.err.splitlines()[-1]
+    assert f"{cases[3].case_id}: skipped, {with_nan}: {n_bad} of {voxels.size} voxels are NaN or infinite" in captured.out
+    assert "2 file(s) skipped" in captured.err
+    assert f"{broken}: " in captured.err and f"{with_nan}: {n_bad} of {voxels.size} voxels" in captured.err
     for case in (cases[0], cases[2]):
         assert (out / case.case_id / "prediction.nii.gz").exists(), "the scans after the broken one are predicted too"
-    assert not (out / cases[1].case_id).exists()
+    assert not (out / cases[1].case_id).exists() and not (out / cases[3].case_id).exists()
+
+
+def test_inputs_whose_outputs_collide_are_named_and_refused_before_anything_is_written(tiny_phantom, tmp_path, capsys):
+    import shutil
+
+    from lightning_modules.cli import EXIT_USAGE, main
+
+    root, _ = tiny_phantom
+    case = next(load_cohort(root).cases())
+    folder = tmp_path / "scans"
+    folder.mkdir()
+    shutil.copy(case.ct_path, folder / "x.nii.gz")
+    image = nib.load(str(case.ct_path))
+    nib.save(nib.Nifti1Image(np.asarray(image.dataobj), image.affine), str(folder / "x.nii"))
+    out = tmp_path / "predictions"
+    # The input is checked before the model is looked at: the missing checkpoint is never reached.
+    code = main(["predict", "--checkpoint", str(tmp_path / "none.ckpt"), "--recipe", str(RECIPES / "unet.yaml"),
+                 "--input", str(folder), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "Traceback" not in err
+    assert f"{folder / 'x.nii'} and {folder / 'x.nii.gz'} would both be written to the output folder 'x'" in err
+    assert not out.exists()
+    # Ids that differ only in letter case are one folder on case-insensitive file systems.
+    (folder / "x.nii").rename(folder / "X.nii")
+    with pytest.raises(PredictionInputError, match="would both be written"):
+        input_cases(folder)
+
+
+def test_an_output_that_is_a_file_is_refused_with_exit_2(tiny_phantom, tmp_path, capsys):
+    from lightning_modules.cli import EXIT_USAGE, main
+
+    root, _ = tiny_phantom
+    case = next(load_cohort(root).cases())
+    existing = tmp_path / "predictions.txt"
+    existing.write_text("keep me")
+    code = main(["predict", "--checkpoint", str(tmp_path / "none.ckpt"), "--recipe", str(RECIPES / "unet.yaml"),
+                 "--input", str(case.ct_path), "--out", str(existing)])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and f"--out {existing} is an existing file" in err and "Traceback" not in err
+    assert existing.read_text() == "keep me"
 
 
 def test_predict_refuses_a_run_id_of_the_wrong_shape(tmp_path, capsys):

@@ -2,8 +2,9 @@
 
 Parses the model source, the input and the output folder and calls
 :func:`lightning_modules.inference.predict_cases`. Exit status: 0 when every scan was predicted,
-2 on a bad model source or input (through the dispatcher), 3 when some files could not be read (they are listed at the end;
-the others were predicted).
+2 on a bad model source or input (through the dispatcher: a missing tracking store, inputs whose
+outputs would collide, an ``--out`` that is a file; nothing is written), 3 when some files could not
+be read or hold NaN or infinite voxels (they are listed at the end; the others were predicted).
 
 Example::
 
@@ -29,7 +30,8 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="benchx predict",
         description="Segment CT scans with a trained model and write the masks on each scan's own grid and affine; "
-        f"unreadable files are skipped, listed at the end, and make the exit status {EXIT_SKIPPED}.",
+        "unreadable files and scans with NaN or infinite voxels are skipped, listed at the end, and make "
+        f"the exit status {EXIT_SKIPPED}.",
     )
     add_model_source_arguments(parser)
     parser.add_argument("--input", required=True, help="a CT .nii.gz, a cohort folder, or a folder of CTs")
@@ -41,18 +43,21 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_command_line(parser(), sys.argv[1:] if argv is None else argv)
     # Heavy imports after parsing, so --help answers at once.
-    from lightning_modules.inference import input_cases, predict_cases
+    from lightning_modules.inference import check_output_folder, input_cases, predict_cases
     from lightning_modules.models.checkpoints import load_module_from_checkpoint, resolve_model_source
 
     # A bad model source or input goes to the dispatcher (lightning_modules.cli): a short message, exit 2.
+    # The input and output are checked first, so a mistake there costs no model download.
+    check_output_folder(Path(args.out))
+    cases = input_cases(Path(args.input))
     with tempfile.TemporaryDirectory() as folder:
         recipe, checkpoint = resolve_model_source(
             Path(folder), args.run_id, args.checkpoint, args.recipe, split_overrides(args.overrides)
         )
         module = load_module_from_checkpoint(recipe, checkpoint)
-    summary = predict_cases(module, recipe, input_cases(Path(args.input)), Path(args.out), report=print)
+    summary = predict_cases(module, recipe, cases, Path(args.out), report=print)
     if summary.skipped:
-        print(f"benchx predict: {len(summary.skipped)} file(s) skipped, they could not be read:", file=sys.stderr)
+        print(f"benchx predict: {len(summary.skipped)} file(s) skipped, they could not be read or predicted:", file=sys.stderr)
         for path, reason in summary.skipped:
             print(f"  {path}: {reason}", file=sys.stderr)
         return EXIT_SKIPPED

@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Sequence
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -78,9 +79,19 @@ def load_config(
     config.profiles = profiles
     if "name" not in stripped[-2][1]:
         config.name = path.stem
+    _check_resolvable(config, str(path))
     if check and checker is not None:
         checker(config, str(path))
     return config
+
+
+def _check_resolvable(config: DictConfig, source: str) -> None:
+    """Every ``${...}`` interpolation resolves now (an unset ``${oc.env:...}`` is named here, not mid-run)."""
+    try:
+        OmegaConf.to_container(config, resolve=True)
+    except OmegaConfBaseException as error:
+        key = getattr(error, "full_key", None)
+        raise RecipeError(f"{source}: cannot resolve {key!r}: {str(error).splitlines()[0]}") from error
 
 
 def _layers(path: Path, overrides: list[str], with_base: bool) -> list[tuple[str, DictConfig]]:
@@ -111,9 +122,23 @@ def _split_profiles(layers: list[tuple[str, DictConfig]]) -> tuple[DictConfig, l
 
 
 def _load_yaml(path: Path) -> DictConfig:
+    """One layer: a YAML file whose top level is a mapping; anything else is a :class:`RecipeError`."""
     if not path.exists():
         raise RecipeError(f"recipe file {path} does not exist")
-    return OmegaConf.load(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe {path} is not a file (a directory?): name a YAML file such as recipes/unet.yaml")
+    try:
+        layer = OmegaConf.load(path)
+    except yaml.YAMLError as error:
+        where = getattr(error, "problem_mark", None)
+        line = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise RecipeError(f"{path}: not valid YAML{line}: {problem}") from error
+    except (OSError, UnicodeDecodeError) as error:
+        raise RecipeError(f"{path}: cannot be read: {error}") from error
+    if not isinstance(layer, DictConfig):
+        raise RecipeError(f"{path}: the top level must be a mapping of settings (key: value), not a list")
+    return layer
 
 
 def _merge(config: DictConfig, layer: DictConfig, source: str, open_keys: Sequence[str]) -> DictConfig:

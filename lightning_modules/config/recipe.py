@@ -13,9 +13,10 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -195,6 +196,65 @@ def load_recipe(
     )
 
 
+# The numeric settings with an obvious valid range: (dotted key, test, what it must be). Each test
+# is written so that NaN fails it (every comparison with NaN is false).
+RANGES: tuple[tuple[str, Callable[[float], bool], str], ...] = (
+    ("seed", lambda v: v >= 0, ">= 0"),
+    ("data.spacing", lambda v: 0 < v < math.inf, "> 0 mm"),
+    ("data.patch_size", lambda v: v >= 1, ">= 1 voxel"),
+    ("data.batch_size", lambda v: v >= 1, ">= 1"),
+    ("data.samples_per_volume", lambda v: v >= 1, ">= 1"),
+    ("data.pos", lambda v: 0 <= v < math.inf, ">= 0"),
+    ("data.neg", lambda v: 0 <= v < math.inf, ">= 0"),
+    ("data.lesion_ratio", lambda v: 0 <= v < math.inf, ">= 0"),
+    ("data.num_workers", lambda v: v >= 0, ">= 0"),
+    ("optim.lr", lambda v: 0 < v < math.inf, "a finite number > 0"),
+    ("optim.weight_decay", lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+    ("optim.momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optim.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("optim.poly_power", lambda v: 0 < v < math.inf, "a finite number > 0"),
+    ("loss.dice_weight", lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+    ("loss.ce_weight", lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+    ("loss.deep_supervision_decay", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("trainer.max_steps", lambda v: v >= 1, ">= 1"),
+    ("trainer.val_every_n_steps", lambda v: v >= 0, ">= 0 (0: no validation)"),
+    ("trainer.num_nodes", lambda v: v >= 1, ">= 1"),
+    ("trainer.log_every_n_steps", lambda v: v >= 1, ">= 1"),
+    ("trainer.gradient_clip_val", lambda v: 0 < v < math.inf, "a finite number > 0 (or null: no clipping)"),
+    ("trainer.sw_batch_size", lambda v: v >= 1, ">= 1"),
+    ("trainer.sw_overlap", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("trainer.sw_roi_size", lambda v: v >= 1, ">= 1 voxel"),
+    ("trainer.checkpoint_every_n_steps", lambda v: v >= 0, ">= 0 (0: only at validation)"),
+    ("detection.threshold_mm3", lambda v: math.isfinite(v), "a finite number"),
+    ("detection.threshold_bootstrap", lambda v: v >= 0, "0 (no bagging) or a number of resamples"),
+    ("detection.min_component_mm3", lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+    ("detection.small_tumor_mm", lambda v: 0 < v < math.inf, "a finite number > 0"),
+    ("detection.bootstrap_resamples", lambda v: v >= 0, ">= 0"),
+    ("detection.confidence", lambda v: 0 < v < 1, "in (0, 1)"),
+)
+
+
+def check_ranges(config: DictConfig, source: str = "recipe") -> None:
+    """Every numeric setting of :data:`RANGES` in its range (each value of a list), and the HU window
+    increasing; the first one out of range is named with what it must be."""
+    for key, valid, expected in RANGES:
+        value = OmegaConf.select(config, key)
+        if value is None:
+            continue
+        values = list(value) if OmegaConf.is_list(value) else [value]
+        for item in values:
+            if isinstance(item, bool) or not isinstance(item, (int, float)) or not valid(item):
+                shown = list(value) if len(values) > 1 or OmegaConf.is_list(value) else value
+                raise RecipeError(f"{source}: {key} must be {expected}, got {shown}")
+    window = list(config.data.hu_window)
+    if len(window) != 2 or not all(math.isfinite(v) for v in window) or not window[0] < window[1]:
+        raise RecipeError(f"{source}: data.hu_window must be two finite HU values, low < high, got {window}")
+    if config.data.pos + config.data.neg <= 0:
+        raise RecipeError(f"{source}: data.pos and data.neg cannot both be 0 (no patch centre could be drawn)")
+    if config.loss.dice_weight + config.loss.ce_weight <= 0:
+        raise RecipeError(f"{source}: loss.dice_weight and loss.ce_weight cannot both be 0 (nothing to train on)")
+
+
 def check_recipe(config: DictConfig, source: str = "recipe") -> None:
     """Check a recipe without building weights: builder signature, shape rules, value ranges."""
     from lightning_modules.models.backbones import check_backbone_config
@@ -202,6 +262,7 @@ def check_recipe(config: DictConfig, source: str = "recipe") -> None:
     data = config.data
     if len(data.patch_size) != 3 or len(data.spacing) != 3:
         raise RecipeError(f"{source}: data.patch_size and data.spacing need 3 values")
+    check_ranges(config, source)
     if data.tumor_class not in data.classes:
         raise RecipeError(f"{source}: data.tumor_class {data.tumor_class!r} is not one of data.classes {list(data.classes)}")
     if config.optim.name not in ("sgd", "adamw"):
@@ -210,14 +271,14 @@ def check_recipe(config: DictConfig, source: str = "recipe") -> None:
         raise RecipeError(f"{source}: optim.schedule must be poly, cosine or constant, got {config.optim.schedule!r}")
     if config.detection.threshold_rule not in ("fixed", "f1", "youden"):
         raise RecipeError(f"{source}: detection.threshold_rule must be fixed, f1 or youden")
-    if config.detection.threshold_bootstrap < 0:
-        raise RecipeError(f"{source}: detection.threshold_bootstrap must be 0 (no bagging) or a number of resamples")
     if config.detection.score not in ("volume", "max_prob"):
         raise RecipeError(f"{source}: detection.score must be volume or max_prob")
     if config.synthx.mode not in ("add", "displace"):
         raise RecipeError(f"{source}: synthx.mode must be add or displace, got {config.synthx.mode!r}")
     if not 0.0 <= config.synthx.ratio <= (1.0 if config.synthx.mode == "displace" else 10.0):
         raise RecipeError(f"{source}: synthx.ratio must be in [0, 1] (displace) or [0, 10] (add), got {config.synthx.ratio}")
+    if config.data.cache not in ("memory", "disk", "none"):
+        raise RecipeError(f"{source}: data.cache must be memory, disk or none, got {config.data.cache!r}")
     try:
         check_backbone_config(
             config.model.backbone,

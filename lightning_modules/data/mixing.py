@@ -69,7 +69,8 @@ class MixingSampler(Sampler[int]):
         n_real: real cases (indices 0..n_real-1).
         n_synthetic: synthetic cases (indices n_real..n_real+n_synthetic-1).
         ratio: ``add``: synthetic draws per real case and epoch (>= 0); ``displace``: probability
-            that a draw is synthetic (0..1).
+            that a draw is synthetic (0..1). Its range is checked where the recipe is validated
+            (:func:`lightning_modules.config.recipe.check_recipe`).
         seed: base seed; epoch e (``set_epoch``, called by Lightning) uses seed + e, so runs are
             reproducible and epochs differ.
         mode: ``add`` or ``displace``.
@@ -80,8 +81,6 @@ class MixingSampler(Sampler[int]):
     def __init__(self, n_real: int, n_synthetic: int, ratio: float, seed: int = 0, mode: str = "add", report=None):
         if mode not in MIXING_MODES:
             raise ValueError(f"synthx.mode must be one of {', '.join(MIXING_MODES)}, got {mode!r}")
-        if ratio < 0 or (mode == "displace" and ratio > 1):
-            raise ValueError(f"synthesis ratio must be >= 0 (add) or in [0, 1] (displace), got {ratio} for {mode}")
         if n_synthetic == 0 and ratio > 0:
             raise ValueError("synthesis ratio > 0 but the synthetic cohort has no cases")
         self.n_real, self.n_synthetic, self.ratio, self.seed, self.mode = n_real, n_synthetic, float(ratio), int(seed), mode

@@ -216,7 +216,7 @@ def evaluate(
     from lightning_modules.data.splits import split_sha256
     from lightning_modules.models.checkpoints import load_module_from_checkpoint
 
-    from lightning_modules.models.pyfunc import is_model_uri, model_version_tags
+    from lightning_modules.models.pyfunc import is_model_uri, model_version_tags, record_operating_point
 
     # A registered model (models:/NAME@ALIAS) stands for its version's training run.
     version_tags = model_version_tags(training_run_id, tracking_uri(recipe.tracking.uri)) if is_model_uri(training_run_id) else {}
@@ -264,6 +264,7 @@ def evaluate(
             points = _operating_points(recipe, callback)
             tables.update(_log_operating_points(logger.experiment, run_id, recipe, callback, list(stages), points))
             log_evaluation_inputs(logger.experiment, run_id, datamodule, list(dict.fromkeys(["val", *stages])))
+            record_operating_point(run_id, uri)  # on the registered version, for its pyfunc's tumor_detected
     return run_id, tables
 
 

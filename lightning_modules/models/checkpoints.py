@@ -100,6 +100,19 @@ def registered_model_artifacts(model_uri: str, uri: str, folder: Path) -> tuple[
     return local / artifacts[RECIPE_ARTIFACT]["path"], local / artifacts[CHECKPOINT_ARTIFACT]["path"]
 
 
+def existing_store(uri: str, source: str) -> str:
+    """The tracking URI, refused when it is a SQLite file that does not exist: opening it would create an
+    empty store (a stray ``./mlflow.db``) and then report the model as missing."""
+    if uri.startswith("sqlite:///"):
+        path = Path(uri[len("sqlite:///") :])
+        if not path.is_file():
+            raise ModelSourceError(
+                f"{source} needs the tracking store that holds it, and {uri} does not exist ({path.resolve()}): "
+                "set MLFLOW_TRACKING_URI to that store, e.g. sqlite:////path/to/mlflow.db or http://host:5000"
+            )
+    return uri
+
+
 def resolve_model_source(
     folder: Path,
     run_id: str | None = None,
@@ -124,9 +137,11 @@ def resolve_model_source(
     if (run_id is None) == (checkpoint is None):
         raise ModelSourceError("name exactly one model source: --run-id RUN or --checkpoint FILE --recipe YAML")
     if run_id is not None and str(run_id).startswith("models:/"):
-        recipe_path, checkpoint_path = registered_model_artifacts(run_id, resolve_uri(tracking_uri), Path(folder))
+        uri = existing_store(resolve_uri(tracking_uri), run_id)
+        recipe_path, checkpoint_path = registered_model_artifacts(run_id, uri, Path(folder))
     elif run_id is not None:
-        recipe_path, checkpoint_path = training_run_artifacts(run_id, resolve_uri(tracking_uri), Path(folder))
+        uri = existing_store(resolve_uri(tracking_uri), f"run {run_id}")
+        recipe_path, checkpoint_path = training_run_artifacts(run_id, uri, Path(folder))
     if run_id is not None:
         if recipe is not None:
             return load_recipe(recipe, list(overrides)), checkpoint_path

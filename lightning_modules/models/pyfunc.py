@@ -6,17 +6,27 @@ it as ``benchx-<backbone>``; a study then points the aliases ``baseline``, ``syn
 ``<study>-baseline`` / ``<study>-synthx`` at its two versions (:func:`set_aliases`).
 
 ``predict`` takes a DataFrame with one row per scan: either ``ct_path`` (a NIfTI file) or ``ct`` (a
-3-D volume in HU) with an optional ``affine`` (4x4, default identity = 1 mm voxels). Each scan goes
-through :func:`lightning_modules.inference.predict_scan`, the same path as ``benchx predict``, and
-comes back as a row with ``mask`` (the label map on the scan's own grid, labels in recipe class
-order), ``tumor_volume_mm3`` (the scan-level score of docs/design.md "Scan-level detection") and
-``tumor_detected`` (that score above the recipe's ``detection.threshold_mm3``).
+3-D volume in HU) with an optional ``affine`` (4x4, default identity = 1 mm voxels); an input with
+neither column is refused, naming them. Each scan goes through
+:func:`lightning_modules.inference.predict_scan`, the same path as ``benchx predict``, and comes
+back as a row with ``mask`` (the label map on the scan's own grid, labels in recipe class order),
+``tumor_volume_mm3`` (the scan-level score of docs/design.md "Scan-level detection"),
+``tumor_detected`` (that score above the operating point) and ``error``: a row whose scan cannot be
+read, holds NaN or infinite voxels, or has no input gets its problem there (naming the file) and
+empty results, and the other rows are still predicted.
+
+The operating point (docs/pyfunc.md): an evaluation on the model's own split records the threshold
+it chose on validation on the registered version (tags ``operating_point_mm3``, ``operating_point_rule``,
+``operating_point_run``; :func:`record_operating_point`), and the loaded model applies it; a model
+with none recorded applies its recipe's ``detection.threshold_mm3``. ``model_config={"threshold_mm3": m}``
+at load, or ``params={"threshold_mm3": m}`` per call, overrides it.
 
 Example::
 
     import mlflow, pandas as pd
     model = mlflow.pyfunc.load_model("models:/benchx-unet@baseline")
     result = model.predict(pd.DataFrame({"ct_path": ["data/example_ct/TS_EXAMPLE/ct.nii.gz"]}))
+    strict = mlflow.pyfunc.load_model("models:/benchx-unet@baseline", model_config={"threshold_mm3": 200.0})
     mlflow models predict -m models:/benchx-unet@baseline -i scans.json -t json --env-manager local
 """
 
@@ -34,6 +44,12 @@ from lightning_modules.models.checkpoints import CHECKPOINT_ARTIFACT, RECIPE_ART
 
 MODEL_NAME = "model"
 REGISTERED_PREFIX = "benchx-"
+OUTPUT_COLUMNS = ["case_id", "mask", "tumor_volume_mm3", "tumor_detected", "error"]
+# The override key (model_config at load, params per call) and the registered version's tags.
+THRESHOLD_KEY = "threshold_mm3"
+OPERATING_POINT_TAG = "operating_point_mm3"
+OPERATING_POINT_RULE_TAG = "operating_point_rule"
+OPERATING_POINT_RUN_TAG = "operating_point_run"
 REQUIREMENTS = ("torch", "lightning", "monai", "nibabel", "numpy", "pandas", "omegaconf", "einops", "mlflow")
 
 
@@ -42,9 +58,10 @@ def registered_name(backbone: str) -> str:
 
 
 def signature():
-    """Input: ``ct_path`` or ``ct`` (+ ``affine``) per row; output: mask, tumor volume, decision."""
+    """Input: ``ct_path`` or ``ct`` (+ ``affine``) per row; output: mask, tumor volume, decision, error;
+    parameter: ``threshold_mm3`` (the operating point of this call)."""
     from mlflow.models import ModelSignature
-    from mlflow.types.schema import Array, ColSpec, Schema
+    from mlflow.types.schema import Array, ColSpec, ParamSchema, ParamSpec, Schema
 
     inputs = Schema(
         [
@@ -59,9 +76,11 @@ def signature():
             ColSpec(Array(Array(Array("integer"))), "mask"),
             ColSpec("double", "tumor_volume_mm3"),
             ColSpec("boolean", "tumor_detected"),
+            ColSpec("string", "error", required=False),
         ]
     )
-    return ModelSignature(inputs=inputs, outputs=outputs)
+    params = ParamSchema([ParamSpec(THRESHOLD_KEY, "double", None)])
+    return ModelSignature(inputs=inputs, outputs=outputs, params=params)
 
 
 def pip_requirements(names=REQUIREMENTS) -> list[str]:
@@ -85,7 +104,12 @@ def package_dir(name: str) -> str:
 
 
 class SegmentationModel(mlflow.pyfunc.PythonModel):
-    """The pyfunc wrapper: rebuilds the module from the recipe and checkpoint artifacts."""
+    """The pyfunc wrapper: rebuilds the module from the recipe and checkpoint artifacts.
+
+    Attributes (after loading):
+        threshold_mm3: the operating point ``tumor_detected`` applies by default.
+        threshold_source: where it comes from: ``model_config``, ``registered model version N`` or ``recipe``.
+    """
 
     def load_context(self, context) -> None:
         from lightning_modules.config.recipe import load_recipe
@@ -94,33 +118,67 @@ class SegmentationModel(mlflow.pyfunc.PythonModel):
         self.recipe = load_recipe(context.artifacts[RECIPE_ARTIFACT], resolved=True)
         self.module = load_module_from_checkpoint(self.recipe, context.artifacts[CHECKPOINT_ARTIFACT])
         self.module.eval()
+        config = dict(getattr(context, "model_config", None) or {})
+        if config.get(THRESHOLD_KEY) is not None:
+            self.threshold_mm3, self.threshold_source = _threshold(config[THRESHOLD_KEY], "model_config"), "model_config"
+            return
+        recorded = recorded_operating_point(Path(context.artifacts[RECIPE_ARTIFACT]).parents[1])
+        if recorded is not None:
+            self.threshold_mm3, self.threshold_source = recorded
+        else:
+            self.threshold_mm3, self.threshold_source = float(self.recipe.detection.threshold_mm3), "recipe"
 
     def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
-        rows = [self._predict_row(index, row) for index, row in frame.iterrows()]
-        return pd.DataFrame(rows, columns=["case_id", "mask", "tumor_volume_mm3", "tumor_detected"])
+        if not {"ct_path", "ct"} & set(frame.columns):
+            raise ValueError(
+                f"the input has no 'ct_path' column (a NIfTI file per row) and no 'ct' column (a 3-D volume in HU, "
+                f"with an optional 'affine'); it has {list(frame.columns)}"
+            )
+        threshold = self.threshold_mm3
+        if params and params.get(THRESHOLD_KEY) is not None:
+            threshold = _threshold(params[THRESHOLD_KEY], "params")
+        rows = [self._predict_row(index, row, threshold) for index, row in frame.iterrows()]
+        return pd.DataFrame(rows, columns=OUTPUT_COLUMNS)
 
-    def _predict_row(self, index, row) -> dict:
+    def _predict_row(self, index, row, threshold: float) -> dict:
+        """One scan's result, or its problem in ``error``: a bad file or input must not cost the other rows."""
         import numpy as np
 
-        from lightning_modules.inference import predict_scan
+        from lightning_modules.inference import NonFiniteScanError, predict_scan, unreadable_reason
 
         path = row.get("ct_path") if "ct_path" in row else None
-        if isinstance(path, str) and path:
-            labels, affine = predict_scan(self.module, self.recipe, path)
-            case_id = _case_id(path)
-        elif "ct" in row and row["ct"] is not None:
-            labels, affine = self._predict_volume(np.asarray(row["ct"], dtype=np.float32), row.get("affine"))
-            case_id = str(index)
-        else:
-            raise ValueError(f"row {index}: give ct_path (a NIfTI file) or ct (a 3-D volume in HU)")
+        volume_in = row.get("ct") if "ct" in row else None
+        try:
+            if isinstance(path, str) and path:
+                case_id = _case_id(path)
+                if not Path(path).is_file():
+                    raise ValueError(f"{path}: no such file")
+                try:
+                    labels, affine = predict_scan(self.module, self.recipe, path)
+                except NonFiniteScanError:
+                    raise
+                except Exception as error:
+                    reason = unreadable_reason(Path(path))
+                    if reason is None:
+                        raise
+                    raise ValueError(f"{path}: cannot read: {reason}") from error
+            elif volume_in is not None and not (np.isscalar(volume_in) and pd.isna(volume_in)):
+                case_id = str(index)
+                labels, affine = self._predict_volume(np.asarray(volume_in, dtype=np.float32), row.get("affine"))
+            else:
+                raise ValueError(f"row {index}: give ct_path (a NIfTI file) or ct (a 3-D volume in HU)")
+        except (ValueError, OSError) as error:
+            return {"case_id": _case_id(path) if isinstance(path, str) and path else str(index), "mask": None,
+                    "tumor_volume_mm3": float("nan"), "tumor_detected": None, "error": str(error)}
         voxel = float(abs(np.linalg.det(np.asarray(affine)[:3, :3])))
         volume = float((labels == self.module.tumor_label).sum()) * voxel
         return {
             "case_id": case_id,
             "mask": labels,
             "tumor_volume_mm3": volume,
-            "tumor_detected": volume > float(self.recipe.detection.threshold_mm3),
+            "tumor_detected": volume > threshold,
+            "error": None,
         }
 
     def _predict_volume(self, volume, affine):
@@ -136,7 +194,80 @@ class SegmentationModel(mlflow.pyfunc.PythonModel):
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "ct.nii.gz"
             nib.save(nib.Nifti1Image(volume, affine), str(path))
-            return predict_scan(self.module, self.recipe, path)
+            try:
+                return predict_scan(self.module, self.recipe, path)
+            except ValueError as error:
+                raise ValueError(str(error).replace(str(path), "ct")) from error
+
+
+def _threshold(value, source: str) -> float:
+    import math
+
+    try:
+        threshold = float(value)
+    except (TypeError, ValueError):
+        threshold = float("nan")
+    if not math.isfinite(threshold):
+        raise ValueError(f"{source} {THRESHOLD_KEY} must be a finite number of mm^3, got {value!r}")
+    return threshold
+
+
+def recorded_operating_point(model_dir: Path) -> tuple[float, str] | None:
+    """The operating point recorded on the registered version of a downloaded model (its ``MLmodel``
+    names the run and logged model), or None: not registered, none recorded, or no store reachable."""
+    from mlflow.models import Model
+    from mlflow.tracking import MlflowClient
+
+    uri = mlflow.get_tracking_uri()
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+        return None  # no store here (opening it would create an empty ./mlflow.db)
+    try:
+        info = Model.load(str(model_dir))
+        versions = MlflowClient(tracking_uri=uri).search_model_versions(f"run_id = '{info.run_id}'")
+    except Exception as error:  # no store, another store, a model logged outside a run: the recipe's point
+        warnings.warn(f"the registered model's operating point could not be looked up ({error}); "
+                      "the recipe's detection.threshold_mm3 is used", stacklevel=2)
+        return None
+    model_id = getattr(info, "model_id", None)
+    mine = [v for v in versions if model_id is None or getattr(v, "model_id", None) in (None, model_id)]
+    for version in sorted(mine, key=lambda v: int(v.version), reverse=True):
+        if OPERATING_POINT_TAG in version.tags:
+            return float(version.tags[OPERATING_POINT_TAG]), f"registered model {version.name} version {version.version}"
+    return None
+
+
+def record_operating_point(evaluation_run_id: str, uri: str) -> dict[str, str] | None:
+    """Record an evaluation's validation-chosen operating point on the registered version it evaluated.
+
+    Only an evaluation on the split the model was trained with (same ``split_sha256``), without the
+    training-overlap override and without a fallback to the fixed point, records: its validation
+    cases are then the model's own validation split. Returns the tags set, or None.
+    """
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(evaluation_run_id)
+    tags, metrics = run.data.tags, run.data.metrics
+    name, number, training = tags.get("registered_model"), tags.get("model_version"), tags.get("training_run_id")
+    threshold = metrics.get("operating_point/val_chosen")
+    if not (name and number and training) or threshold is None:
+        return None
+    if tags.get("training_overlap_override") or tags.get("threshold_fallback.val_chosen"):
+        return None
+    try:
+        trained_on = client.get_run(training).data.tags.get("split_sha256")
+    except Exception:  # the training run is gone from this store: nothing to compare the split with
+        return None
+    if trained_on != tags.get("split_sha256"):
+        return None
+    point = {
+        OPERATING_POINT_TAG: repr(float(threshold)),
+        OPERATING_POINT_RULE_TAG: tags.get("operating_point.val_chosen.rule", ""),
+        OPERATING_POINT_RUN_TAG: evaluation_run_id,
+    }
+    for key, value in point.items():
+        client.set_model_version_tag(name, str(number), key, value)
+    return point
 
 
 def _case_id(path: str) -> str:
@@ -165,6 +296,8 @@ def log_segmentation_model(run_id: str, uri: str, recipe, checkpoint: str | Path
                 artifacts={CHECKPOINT_ARTIFACT: str(checkpoint), RECIPE_ARTIFACT: str(recipe_path)},
                 code_paths=[package_dir("lightning_modules")],
                 signature=signature(),
+                # A key MLflow lets `load_model(..., model_config=...)` override; None: the recorded point.
+                model_config={THRESHOLD_KEY: None},
                 pip_requirements=pip_requirements(),
                 registered_model_name=registered_name(str(recipe.model.backbone)),
                 await_registration_for=60,

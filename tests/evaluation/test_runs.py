@@ -70,6 +70,12 @@ def test_evaluate_and_compare_two_runs(two_models, tiny_phantom, capsys, monkeyp
     # The validation point is bagged (detection.threshold_bootstrap, 2000 by default) from the
     # logged validation records, with the spread of the resamples' choices.
     assert run.data.tags["operating_point.val_chosen.rule"].startswith("youden (mean of ")
+    # The evaluation on the model's own split records that point on its registered version (the
+    # pyfunc's tumor_detected applies it: tests/models/test_pyfunc.py).
+    version = client.get_model_version(run.data.tags["registered_model"], run.data.tags["model_version"])
+    assert float(version.tags["operating_point_mm3"]) == run.data.metrics["operating_point/val_chosen"]
+    assert version.tags["operating_point_rule"] == run.data.tags["operating_point.val_chosen.rule"]
+    assert version.tags["operating_point_run"] == evaluation_runs[0]
     val_records = pd.read_csv(client.download_artifacts(evaluation_runs[0], "evaluation/val_records.csv"))
     bagged = bagged_threshold(val_records, "youden", n_resamples=int(recipe.detection.threshold_bootstrap))
     metrics = run.data.metrics
