@@ -133,8 +133,20 @@ class WeightedSubgroupEvaluator:
         evaluator._set_scores(scores(aligned, reference.score), labels(aligned))
         return evaluator
 
+    def at_threshold(self, threshold: float) -> "WeightedSubgroupEvaluator":
+        """This evaluator's cases, scores and subgroups at another threshold m (the AUC is unchanged)."""
+        evaluator = copy.copy(self)
+        evaluator.threshold = float(threshold)
+        evaluator._set_scores(self.values, self.truth)
+        return evaluator
+
+    def member_cases(self, row: int) -> np.ndarray:
+        """Positions (in :attr:`case_ids` order) of the cases of subgroup row ``row``."""
+        return np.flatnonzero(self._membership[:, row])
+
     def _set_scores(self, values: np.ndarray, truth: np.ndarray) -> None:
         """The sparse projection for these scores and labels (cases in :attr:`case_ids` order)."""
+        self.values, self.truth = values, truth
         self._n_rows = len(self.rows)
         entries, positive_offsets = self._row_entries(self._membership, values, truth)
         self._positive_offsets = positive_offsets
