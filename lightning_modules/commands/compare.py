@@ -27,6 +27,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--stage", default="test", choices=["val", "test"])
     parser.add_argument("--experiment", default="benchx", help="experiment to log the comparison run in ('' to skip)")
     parser.add_argument("--resamples", type=int, default=2000)
+    parser.add_argument("--score", default="volume", choices=["volume", "localized_volume", "max_prob"],
+                        help="scan score: predicted tumor volume, or only the components that overlap the "
+                             "lesion (docs/design.md \"Scan-level detection\")")
     return parser
 
 
@@ -36,7 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lightning_modules.evaluation.runs import EvaluationError, compare, format_comparison
 
     try:
-        table, run_id = compare(args.run_ids, args.stage, experiment=args.experiment or None, n_resamples=args.resamples)
+        table, run_id = compare(args.run_ids, args.stage, experiment=args.experiment or None, n_resamples=args.resamples,
+                                score=args.score)
     except EvaluationError as error:
         print(f"benchx compare: {error}", file=sys.stderr)
         return 1

@@ -12,10 +12,13 @@ refuses an evaluation set holding a training case or patient of the model unless
 
 ``compare`` takes two or more evaluation runs on the same evaluation set (same case-id hash) and
 writes the table of BenchX table 6 at each operating point (fixed m, validation-chosen, matched
-specificity): for each subgroup its patients, positives and negatives, baseline, augmented, the
-difference with its paired bootstrap CI, the share of resamples where it was defined, and whether
-it is significant (CI excludes 0 and the subgroup supports it:
-docs/design.md "Confidence intervals and comparisons").
+specificity): for each subgroup its patients, positives and negatives, baseline and augmented
+with their Wilson intervals, the difference with its paired bootstrap CI (at the chosen points
+including the threshold's uncertainty) and Newcombe's interval, the exact McNemar p (sensitivity,
+specificity) or DeLong's p (AUC), the share of resamples where it was defined, and whether it is
+significant (the metric's deciding test rejects and the subgroup supports it:
+docs/design.md "Confidence intervals and comparisons"). The fixed m reads the raw predicted tumor
+volume (BenchX's rule); ``score="localized_volume"`` compares the localization-aware score.
 
 Example::
 
@@ -336,6 +339,15 @@ def _load_run(client: MlflowClient, run_id: str, stage: str, folder: str) -> Eva
                         rule if rule in RULES else "youden")
 
 
+def _rechoose_on_score(run: EvaluatedRun, score: str, n_resamples: int, confidence: float) -> None:
+    """Choose a run's validation point on another score than the one it was evaluated with (the
+    localization-aware score): the run's rule, bagged over ``n_resamples`` validation resamples."""
+    if run.val_records is None or score_column(score) not in run.val_records.columns:
+        raise EvaluationError(f"run {run.run_id} has no validation records with {score_column(score)}: evaluate it again")
+    point = choose_operating_point(run.val_records, run.rule, run.thresholds["fixed"], score, n_resamples, confidence)
+    run.thresholds["val_chosen"], run.fallback = point.threshold, point.fallback
+
+
 def _matched_point(baseline: EvaluatedRun, other: EvaluatedRun, score: str) -> OperatingPoint:
     target = math.nan
     if baseline.val_records is not None:
@@ -456,6 +468,9 @@ def compare(
     if len(set(hashes)) != 1:
         listing = ", ".join(f"{run.run_id}: {h[:12]} ({len(run.records)} cases)" for run, h in zip(runs, hashes))
         raise EvaluationError(f"runs were evaluated on different sets (case-id sha256 differs): {listing}")
+    if score not in ("volume", "max_prob"):
+        for run in runs:
+            _rechoose_on_score(run, score, n_resamples, confidence)
     notes = [f"{run.name} ({run.run_id}): validation operating point: {run.fallback}" for run in runs if run.fallback]
     settings = {"n_resamples": n_resamples, "confidence": confidence, "score": score}
     comparison = pd.concat([_compare_pair(runs[0], other, settings, notes) for other in runs[1:]], ignore_index=True)

@@ -119,3 +119,21 @@ def test_paired_nested_bootstrap_applies_each_runs_resampled_choice():
     np.testing.assert_array_equal(nested["delta"], fixed["delta"])
     assert not (nested[["ci_low", "ci_high"]].to_numpy() == fixed[["ci_low", "ci_high"]].to_numpy()).all()
     assert specificity_at(validation, m) > 0
+
+
+def test_the_localization_aware_score_does_not_count_a_blob_away_from_the_tumor():
+    from lightning_modules.evaluation.detection import subgroup_metrics
+
+    # Three tumor scans, each with one predicted blob of 500 mm^3: only the first overlaps its lesion.
+    records = phase_records({"venous": ([500.0, 500.0, 500.0], [0.0, 0.0]), "arterial": ([0.0], [300.0])})
+    records["localized_volume_mm3"] = [500.0, 0.0, 0.0, 0.0, 0.0, 0.0, 300.0]
+    records["lesions"] = [1, 1, 2, 0, 0, 1, 0]
+    records["lesions_found"] = [1, 0, 0, 0, 0, 0, 0]
+    by_volume = subgroup_metrics(records, 50.0, score="volume", attributes=("phase",)).set_index("group")
+    localized = subgroup_metrics(records, 50.0, score="localized_volume", attributes=("phase",)).set_index("group")
+    assert by_volume.loc["venous", "sensitivity"] == 1.0
+    assert localized.loc["venous", "sensitivity"] == pytest.approx(1 / 3)
+    # A negative scan's blob is a false positive under both scores.
+    assert localized.loc["arterial", "specificity"] == by_volume.loc["arterial", "specificity"] == 0.0
+    assert (localized.loc["venous", "lesions_found"], localized.loc["venous", "lesions"]) == (1, 4)
+    assert localized.loc["all", "lesion_hit_rate"] == pytest.approx(1 / 5)
