@@ -439,8 +439,11 @@ def holm_adjust(p_values) -> np.ndarray:
 
 
 # The test that decides a difference's significance, per metric (docs/design.md "Confidence
-# intervals and comparisons"); the others are decided by the paired bootstrap interval.
-SIGNIFICANCE_TESTS = {"sensitivity": "mcnemar_exact", "specificity": "mcnemar_exact", "auc": "delong"}
+# intervals and comparisons"). F1 and auc_binary have no exact paired test: their bootstrap interval
+# must exclude 0 and the exact McNemar test must find changed decisions on the positives or the
+# negatives (Bonferroni over the two); their p is the larger of the two p-values.
+SIGNIFICANCE_TESTS = {"sensitivity": "mcnemar_exact", "specificity": "mcnemar_exact", "auc": "delong",
+                      "f1": "bootstrap+mcnemar", "auc_binary": "bootstrap+mcnemar"}
 SMALL_COUNT_COLUMNS = ("a_wilson_low", "a_wilson_high", "b_wilson_low", "b_wilson_high", "newcombe_low", "newcombe_high",
                        "p_mcnemar", "p_delong")
 
@@ -453,11 +456,20 @@ def paired_small_count_columns(
     Sensitivity (over the positive scans) and specificity (over the negatives): each run's Wilson
     interval, Newcombe's interval of the paired difference (B - A) and the exact McNemar p of the
     scans one run decides correctly and the other not. AUC: DeLong's p of the paired difference.
-    NaN where a column does not apply or the row lacks the scans it needs.
+    F1 and auc_binary: ``p_mcnemar`` is the Bonferroni minimum of the exact McNemar p on the
+    positives and on the negatives (did the decisions change at all). NaN where a column does not
+    apply or the row lacks the scans it needs.
     """
     columns = {name: np.full(len(evaluator_a.rows), np.nan) for name in SMALL_COUNT_COLUMNS}
     truth = evaluator_a.truth
-    if metric in ("sensitivity", "specificity"):
+    if metric in ("f1", "auc_binary"):
+        on_positives = paired_small_count_columns(evaluator_a, evaluator_b, "sensitivity", confidence)["p_mcnemar"]
+        on_negatives = paired_small_count_columns(evaluator_a, evaluator_b, "specificity", confidence)["p_mcnemar"]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="All-NaN", category=RuntimeWarning)
+            smaller = np.nanmin(np.stack([on_positives, on_negatives]), axis=0)
+        columns["p_mcnemar"] = np.minimum(1.0, 2.0 * smaller)
+    elif metric in ("sensitivity", "specificity"):
         counted = truth if metric == "sensitivity" else ~truth
         correct_a = (evaluator_a.values > evaluator_a.threshold) == truth
         correct_b = (evaluator_b.values > evaluator_b.threshold) == truth
@@ -512,13 +524,22 @@ def _difference_frame(
     frame["supported"] = supported(frame["n_patients"], frame["positives"], frame["negatives"], metric)
     # Which test decides: the exact McNemar test for sensitivity and specificity (it holds its level
     # at any count, where the bootstrap and even Newcombe's interval can call a few discordant scans
-    # significant), DeLong's for AUC, the paired bootstrap interval for F1 and auc_binary.
+    # significant), DeLong's for AUC, the bootstrap interval together with McNemar for F1 and auc_binary.
     test = SIGNIFICANCE_TESTS.get(metric, "bootstrap")
     frame["test"] = test
-    p_value = frame[{"mcnemar_exact": "p_mcnemar", "delong": "p_delong", "bootstrap": "p_bootstrap"}[test]].to_numpy()
+    if test == "bootstrap+mcnemar":
+        p_value = np.fmax(frame["p_bootstrap"].to_numpy(), frame["p_mcnemar"].to_numpy())
+    else:
+        p_value = frame[{"mcnemar_exact": "p_mcnemar", "delong": "p_delong", "bootstrap": "p_bootstrap"}[test]].to_numpy()
     frame["p_value"] = np.where(np.isnan(delta), np.nan, p_value)
     alpha = 1.0 - confidence
-    decided = ((low > 0) | (high < 0)) if test == "bootstrap" else (frame["p_value"] < alpha).to_numpy()
+    excludes_zero = (low > 0) | (high < 0)
+    if test == "bootstrap":
+        decided = excludes_zero
+    elif test == "bootstrap+mcnemar":
+        decided = excludes_zero & (frame["p_mcnemar"] < alpha).to_numpy()
+    else:
+        decided = (frame["p_value"] < alpha).to_numpy()
     frame["significant"] = decided & frame["supported"].to_numpy()
     # Multiplicity: Holm within each attribute (its supported groups, this metric), so "does SynthX
     # change sensitivity in some phase?" is tested at the family-wise level, not once per phase.

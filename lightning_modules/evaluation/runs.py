@@ -481,7 +481,8 @@ def compare(
     return comparison, logged_run
 
 
-TEST_NAMES = {"mcnemar_exact": "McNemar", "delong": "DeLong", "bootstrap": "bootstrap"}
+TEST_NAMES = {"mcnemar_exact": "McNemar", "delong": "DeLong", "bootstrap": "bootstrap",
+              "bootstrap+mcnemar": "boot+McNemar"}
 
 
 def format_comparison(
@@ -521,7 +522,8 @@ def format_comparison(
                 lines.append(f"{label}  {metric:<12}{_with_interval(row, 'a'):<21}{_with_interval(row, 'b'):<21}"
                              f"{interval:<26}{newcombe:<17}{p_value:<20}{defined:>5}")
     lines.append("* significant: the test of the metric rejects at 5% (exact McNemar for sensitivity and "
-                 "specificity, DeLong for AUC, the paired bootstrap CI for the others) and the subgroup has "
+                 "specificity, DeLong for AUC, for F1 the paired bootstrap CI and McNemar on the positives or "
+                 "negatives) and the subgroup has "
                  f"{support_rule_text()};  ** also after Holm's correction over the groups of its attribute;  "
                  "~ the test rejects but the subgroup is below that rule;  - undefined;  "
                  "def: share of resamples where the difference was defined")
@@ -550,11 +552,13 @@ def significance_mark(row) -> str:
     if is_flagged(row["significant"]):
         return "*"
     test = row.get("test", "bootstrap")
-    if isinstance(test, str) and test != "bootstrap":
-        p_value = float(row.get("p_value", math.nan))
-        return "~" if p_value < 0.05 else " "
     low, high = float(row["ci_low"]), float(row["ci_high"])
-    return "~" if (low > 0 or high < 0) else " "
+    rejects = low > 0 or high < 0
+    if test == "bootstrap+mcnemar":
+        rejects = rejects and float(row.get("p_mcnemar", math.nan)) < 0.05
+    elif isinstance(test, str) and test != "bootstrap":
+        rejects = float(row.get("p_value", math.nan)) < 0.05
+    return "~" if rejects else " "
 
 
 def _fmt(value, sign: bool = False) -> str:

@@ -37,7 +37,7 @@ def test_five_of_eleven_found_only_by_one_model_is_not_significant_by_the_exact_
     other = baseline.copy()
     arterial_positives = np.flatnonzero((other["phase"] == "arterial") & (other["label"] == 1))[:5]
     other.loc[arterial_positives, "volume_mm3"] = 500.0
-    table = paired_difference(baseline, other, 50.0, 50.0, n_resamples=400, metrics=("sensitivity", "auc"),
+    table = paired_difference(baseline, other, 50.0, 50.0, n_resamples=400, metrics=("sensitivity", "f1", "auc"),
                               attributes=("phase",))
     rows = table.set_index(["metric", "group"])
     arterial = rows.loc[("sensitivity", "arterial")]
@@ -46,6 +46,11 @@ def test_five_of_eleven_found_only_by_one_model_is_not_significant_by_the_exact_
     assert arterial["p_bootstrap"] < 0.05 and arterial["ci_low"] > 0
     assert arterial["test"] == "mcnemar_exact" and arterial["p_value"] == pytest.approx(0.0625)
     assert not arterial["significant"] and not arterial["significant_holm"]
+    # F1 moves with the same 5 scans: its bootstrap interval excludes 0, but no exact test finds
+    # changed decisions (McNemar on the positives 0.0625, x 2 for positives or negatives).
+    f1 = rows.loc[("f1", "arterial")]
+    assert f1["ci_low"] > 0 and f1["test"] == "bootstrap+mcnemar" and f1["p_mcnemar"] == pytest.approx(0.125)
+    assert f1["p_value"] == pytest.approx(0.125) and not f1["significant"]
     assert arterial["a_wilson_low"] == 0.0 and arterial["a_wilson_high"] == pytest.approx(0.2588, abs=1e-4)
     assert 0 < arterial["newcombe_low"] < 5 / 11 < arterial["newcombe_high"] < 1
     # 0 of 11 against 0 of 11: the bootstrap collapses to [0, 0]; Wilson and Newcombe do not.
@@ -63,9 +68,11 @@ def test_five_of_eleven_found_only_by_one_model_is_not_significant_by_the_exact_
 def test_a_supported_difference_is_significant_when_the_exact_test_says_so():
     baseline = phase_records({"venous": ([0.0] * 20, [0.0] * 20)})
     other = baseline.assign(volume_mm3=np.where(baseline["label"] == 1, 500.0, 0.0))
-    table = paired_difference(baseline, other, 50.0, 50.0, n_resamples=200, metrics=("sensitivity",), attributes=("phase",))
-    venous = table[table["group"] == "venous"].iloc[0]
-    assert venous["p_value"] == pytest.approx(2 * 0.5**20) and venous["significant"] and venous["significant_holm"]
+    table = paired_difference(baseline, other, 50.0, 50.0, n_resamples=200, metrics=("sensitivity", "f1"), attributes=("phase",))
+    venous = table[table["group"] == "venous"].set_index("metric")
+    sensitivity, f1 = venous.loc["sensitivity"], venous.loc["f1"]
+    assert sensitivity["p_value"] == pytest.approx(2 * 0.5**20) and sensitivity["significant"] and sensitivity["significant_holm"]
+    assert f1["p_mcnemar"] == pytest.approx(4 * 0.5**20) and f1["significant"]
 
 
 def unstable_validation(rng) -> pd.DataFrame:
