@@ -29,6 +29,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--stage", default="test", choices=["val", "test"])
     parser.add_argument("--experiment", default="benchx", help="experiment to log the comparison run in ('' to skip)")
     parser.add_argument("--resamples", type=int, default=2000)
+    parser.add_argument("--score", default="volume", choices=["volume", "localized_volume", "max_prob"],
+                        help="scan score: predicted tumor volume, or only the components that overlap the "
+                             "lesion (docs/design.md \"Scan-level detection\")")
     return parser
 
 
@@ -38,7 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lightning_modules.evaluation.runs import compare, format_comparison
 
     # A refused comparison (EvaluationError) is a short message with exit 2 from the benchx dispatcher.
-    table, run_id = compare(args.run_ids, args.stage, experiment=args.experiment or None, n_resamples=args.resamples)
+    table, run_id = compare(args.run_ids, args.stage, experiment=args.experiment or None, n_resamples=args.resamples,
+                            score=args.score)
     print(format_comparison(table))
     if run_id:
         print(f"comparison logged to run {run_id}")

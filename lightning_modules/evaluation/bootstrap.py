@@ -37,6 +37,7 @@ import pandas as pd
 
 from lightning_modules.evaluation.detection import RATE_METRICS, WeightedSubgroupEvaluator
 from lightning_modules.evaluation.records import ATTRIBUTE_COLUMNS, ATTRIBUTES, attribute_values, labels
+from lightning_modules.evaluation.small_counts import delong_test, mcnemar_exact_p, newcombe_paired_interval, wilson_interval
 from lightning_modules.evaluation.subgroups import metric_defined, supported
 
 CI_METRICS = RATE_METRICS
@@ -220,10 +221,15 @@ def resample_statistics(
     metrics: Sequence[str] = CI_METRICS,
     memory_budget_mb: float = DEFAULT_MEMORY_BUDGET_MB,
     threads: int | None = None,
+    resample_thresholds: Sequence[np.ndarray | None] | None = None,
 ) -> list[dict[str, np.ndarray]]:
     """Each evaluator's metrics on the same patient resamples: per evaluator, metric ->
     (n_resamples x subgroup rows), NaN where undefined. The evaluators must share their patients
     (one evaluation set, e.g. two runs or two thresholds).
+
+    ``resample_thresholds`` (one entry per evaluator, None for its own fixed m) gives a threshold
+    per resample: resample r is then evaluated at threshold r (a nested threshold bootstrap, where
+    threshold r was chosen on validation resample r; NaN entries keep the evaluator's m).
 
     Blocks of resamples are evaluated by ``threads`` threads (default :func:`bootstrap_threads`);
     each block writes its own rows, so the result is identical for any thread count, and at most
@@ -236,12 +242,22 @@ def resample_statistics(
     samples = [{metric: np.empty((n_resamples, n_rows)) for metric in metrics} for _ in evaluators]
     block_size = _block_size(evaluators, n_resamples, memory_budget_mb / threads)
     dtype = _exact_float_dtype(evaluators[0])
+    per_resample = _threshold_plans(evaluators, n_resamples, resample_thresholds)
 
     def evaluate_block(start: int, block: np.ndarray) -> None:
-        for evaluator, target in zip(evaluators, samples):
-            statistics = evaluator.evaluate_columns(block)
-            for metric in metrics:
-                target[metric][start : start + block.shape[1]] = _defined(statistics, metric)
+        stop = start + block.shape[1]
+        for evaluator, target, plan in zip(evaluators, samples, per_resample):
+            if plan is None:
+                statistics = evaluator.evaluate_columns(block)
+                for metric in metrics:
+                    target[metric][start:stop] = _defined(statistics, metric)
+                continue
+            thresholds, at_threshold = plan
+            for value in np.unique(thresholds[start:stop]):
+                columns = np.flatnonzero(thresholds[start:stop] == value)
+                statistics = at_threshold[value].evaluate_columns(np.ascontiguousarray(block[:, columns]))
+                for metric in metrics:
+                    target[metric][start + columns] = _defined(statistics, metric)
 
     blocks = patient_weight_blocks(evaluators[0].n_patients, n_resamples, seed, block_size, dtype)
     if threads == 1:
@@ -261,6 +277,29 @@ def resample_statistics(
     return samples
 
 
+def _threshold_plans(evaluators, n_resamples: int, resample_thresholds):
+    """Per evaluator: None (its own m) or (threshold per resample, evaluator per distinct threshold).
+
+    The evaluators per threshold are built before the threads start; validation choices cluster
+    on a few values, so there are few of them.
+    """
+    if resample_thresholds is None:
+        return [None] * len(evaluators)
+    if len(resample_thresholds) != len(evaluators):
+        raise ValueError(f"{len(resample_thresholds)} threshold arrays for {len(evaluators)} evaluators")
+    plans = []
+    for evaluator, thresholds in zip(evaluators, resample_thresholds):
+        if thresholds is None:
+            plans.append(None)
+            continue
+        thresholds = np.asarray(thresholds, dtype=float)
+        if thresholds.shape != (n_resamples,):
+            raise ValueError(f"{thresholds.shape[0]} resample thresholds for {n_resamples} resamples")
+        thresholds = np.where(np.isnan(thresholds), evaluator.threshold, thresholds)
+        plans.append((thresholds, {value: evaluator.at_threshold(value) for value in np.unique(thresholds)}))
+    return plans
+
+
 def _summary(samples: np.ndarray, point: np.ndarray, confidence: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """CI bounds (NaN where the point estimate is undefined) and the fraction of resamples defined."""
     low, high = percentile_interval(samples, confidence)
@@ -278,10 +317,13 @@ def bootstrap_subgroup_metrics(
     attributes: Sequence[str] = ATTRIBUTES,
     seed: int | None = None,
     memory_budget_mb: float = DEFAULT_MEMORY_BUDGET_MB,
+    resample_thresholds: np.ndarray | None = None,
 ) -> pd.DataFrame:
     """The subgroup table of :func:`~lightning_modules.evaluation.detection.subgroup_metrics` plus
     ``<metric>_ci_low`` / ``<metric>_ci_high`` and ``<metric>_defined`` (fraction of resamples
-    where the metric was defined) for sensitivity, specificity, f1, auc, auc_binary.
+    where the metric was defined) for sensitivity, specificity, f1, auc, auc_binary, and the
+    Wilson intervals ``sensitivity_wilson_low`` / ``_high`` and ``specificity_wilson_low`` /
+    ``_high`` (scans as units; they do not collapse at 0 or n of n as the bootstrap does).
 
     Percentile bootstrap over patients. A CI is NaN where the point estimate is undefined, and for
     F1 in a group without tumors (``subgroups.metric_defined``). ``table.attrs`` records the
@@ -296,17 +338,22 @@ def bootstrap_subgroup_metrics(
         attributes: attributes to split by.
         seed: an explicit seed instead of the evaluation set's.
         memory_budget_mb: bound on the working memory of one block of resamples.
+        resample_thresholds: a threshold per resample (chosen on validation resample r and applied
+            to resample r: the CIs then include the threshold's uncertainty); None keeps m fixed.
     """
     _check_settings(n_resamples, confidence)
     evaluator = WeightedSubgroupEvaluator(records, threshold, score=score, attributes=attributes)
     point = evaluator.evaluate(np.ones(evaluator.n_patients))
     table = evaluator.table(point)
     seed = _resolve_seed(evaluator.case_ids, seed)
-    (samples,) = resample_statistics([evaluator], n_resamples, seed, CI_METRICS, memory_budget_mb)
+    (samples,) = resample_statistics([evaluator], n_resamples, seed, CI_METRICS, memory_budget_mb,
+                                     resample_thresholds=None if resample_thresholds is None else [resample_thresholds])
     for metric in CI_METRICS:
         low, high, fraction = _summary(samples[metric], _defined(point, metric)[0], confidence)
         table[f"{metric}_ci_low"], table[f"{metric}_ci_high"] = low, high
         table[f"{metric}_defined"] = fraction
+    for metric, successes, total in (("sensitivity", "tp", "positives"), ("specificity", "tn", "negatives")):
+        table[f"{metric}_wilson_low"], table[f"{metric}_wilson_high"] = wilson_interval(table[successes], table[total], confidence)
     table.attrs.update(
         {
             "threshold": float(threshold),
@@ -314,6 +361,7 @@ def bootstrap_subgroup_metrics(
             "n_resamples": int(n_resamples),
             "confidence": float(confidence),
             "evaluation_set_sha256": evaluation_set_hash(evaluator.case_ids),
+            "nested_threshold": resample_thresholds is not None,
         }
     )
     return table
@@ -390,14 +438,74 @@ def holm_adjust(p_values) -> np.ndarray:
     return adjusted
 
 
+# The test that decides a difference's significance, per metric (docs/design.md "Confidence
+# intervals and comparisons"). F1 and auc_binary have no exact paired test: their bootstrap interval
+# must exclude 0 and the exact McNemar test must find changed decisions on the positives or the
+# negatives (Bonferroni over the two); their p is the larger of the two p-values.
+SIGNIFICANCE_TESTS = {"sensitivity": "mcnemar_exact", "specificity": "mcnemar_exact", "auc": "delong",
+                      "f1": "bootstrap+mcnemar", "auc_binary": "bootstrap+mcnemar"}
+SMALL_COUNT_COLUMNS = ("a_wilson_low", "a_wilson_high", "b_wilson_low", "b_wilson_high", "newcombe_low", "newcombe_high",
+                       "p_mcnemar", "p_delong")
+
+
+def paired_small_count_columns(
+    evaluator_a: WeightedSubgroupEvaluator, evaluator_b: WeightedSubgroupEvaluator, metric: str, confidence: float
+) -> dict[str, np.ndarray]:
+    """Per subgroup row, the small-count statistics of one metric of two runs on the same scans.
+
+    Sensitivity (over the positive scans) and specificity (over the negatives): each run's Wilson
+    interval, Newcombe's interval of the paired difference (B - A) and the exact McNemar p of the
+    scans one run decides correctly and the other not. AUC: DeLong's p of the paired difference.
+    F1 and auc_binary: ``p_mcnemar`` is the Bonferroni minimum of the exact McNemar p on the
+    positives and on the negatives (did the decisions change at all). NaN where a column does not
+    apply or the row lacks the scans it needs.
+    """
+    columns = {name: np.full(len(evaluator_a.rows), np.nan) for name in SMALL_COUNT_COLUMNS}
+    truth = evaluator_a.truth
+    if metric in ("f1", "auc_binary"):
+        on_positives = paired_small_count_columns(evaluator_a, evaluator_b, "sensitivity", confidence)["p_mcnemar"]
+        on_negatives = paired_small_count_columns(evaluator_a, evaluator_b, "specificity", confidence)["p_mcnemar"]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="All-NaN", category=RuntimeWarning)
+            smaller = np.nanmin(np.stack([on_positives, on_negatives]), axis=0)
+        columns["p_mcnemar"] = np.minimum(1.0, 2.0 * smaller)
+    elif metric in ("sensitivity", "specificity"):
+        counted = truth if metric == "sensitivity" else ~truth
+        correct_a = (evaluator_a.values > evaluator_a.threshold) == truth
+        correct_b = (evaluator_b.values > evaluator_b.threshold) == truth
+        for row in range(len(evaluator_a.rows)):
+            members = evaluator_a.member_cases(row)
+            scans = members[counted[members]]
+            if len(scans) == 0:
+                continue
+            a, b = correct_a[scans], correct_b[scans]
+            both, only_a, only_b = int((a & b).sum()), int((a & ~b).sum()), int((~a & b).sum())
+            neither = len(scans) - both - only_a - only_b
+            for arm, found in (("a", both + only_a), ("b", both + only_b)):
+                (low,), (high,) = wilson_interval([found], [len(scans)], confidence)
+                columns[f"{arm}_wilson_low"][row], columns[f"{arm}_wilson_high"][row] = low, high
+            # Newcombe's table puts the first proportion's solo successes in b: B - A.
+            columns["newcombe_low"][row], columns["newcombe_high"][row] = newcombe_paired_interval(
+                both, only_b, only_a, neither, confidence
+            )
+            columns["p_mcnemar"][row] = mcnemar_exact_p(only_a, only_b)
+    elif metric == "auc":
+        for row in range(len(evaluator_a.rows)):
+            members = evaluator_a.member_cases(row)
+            if truth[members].any() and (~truth[members]).any():
+                columns["p_delong"][row] = delong_test(truth[members], evaluator_a.values[members], evaluator_b.values[members]).p_value
+    return columns
+
+
 def _difference_frame(
-    evaluator: WeightedSubgroupEvaluator,
+    evaluators: tuple[WeightedSubgroupEvaluator, WeightedSubgroupEvaluator],
     metric: str,
     points: tuple[dict, dict],
     samples: tuple[dict, dict],
     confidence: float,
 ) -> pd.DataFrame:
-    """One metric's comparison rows: counts, both values, the difference, its CI and significance."""
+    """One metric's comparison rows: counts, both values, the difference, its CIs, tests and significance."""
+    evaluator = evaluators[0]
     point_a, point_b = points
     a, b = _defined(point_a, metric)[0], _defined(point_b, metric)[0]
     delta = b - a
@@ -410,14 +518,34 @@ def _difference_frame(
         frame[name] = np.rint(point_a[name][0]).astype(np.int64)
     frame["a"], frame["b"], frame["delta"] = a, b, delta
     frame["ci_low"], frame["ci_high"], frame["defined_fraction"] = low, high, fraction
+    for name, values in paired_small_count_columns(*evaluators, metric, confidence).items():
+        frame[name] = values
+    frame["p_bootstrap"] = bootstrap_p_values(differences, delta)
     frame["supported"] = supported(frame["n_patients"], frame["positives"], frame["negatives"], metric)
-    frame["significant"] = ((low > 0) | (high < 0)) & frame["supported"].to_numpy()
+    # Which test decides: the exact McNemar test for sensitivity and specificity (it holds its level
+    # at any count, where the bootstrap and even Newcombe's interval can call a few discordant scans
+    # significant), DeLong's for AUC, the bootstrap interval together with McNemar for F1 and auc_binary.
+    test = SIGNIFICANCE_TESTS.get(metric, "bootstrap")
+    frame["test"] = test
+    if test == "bootstrap+mcnemar":
+        p_value = np.fmax(frame["p_bootstrap"].to_numpy(), frame["p_mcnemar"].to_numpy())
+    else:
+        p_value = frame[{"mcnemar_exact": "p_mcnemar", "delong": "p_delong", "bootstrap": "p_bootstrap"}[test]].to_numpy()
+    frame["p_value"] = np.where(np.isnan(delta), np.nan, p_value)
+    alpha = 1.0 - confidence
+    excludes_zero = (low > 0) | (high < 0)
+    if test == "bootstrap":
+        decided = excludes_zero
+    elif test == "bootstrap+mcnemar":
+        decided = excludes_zero & (frame["p_mcnemar"] < alpha).to_numpy()
+    else:
+        decided = (frame["p_value"] < alpha).to_numpy()
+    frame["significant"] = decided & frame["supported"].to_numpy()
     # Multiplicity: Holm within each attribute (its supported groups, this metric), so "does SynthX
     # change sensitivity in some phase?" is tested at the family-wise level, not once per phase.
-    frame["p_value"] = bootstrap_p_values(differences, delta)
     tested = frame["p_value"].where(frame["supported"])
     frame["p_holm"] = tested.groupby(frame["attribute"], sort=False).transform(lambda p: holm_adjust(p.to_numpy()))
-    frame["significant_holm"] = frame["significant"] & (frame["p_holm"] < 1.0 - confidence).to_numpy()
+    frame["significant_holm"] = frame["significant"] & (frame["p_holm"] < alpha).to_numpy()
     return frame
 
 
@@ -433,6 +561,7 @@ def paired_difference(
     attributes: Sequence[str] = ATTRIBUTES,
     seed: int | None = None,
     memory_budget_mb: float = DEFAULT_MEMORY_BUDGET_MB,
+    resample_thresholds: tuple[np.ndarray | None, np.ndarray | None] | None = None,
 ) -> pd.DataFrame:
     """Paired bootstrap comparison of two runs on the same evaluation set (B minus A).
 
@@ -444,9 +573,15 @@ def paired_difference(
     groups of its attribute for that metric (:func:`holm_adjust`); ``significant_holm`` marks a
     significant difference that survives it.
 
+    Beside the bootstrap each row has the small-count statistics of
+    :func:`paired_small_count_columns`; ``test`` names the test whose p (``p_value``) decides
+    significance (``SIGNIFICANCE_TESTS``: exact McNemar for sensitivity and specificity, DeLong for
+    AUC, the bootstrap interval for F1 and auc_binary).
+
     Returns one row per (attribute, group, metric): n_patients, n, positives, negatives, a, b,
-    delta, ci_low, ci_high, defined_fraction, supported, significant, p_value, p_holm,
-    significant_holm.
+    delta, ci_low, ci_high, defined_fraction, a_wilson_low, a_wilson_high, b_wilson_low,
+    b_wilson_high, newcombe_low, newcombe_high, p_mcnemar, p_delong, p_bootstrap, supported, test,
+    p_value, significant, p_holm, significant_holm.
 
     Args:
         records_a: the reference run's records (e.g. the baseline).
@@ -460,6 +595,8 @@ def paired_difference(
         attributes: attributes to split by.
         seed: an explicit seed instead of the evaluation set's.
         memory_budget_mb: bound on the working memory of one block of resamples.
+        resample_thresholds: (A's, B's) threshold per resample, each chosen on validation resample r
+            (a nested threshold bootstrap); None or a None entry keeps that run's m fixed.
 
     Raises:
         ValueError: the two record sets have different case ids, or a case's patient, label or
@@ -467,7 +604,7 @@ def paired_difference(
     """
     (result,) = paired_differences(
         records_a, [(records_b, threshold_a, threshold_b)], n_resamples, confidence, score, metrics, attributes, seed,
-        memory_budget_mb,
+        memory_budget_mb, resample_thresholds=None if resample_thresholds is None else [resample_thresholds],
     )  # fmt: skip
     return result
 
@@ -482,6 +619,7 @@ def paired_differences(
     attributes: Sequence[str] = ATTRIBUTES,
     seed: int | None = None,
     memory_budget_mb: float = DEFAULT_MEMORY_BUDGET_MB,
+    resample_thresholds: Sequence[tuple[np.ndarray | None, np.ndarray | None] | None] | None = None,
 ) -> list[pd.DataFrame]:
     """Several :func:`paired_difference` comparisons with one reference run, in one pass over the resamples.
 
@@ -490,6 +628,10 @@ def paired_differences(
     ``threshold_a`` and every run on the same patient resamples, so comparing 12 models with one
     baseline evaluates 13 models per resample instead of 24, and each result equals the one
     :func:`paired_difference` gives for that pair alone.
+
+    ``resample_thresholds`` holds per comparison None or (A's, B's) threshold per resample (see
+    :func:`paired_difference`); a reference run with its own per-resample thresholds is evaluated
+    apart from the same run at a fixed m.
 
     Returns:
         one table per comparison, in order (the columns of :func:`paired_difference`).
@@ -506,23 +648,33 @@ def paired_differences(
     # The subgroups are built once, on the reference run; every other evaluator reuses them (the
     # checks above guarantee the same cases, patients, labels and attributes) and reads only its scores.
     first = WeightedSubgroupEvaluator(records_a, comparisons[0][1], score=score, attributes=attributes)
+    per_comparison = list(resample_thresholds) if resample_thresholds is not None else [None] * len(comparisons)
+    if len(per_comparison) != len(comparisons):
+        raise ValueError(f"{len(per_comparison)} resample threshold entries for {len(comparisons)} comparisons")
     evaluators: list[WeightedSubgroupEvaluator] = []
-    reference: dict[float, int] = {}
+    thresholds_by_evaluator: list[np.ndarray | None] = []
+    reference: dict[tuple, int] = {}
     pairs = []
-    for records_b, threshold_a, threshold_b in comparisons:
-        if float(threshold_a) not in reference:
-            reference[float(threshold_a)] = len(evaluators)
+    for (records_b, threshold_a, threshold_b), nested in zip(comparisons, per_comparison):
+        nested_a, nested_b = nested if nested is not None else (None, None)
+        key = (float(threshold_a), None if nested_a is None else id(nested_a))
+        if key not in reference:
+            reference[key] = len(evaluators)
             evaluators.append(WeightedSubgroupEvaluator.on_same_cases(first, records_a, threshold_a))
-        pairs.append((reference[float(threshold_a)], len(evaluators)))
+            thresholds_by_evaluator.append(nested_a)
+        pairs.append((reference[key], len(evaluators)))
         evaluators.append(WeightedSubgroupEvaluator.on_same_cases(first, records_b, threshold_b))
+        thresholds_by_evaluator.append(nested_b)
     ones = np.ones(evaluators[0].n_patients)
     points = [evaluator.evaluate(ones) for evaluator in evaluators]
     seed = _resolve_seed(evaluators[0].case_ids, seed)
-    samples = resample_statistics(evaluators, n_resamples, seed, metrics, memory_budget_mb)
+    samples = resample_statistics(evaluators, n_resamples, seed, metrics, memory_budget_mb,
+                                  resample_thresholds=thresholds_by_evaluator)
     results = []
-    for (a, b), (_, threshold_a, threshold_b) in zip(pairs, comparisons):
+    for (a, b), (_, threshold_a, threshold_b), nested in zip(pairs, comparisons, per_comparison):
         frames = [
-            _difference_frame(evaluators[a], metric, (points[a], points[b]), (samples[a], samples[b]), confidence)
+            _difference_frame((evaluators[a], evaluators[b]), metric, (points[a], points[b]), (samples[a], samples[b]),
+                              confidence)
             for metric in metrics
         ]
         result = pd.concat(frames, ignore_index=True)
@@ -533,6 +685,7 @@ def paired_differences(
                 "evaluation_set_sha256": evaluation_set_hash(evaluators[0].case_ids),
                 "threshold_a": float(threshold_a),
                 "threshold_b": float(threshold_b),
+                "nested_threshold": nested is not None and any(t is not None for t in nested),
             }
         )
         results.append(result)

@@ -30,6 +30,7 @@ from lightning_modules.evaluation.artifacts import log_evaluation_artifacts
 from lightning_modules.evaluation.bootstrap import bootstrap_subgroup_metrics
 from lightning_modules.evaluation.detection import subgroup_metrics
 from lightning_modules.evaluation.metric_keys import mlflow_metric_keys
+from lightning_modules.evaluation.records import fixed_rule_score
 from lightning_modules.evaluation.thresholds import OperatingPoint, choose_operating_point
 
 log = logging.getLogger(__name__)
@@ -123,12 +124,14 @@ class SubgroupEvaluation(Callback):
             trainer.logger.experiment.set_tag(run_id, FALLBACK_TAG, message[:5000])
 
     def _evaluate(self, trainer, pl_module, stage: str, records: pd.DataFrame, resamples: int, tables: bool) -> None:
+        # BenchX's fixed m counts the raw predicted tumor voxels (docs/design.md "Scan-level detection").
+        score = fixed_rule_score(self.score, records) if self.threshold_rule == "fixed" else self.score
         if resamples > 0:
             table = bootstrap_subgroup_metrics(
-                records, self.threshold, n_resamples=resamples, confidence=self.confidence, score=self.score
+                records, self.threshold, n_resamples=resamples, confidence=self.confidence, score=score
             )
         else:
-            table = subgroup_metrics(records, self.threshold, score=self.score)
+            table = subgroup_metrics(records, self.threshold, score=score)
         self.results[stage], self.records[stage] = table, records
         metrics = mlflow_metric_keys(table, stage, ci=resamples > 0)
         metrics[f"{stage}/threshold"] = self.threshold

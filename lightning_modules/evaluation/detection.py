@@ -65,6 +65,16 @@ def rates(tp, fp, tn, fn) -> dict[str, np.ndarray]:
     }
 
 
+def lesion_counts(records: pd.DataFrame) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per case, its true lesions and the lesions a predicted component overlaps (None when the
+    records do not hold them): the lesion-level hits beside the scan-level metrics."""
+    if not {"lesions", "lesions_found"} <= set(records.columns):
+        return None
+    lesions = pd.to_numeric(records["lesions"], errors="coerce").fillna(0).to_numpy(dtype=np.int64)
+    found = pd.to_numeric(records["lesions_found"], errors="coerce").fillna(0).to_numpy(dtype=np.int64)
+    return lesions, found
+
+
 class WeightedSubgroupEvaluator:
     """Confusion counts, sensitivity, specificity, F1 and ROC AUC of every subgroup under patient weights.
 
@@ -109,6 +119,7 @@ class WeightedSubgroupEvaluator:
             [len(np.unique(self.case_patient[self._membership[:, row]])) for row in range(len(self.rows))], dtype=np.int64
         )
         self._set_scores(scores(records, score), labels(records))
+        self.lesion_counts = lesion_counts(records)
 
     @classmethod
     def on_same_cases(cls, reference: "WeightedSubgroupEvaluator", records: pd.DataFrame, threshold: float) -> "WeightedSubgroupEvaluator":
@@ -131,10 +142,23 @@ class WeightedSubgroupEvaluator:
         evaluator = copy.copy(reference)  # shares the patients and subgroups; the projection is replaced below
         evaluator.threshold = float(threshold)
         evaluator._set_scores(scores(aligned, reference.score), labels(aligned))
+        evaluator.lesion_counts = lesion_counts(aligned)
         return evaluator
+
+    def at_threshold(self, threshold: float) -> "WeightedSubgroupEvaluator":
+        """This evaluator's cases, scores and subgroups at another threshold m (the AUC is unchanged)."""
+        evaluator = copy.copy(self)
+        evaluator.threshold = float(threshold)
+        evaluator._set_scores(self.values, self.truth)
+        return evaluator
+
+    def member_cases(self, row: int) -> np.ndarray:
+        """Positions (in :attr:`case_ids` order) of the cases of subgroup row ``row``."""
+        return np.flatnonzero(self._membership[:, row])
 
     def _set_scores(self, values: np.ndarray, truth: np.ndarray) -> None:
         """The sparse projection for these scores and labels (cases in :attr:`case_ids` order)."""
+        self.values, self.truth = values, truth
         self._n_rows = len(self.rows)
         entries, positive_offsets = self._row_entries(self._membership, values, truth)
         self._positive_offsets = positive_offsets
@@ -269,6 +293,12 @@ class WeightedSubgroupEvaluator:
             table[name] = np.rint(statistics[name][index]).astype(np.int64)
         for name in RATE_METRICS:
             table[name] = statistics[name][index]
+        if self.lesion_counts is not None:
+            lesions, found = self.lesion_counts
+            table["lesions"] = [int(lesions[self._membership[:, row]].sum()) for row in range(len(self.rows))]
+            table["lesions_found"] = [int(found[self._membership[:, row]].sum()) for row in range(len(self.rows))]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                table["lesion_hit_rate"] = np.where(table["lesions"] > 0, table["lesions_found"] / table["lesions"], np.nan)
         return table
 
 
@@ -282,7 +312,8 @@ def subgroup_metrics(
 
     Columns: attribute, group, n_patients, n, positives, negatives, tp, fp, tn, fn, sensitivity,
     specificity, f1, auc (ROC AUC of the continuous score), auc_binary ((sensitivity +
-    specificity)/2, the BenchX tables' AUC). Undefined metrics are NaN: sensitivity and auc without
+    specificity)/2, the BenchX tables' AUC), and when the records hold them the lesion-level hits
+    lesions, lesions_found and lesion_hit_rate (found / lesions). Undefined metrics are NaN: sensitivity and auc without
     positives, specificity and auc without negatives, F1 only when TP+FP+FN = 0. Counts are always
     there.
 

@@ -1,7 +1,9 @@
 """Per-case evaluation records: their columns, their checks, and the values metrics read from them.
 
 A record is one scan: ``case_id``, ``patient_id``, ``label`` (0/1, true scan-level tumor),
-``volume_mm3`` (predicted tumor volume), ``max_prob`` and the attribute columns ``age_band, sex,
+``volume_mm3`` (predicted tumor volume after small components are removed), ``raw_volume_mm3``
+(every predicted tumor voxel), ``localized_volume_mm3`` (on a tumor scan only the components that
+overlap the lesion), ``lesions`` and ``lesions_found``, ``max_prob`` and the attribute columns ``age_band, sex,
 race, phase, cohort, tumor_size, tumor_location`` (docs/design.md "Subgroups"). ``Unknown`` or an
 empty value leaves a case out of that attribute's subgroups and keeps it in ``overall`` (BenchX 4.1).
 Everything that reads records (detection metrics, operating points, subgroups, the bootstrap) reads
@@ -46,7 +48,24 @@ CLOSED_GROUPS: dict[str, tuple[str, ...]] = {
 # Open attributes list the recorded categories; these come first, in anatomical order.
 PREFERRED_ORDER: dict[str, tuple[str, ...]] = {"tumor_location": TUMOR_LOCATIONS}
 EXCLUDED_VALUES = frozenset({UNKNOWN, ""})
-SCORE_COLUMNS = {"volume": "volume_mm3", "max_prob": "max_prob"}
+# volume: predicted tumor volume after removing small components (the ROC score); raw_volume: every
+# predicted tumor voxel (BenchX's fixed-m rule); localized_volume: on a tumor scan only the predicted
+# components that overlap the true lesion (docs/design.md "Scan-level detection").
+SCORE_COLUMNS = {"volume": "volume_mm3", "raw_volume": "raw_volume_mm3", "localized_volume": "localized_volume_mm3",
+                 "max_prob": "max_prob"}
+# The score BenchX's fixed m is applied to, per score kind: its protocol thresholds the raw
+# predicted tumor voxels, with no component removal first.
+FIXED_RULE_SCORES = {"volume": "raw_volume"}
+
+
+def fixed_rule_score(score: str, records: pd.DataFrame | None = None) -> str:
+    """The score the fixed m is applied to for a score kind (``volume`` -> ``raw_volume``).
+
+    With ``records`` that lack the raw column (records written before it existed) ``score`` is kept.
+    """
+    score_column(score)
+    raw = FIXED_RULE_SCORES.get(score, score)
+    return raw if records is None or score_column(raw) in records.columns else score
 
 
 def source_name(records: pd.DataFrame) -> str:

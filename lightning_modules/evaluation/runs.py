@@ -13,10 +13,13 @@ refuses an evaluation set holding a training case or patient of the model unless
 ``compare`` takes two or more evaluation runs on the same evaluation set (same case-id hash),
 refuses any of them evaluated with ``allow_training_overlap`` (its numbers are contaminated), and
 writes the table of BenchX table 6 at each operating point (fixed m, validation-chosen, matched
-specificity): for each subgroup its patients, positives and negatives, baseline, augmented, the
-difference with its paired bootstrap CI, the share of resamples where it was defined, and whether
-it is significant (CI excludes 0 and the subgroup supports it:
-docs/design.md "Confidence intervals and comparisons").
+specificity): for each subgroup its patients, positives and negatives, baseline and augmented
+with their Wilson intervals, the difference with its paired bootstrap CI (at the chosen points
+including the threshold's uncertainty) and Newcombe's interval, the exact McNemar p (sensitivity,
+specificity) or DeLong's p (AUC), the share of resamples where it was defined, and whether it is
+significant (the metric's deciding test rejects and the subgroup supports it:
+docs/design.md "Confidence intervals and comparisons"). The fixed m reads the raw predicted tumor
+volume (BenchX's rule); ``score="localized_volume"`` compares the localization-aware score.
 
 Example::
 
@@ -44,11 +47,15 @@ from lightning_modules.evaluation.callback import FALLBACK_TAG, SubgroupEvaluati
 from lightning_modules.evaluation.figures import close, comparison_figure
 from lightning_modules.evaluation.metric_keys import mlflow_metric_keys
 from lightning_modules.evaluation.provenance import GENERATOR_CASES_ARTIFACT, generator_overlap, training_cases, training_overlap
+from lightning_modules.evaluation.records import fixed_rule_score, score_column
 from lightning_modules.evaluation.subgroups import support_rule_text
 from lightning_modules.evaluation.thresholds import (
+    RULES,
     OperatingPoint,
     choose_operating_point,
     matched_specificity_point,
+    resampled_choices,
+    resampled_matched_thresholds,
     specificity_at,
 )
 from lightning_modules.trainer import FailWithLaunchedProcesses, RunLogger, build_trainer, global_rank, share_from_rank_zero
@@ -133,6 +140,20 @@ def check_training_overlap(
     return {OVERLAP_CHECK_TAG: f"failed: {len(problems)} case(s)", OVERLAP_OVERRIDE_TAG: "true"}
 
 
+def point_score(point: str, score: str, records: pd.DataFrame | None) -> str:
+    """The score an operating point reads: BenchX's fixed m counts the raw predicted tumor voxels
+    (``records.fixed_rule_score``); records without that column keep ``score``."""
+    return fixed_rule_score(score, records) if point == "fixed" else score
+
+
+def nested_choices(val_records: pd.DataFrame | None, rule: str, score: str, n_resamples: int):
+    """The validation rule's choice on each patient resample of the validation records, for the
+    nested threshold bootstrap of the test CIs (None without validation records)."""
+    if val_records is None or len(val_records) == 0 or rule not in RULES:
+        return None
+    return resampled_choices(val_records, rule, score, n_resamples)
+
+
 def _operating_points(recipe: DictConfig, callback: SubgroupEvaluation) -> list[OperatingPoint]:
     detection = recipe.detection
     fixed = float(detection.threshold_mm3)
@@ -171,8 +192,14 @@ def _log_operating_points(client, run_id: str, recipe: DictConfig, callback, sta
             if records is None:
                 continue
             name = f"{stage}_{point.name}"
+            score = point_score(point.name, str(detection.score), records)
+            nested = None
+            if stage == "test" and point.name == "val_chosen" and not point.fallback:
+                nested = nested_choices(callback.records.get("val"), validation_rule(recipe), score,
+                                        int(detection.bootstrap_resamples))
             table = bootstrap_subgroup_metrics(records, point.threshold, n_resamples=int(detection.bootstrap_resamples),
-                                               confidence=float(detection.confidence), score=str(detection.score))
+                                               confidence=float(detection.confidence), score=score,
+                                               resample_thresholds=nested)
             metrics = mlflow_metric_keys(table, name)
             metrics[f"{name}/threshold"] = point.threshold
             log_metrics(client, run_id, metrics)
@@ -282,6 +309,7 @@ class EvaluatedRun:
     val_records: pd.DataFrame | None
     thresholds: dict[str, float] = field(default_factory=dict)
     fallback: str = ""
+    rule: str = "youden"
 
 
 def _check_run_ids(run_ids: Sequence[str]) -> list[str]:
@@ -323,7 +351,19 @@ def _load_run(client: MlflowClient, run_id: str, stage: str, folder: str) -> Eva
         thresholds[name] = float(value)
     name = run.data.tags.get("variant") or run.info.run_name or run_id[:8]
     fallback = run.data.tags.get(f"{FALLBACK_TAG}.val_chosen", "")
-    return EvaluatedRun(run_id, name, records, download_records(client, run_id, "val", folder), thresholds, fallback)
+    # The tag reads e.g. "youden (mean of 1998 of 2000 resamples)".
+    rule = (run.data.tags.get("operating_point.val_chosen.rule", "youden").split() or ["youden"])[0]
+    return EvaluatedRun(run_id, name, records, download_records(client, run_id, "val", folder), thresholds, fallback,
+                        rule if rule in RULES else "youden")
+
+
+def _rechoose_on_score(run: EvaluatedRun, score: str, n_resamples: int, confidence: float) -> None:
+    """Choose a run's validation point on another score than the one it was evaluated with (the
+    localization-aware score): the run's rule, bagged over ``n_resamples`` validation resamples."""
+    if run.val_records is None or score_column(score) not in run.val_records.columns:
+        raise EvaluationError(f"run {run.run_id} has no validation records with {score_column(score)}: evaluate it again")
+    point = choose_operating_point(run.val_records, run.rule, run.thresholds["fixed"], score, n_resamples, confidence)
+    run.thresholds["val_chosen"], run.fallback = point.threshold, point.fallback
 
 
 def _matched_point(baseline: EvaluatedRun, other: EvaluatedRun, score: str) -> OperatingPoint:
@@ -333,9 +373,31 @@ def _matched_point(baseline: EvaluatedRun, other: EvaluatedRun, score: str) -> O
     return matched_specificity_point(other.val_records, target, other.thresholds["fixed"], score)
 
 
+def _nested_thresholds(baseline: EvaluatedRun, other: EvaluatedRun, matched: OperatingPoint, score: str, n_resamples: int):
+    """Per chosen operating point, (baseline's, other's) threshold on each validation resample, or None.
+
+    A run whose validation point fell back to the fixed m keeps it in every resample (None).
+    """
+    base = None if baseline.fallback else nested_choices(baseline.val_records, baseline.rule, score, n_resamples)
+    chosen = None if other.fallback else nested_choices(other.val_records, other.rule, score, n_resamples)
+    matched_choices = None
+    if base is not None and not matched.fallback and other.val_records is not None:
+        matched_choices = resampled_matched_thresholds(baseline.val_records, base, other.val_records, score)
+    return {
+        "val_chosen": None if base is None and chosen is None else (base, chosen),
+        "matched_specificity": None if base is None and matched_choices is None else (base, matched_choices),
+    }
+
+
 def _compare_pair(baseline: EvaluatedRun, other: EvaluatedRun, settings: dict, notes: list[str]) -> pd.DataFrame:
-    """The paired comparison of one run with the baseline at the three operating points."""
-    matched = _matched_point(baseline, other, settings["score"])
+    """The paired comparison of one run with the baseline at the three operating points.
+
+    The fixed m reads the raw predicted tumor volume (BenchX's rule); at the validation-chosen and
+    matched-specificity points the test CIs include the threshold's uncertainty (each validation
+    resample's choice applied to the paired test resample).
+    """
+    score = settings["score"]
+    matched = _matched_point(baseline, other, score)
     if matched.fallback:
         notes.append(f"{other.name} ({other.run_id}): matched specificity: {matched.fallback}; the fixed m is used")
     pairs = {
@@ -343,8 +405,20 @@ def _compare_pair(baseline: EvaluatedRun, other: EvaluatedRun, settings: dict, n
         "val_chosen": (baseline.thresholds["val_chosen"], other.thresholds["val_chosen"]),
         "matched_specificity": (baseline.thresholds["val_chosen"], matched.threshold),
     }
-    # One pass over the resamples for the three points (the baseline evaluated once per threshold).
-    tables = paired_differences(baseline.records, [(other.records, a, b) for a, b in pairs.values()], **settings)
+    nested = _nested_thresholds(baseline, other, matched, score, int(settings["n_resamples"]))
+    fixed_score = point_score("fixed", score, baseline.records)
+    if fixed_score != point_score("fixed", score, other.records):
+        fixed_score = score
+    if fixed_score == score and fixed_rule_score(score) != score:
+        notes.append(f"{other.name} ({other.run_id}): records without raw_volume_mm3; the fixed m reads {score_column(score)}")
+    fixed_settings = {**settings, "score": fixed_score}
+    (fixed_table,) = paired_differences(baseline.records, [(other.records, *pairs["fixed"])], **fixed_settings)
+    # One pass over the resamples for the chosen points (the baseline evaluated once per threshold).
+    chosen = ("val_chosen", "matched_specificity")
+    tables = [fixed_table] + paired_differences(
+        baseline.records, [(other.records, *pairs[point]) for point in chosen], **settings,
+        resample_thresholds=[nested[point] for point in chosen],
+    )
     frames = []
     for (point, (threshold_a, threshold_b)), table in zip(pairs.items(), tables):
         table.insert(0, "run", other.name)
@@ -352,6 +426,8 @@ def _compare_pair(baseline: EvaluatedRun, other: EvaluatedRun, settings: dict, n
         table.insert(2, "operating_point", point)
         table.insert(3, "threshold_a", threshold_a)
         table.insert(4, "threshold_b", threshold_b)
+        table.insert(5, "score", fixed_score if point == "fixed" else score)
+        table.insert(6, "nested_threshold", bool(table.attrs.get("nested_threshold", False)))
         frames.append(table)
     return pd.concat(frames, ignore_index=True)
 
@@ -411,6 +487,9 @@ def compare(
     if len(set(hashes)) != 1:
         listing = ", ".join(f"{run.run_id}: {h[:12]} ({len(run.records)} cases)" for run, h in zip(runs, hashes))
         raise EvaluationError(f"runs were evaluated on different sets (case-id sha256 differs): {listing}")
+    if score not in ("volume", "max_prob"):
+        for run in runs:
+            _rechoose_on_score(run, score, n_resamples, confidence)
     notes = [f"{run.name} ({run.run_id}): validation operating point: {run.fallback}" for run in runs if run.fallback]
     settings = {"n_resamples": n_resamples, "confidence": confidence, "score": score}
     comparison = pd.concat([_compare_pair(runs[0], other, settings, notes) for other in runs[1:]], ignore_index=True)
@@ -421,33 +500,62 @@ def compare(
     return comparison, logged_run
 
 
-def format_comparison(comparison: pd.DataFrame, metrics: Sequence[str] = ("sensitivity", "specificity", "f1")) -> str:
+TEST_NAMES = {"mcnemar_exact": "McNemar", "delong": "DeLong", "bootstrap": "bootstrap",
+              "bootstrap+mcnemar": "boot+McNemar"}
+
+
+def format_comparison(
+    comparison: pd.DataFrame, metrics: Sequence[str] = ("sensitivity", "specificity", "f1", "auc")
+) -> str:
     """The comparison as a terminal table (BenchX table 6 shape), one block per run and operating
-    point: per subgroup its patients, positives and negatives, then per metric baseline, other, the
-    difference with its paired CI and the share of resamples where it was defined."""
+    point and one line per subgroup and metric: its patients, positives and negatives, baseline and
+    other with their Wilson intervals (sensitivity, specificity), the difference with its paired
+    bootstrap CI, Newcombe's interval, the p of the test that decides significance and the share of
+    resamples where the difference was defined."""
     lines = []
     for (run, point), table in comparison.groupby(["run", "operating_point"], sort=False):
         threshold = f"m {table['threshold_a'].iloc[0]:g} vs {table['threshold_b'].iloc[0]:g}"
-        lines.append(f"== {comparison.attrs.get('baseline', 'baseline')} (base) vs {run} (new) at {point} ({threshold}), in % ==")
-        lines.append(f"{'subgroup':<26}{'pat':>5}{'pos':>5}{'neg':>5}" + "".join(f"  {metric:<40}" for metric in metrics))
-        lines.append(f"{'':<41}" + "".join(f"  {'base':>6}{'new':>6} {'delta [95% CI]':<21}{'def':>5}" for _ in metrics))
+        details = [str(table["score"].iloc[0])] if "score" in table else []
+        if "nested_threshold" in table and bool(table["nested_threshold"].iloc[0]):
+            details.append("CIs include the threshold's uncertainty")
+        detail = f"; {', '.join(details)}" if details else ""
+        lines.append(f"== {comparison.attrs.get('baseline', 'baseline')} (base) vs {run} (new) at {point} "
+                     f"({threshold}{detail}), in % ==")
+        lines.append(f"{'subgroup':<26}{'pat':>5}{'pos':>5}{'neg':>5}  {'metric':<12}{'base [Wilson]':<21}{'new [Wilson]':<21}"
+                     f"{'delta [bootstrap 95% CI]':<26}{'[Newcombe]':<17}{'p (test)':<20}{'def':>5}")
         for (attribute, group), rows in table.groupby(["attribute", "group"], sort=False):
             by_metric = rows.set_index("metric")
             first = rows.iloc[0]
-            cells = [f"{(str(attribute) + ':' + str(group))[:25]:<26}{int(first['n_patients']):>5}"
-                     f"{int(first['positives']):>5}{int(first['negatives']):>5}"]
+            label = f"{(str(attribute) + ':' + str(group))[:25]:<26}{int(first['n_patients']):>5}" \
+                    f"{int(first['positives']):>5}{int(first['negatives']):>5}"
             for metric in metrics:
+                if metric not in by_metric.index:
+                    continue
                 row = by_metric.loc[metric]
                 interval = f"{_fmt(row['delta'], True)} [{_fmt(row['ci_low'], True)}, {_fmt(row['ci_high'], True)}]{significance_mark(row)}"
+                newcombe = f"[{_fmt(row.get('newcombe_low'), True)}, {_fmt(row.get('newcombe_high'), True)}]" \
+                    if not pd.isna(row.get("newcombe_low")) else ""
+                test = TEST_NAMES.get(str(row.get("test", "bootstrap")), str(row.get("test", "")))
+                p_value = f"{float(row['p_value']):.3g} ({test})" if not pd.isna(row.get("p_value")) else "-"
                 defined = f"{100 * float(row['defined_fraction']):.0f}%"
-                cells.append(f"  {_fmt(row['a']):>6}{_fmt(row['b']):>6} {interval:<21}{defined:>5}")
-            lines.append("".join(cells))
-    lines.append("* significant: the paired 95% bootstrap CI of the difference excludes 0 and the subgroup has "
-                 f"{support_rule_text()};  ** also after Holm's correction over the groups of its attribute "
-                 "(bootstrap p-values);  ~ the CI excludes 0 but the subgroup is below that rule;  "
-                 "- undefined;  def: share of resamples where the difference was defined")
+                lines.append(f"{label}  {metric:<12}{_with_interval(row, 'a'):<21}{_with_interval(row, 'b'):<21}"
+                             f"{interval:<26}{newcombe:<17}{p_value:<20}{defined:>5}")
+    lines.append("* significant: the test of the metric rejects at 5% (exact McNemar for sensitivity and "
+                 "specificity, DeLong for AUC, for F1 the paired bootstrap CI and McNemar on the positives or "
+                 "negatives) and the subgroup has "
+                 f"{support_rule_text()};  ** also after Holm's correction over the groups of its attribute;  "
+                 "~ the test rejects but the subgroup is below that rule;  - undefined;  "
+                 "def: share of resamples where the difference was defined")
     lines += [f"note: {note}" for note in comparison.attrs.get("notes", [])]
     return "\n".join(lines)
+
+
+def _with_interval(row, arm: str) -> str:
+    """A run's value with its Wilson interval when the row has one."""
+    low, high = row.get(f"{arm}_wilson_low"), row.get(f"{arm}_wilson_high")
+    if low is None or pd.isna(low):
+        return _fmt(row[arm])
+    return f"{_fmt(row[arm])} [{_fmt(low)}, {_fmt(high)}]"
 
 
 def is_flagged(value) -> bool:
@@ -456,13 +564,20 @@ def is_flagged(value) -> bool:
 
 
 def significance_mark(row) -> str:
-    """``**`` significant after Holm, ``*`` significant, ``~`` CI excludes 0 below the support rule, else a space."""
+    """``**`` significant after Holm, ``*`` significant, ``~`` the deciding test rejects below the
+    support rule, else a space. Rows without a ``test`` column are decided by their CI."""
     if is_flagged(row.get("significant_holm", False)):
         return "**"
     if is_flagged(row["significant"]):
         return "*"
+    test = row.get("test", "bootstrap")
     low, high = float(row["ci_low"]), float(row["ci_high"])
-    return "~" if (low > 0 or high < 0) else " "
+    rejects = low > 0 or high < 0
+    if test == "bootstrap+mcnemar":
+        rejects = rejects and float(row.get("p_mcnemar", math.nan)) < 0.05
+    elif isinstance(test, str) and test != "bootstrap":
+        rejects = float(row.get("p_value", math.nan)) < 0.05
+    return "~" if rejects else " "
 
 
 def _fmt(value, sign: bool = False) -> str:

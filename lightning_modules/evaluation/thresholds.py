@@ -117,6 +117,66 @@ def choose_threshold(records: pd.DataFrame, rule: str = "f1", score: str = "volu
     return _choose(scores(records, score), labels(records), rule, source_name(records))
 
 
+def _patient_resamples(records: pd.DataFrame, n_resamples: int):
+    """Per patient resample of the records: the case positions it holds (a patient's cases as often as drawn)."""
+    patients, patient_of_case = patient_index(records["case_id"], records["patient_id"])
+    cases = np.arange(len(records))
+    for draw in resample_indices(records["case_id"], records["patient_id"], int(n_resamples)):
+        yield np.repeat(cases, np.bincount(draw, minlength=len(patients))[patient_of_case])
+
+
+def resampled_choices(records: pd.DataFrame, rule: str, score: str = "volume", n_resamples: int = 2000) -> np.ndarray:
+    """The rule's threshold on each patient resample of the validation records (NaN where it cannot choose).
+
+    The resamples are those of the evaluation set's own seed (``bootstrap.resample_indices``), so
+    resample r of two runs' validation records on the same cases draws the same patients. This is
+    the threshold's uncertainty: a nested bootstrap applies choice r to test resample r.
+
+    Args:
+        records: validation records.
+        rule: ``f1`` or ``youden``.
+        score: ``volume``, ``raw_volume``, ``localized_volume`` or ``max_prob``.
+        n_resamples: patient resamples.
+    """
+    if rule not in RULES:
+        raise ValueError(f"unknown threshold rule {rule!r}: expected 'f1' or 'youden'")
+    values, truth, source = scores(records, score), labels(records), source_name(records)
+    choices = np.full(int(n_resamples), np.nan)
+    for r, picked in enumerate(_patient_resamples(records, n_resamples)):
+        try:
+            choices[r] = _choose(values[picked], truth[picked], rule, source)
+        except ThresholdError:
+            continue
+    return choices
+
+
+def resampled_matched_thresholds(
+    baseline_records: pd.DataFrame,
+    baseline_choices: np.ndarray,
+    records: pd.DataFrame,
+    score: str = "volume",
+) -> np.ndarray:
+    """The matched-specificity threshold of another model on each patient resample of validation.
+
+    In resample r the baseline's specificity at its choice ``baseline_choices[r]`` on its resample r
+    is the target, and the other model's threshold is matched to it on its own resample r (the
+    same patients when both runs hold the same validation cases). NaN where the baseline's choice
+    is NaN or a resample holds no negatives.
+    """
+    base_values, base_truth = scores(baseline_records, score), labels(baseline_records)
+    values, truth = scores(records, score), labels(records)
+    n_resamples = len(baseline_choices)
+    matched = np.full(n_resamples, np.nan)
+    resamples = zip(_patient_resamples(baseline_records, n_resamples), _patient_resamples(records, n_resamples))
+    for r, (base_picked, picked) in enumerate(resamples):
+        negatives = ~base_truth[base_picked]
+        if np.isnan(baseline_choices[r]) or not negatives.any():
+            continue
+        target = float((base_values[base_picked][negatives] <= baseline_choices[r]).mean())
+        matched[r] = _matched_threshold(values[picked], truth[picked], target)
+    return matched
+
+
 @dataclass(frozen=True)
 class BaggedThreshold:
     """A bagged cut-point: the mean of the rule's choices over patient resamples.
@@ -169,26 +229,16 @@ def bagged_threshold(
         raise ValueError(f"a bagged threshold needs at least 1 resample (got {n_resamples})")
     values, truth, source = scores(records, score), labels(records), source_name(records)
     _choose(values, truth, rule, source)  # the records themselves must give a choice
-    patients, patient_of_case = patient_index(records["case_id"], records["patient_id"])
-    draws = resample_indices(records["case_id"], records["patient_id"], int(n_resamples))
-    cases = np.arange(len(values))
-    choices = []
-    for draw in draws:
-        copies = np.bincount(draw, minlength=len(patients))[patient_of_case]
-        picked = np.repeat(cases, copies)
-        try:
-            choices.append(_choose(values[picked], truth[picked], rule, source))
-        except ThresholdError:
-            continue
-    if 2 * len(choices) < len(draws):
+    all_choices = resampled_choices(records, rule, score, int(n_resamples))
+    choices = all_choices[~np.isnan(all_choices)]
+    if 2 * len(choices) < len(all_choices):
         raise ThresholdError(
-            f"{source}: cannot bag a threshold by {rule}: only {len(choices)} of {len(draws)} patient "
+            f"{source}: cannot bag a threshold by {rule}: only {len(choices)} of {len(all_choices)} patient "
             "resamples hold the positive and negative scans with distinct scores that a choice needs"
         )
-    choices = np.asarray(choices)
     tail = (1.0 - float(confidence)) / 2.0 * 100.0
     low, high = np.percentile(choices, [tail, 100.0 - tail])
-    return BaggedThreshold(float(np.mean(choices)), float(low), float(high), len(choices), len(draws))
+    return BaggedThreshold(float(np.mean(choices)), float(low), float(high), len(choices), len(all_choices))
 
 
 def choose_operating_point(
@@ -258,9 +308,16 @@ def matched_specificity_point(
     if not np.isfinite(target_specificity):
         return fallback("the baseline's validation specificity is undefined (no negative scans)")
     values, truth = scores(records, score), labels(records)
+    if not (~truth).any():
+        return fallback(f"{source_name(records)}: no negative scans to match specificity on")
+    return OperatingPoint("matched_specificity", _matched_threshold(values, truth, target_specificity), "matched_specificity")
+
+
+def _matched_threshold(values: np.ndarray, truth: np.ndarray, target_specificity: float) -> float:
+    """:func:`matched_specificity_point` on arrays (NaN without negatives)."""
     negatives = int((~truth).sum())
     if negatives == 0:
-        return fallback(f"{source_name(records)}: no negative scans to match specificity on")
+        return float("nan")
     unique = np.unique(values)
     # Candidates: below every score (specificity 0), between consecutive scores, above every score (1).
     candidates = np.concatenate([[unique[0] - 1.0], (unique[:-1] + unique[1:]) / 2.0, [unique[-1] + 1.0]])
@@ -268,4 +325,4 @@ def matched_specificity_point(
     specificity = np.searchsorted(negative_scores, candidates, side="right") / negatives
     # A tiny tolerance: the target is a ratio of other counts and may differ in its last bit.
     reaching = np.flatnonzero(specificity >= target_specificity - 1e-12)
-    return OperatingPoint("matched_specificity", float(candidates[reaching[0]]), "matched_specificity")
+    return float(candidates[reaching[0]])

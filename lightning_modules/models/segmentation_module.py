@@ -187,7 +187,7 @@ class SegmentationModule(pl.LightningModule):
             label = recorded if recorded in (0, 1) else int(true_tumor.any())
             record.update(
                 label=label,
-                **tumor_scan_scores(pred_tumor, voxel_mm3, float(self.hparams.get("min_component_mm3", 0.0))),
+                **tumor_scan_scores(pred_tumor, voxel_mm3, float(self.hparams.get("min_component_mm3", 0.0)), true_tumor),
                 max_prob=float(tumor_prob[i].max()),
                 true_volume_mm3=float(true_tumor.sum()) * voxel_mm3,
             )

@@ -12,11 +12,16 @@ both kinds are judged by the same rule:
 A tumor voxel is a voxel whose label is the tumor class, and the tumor probability is the tumor
 channel's softmax or sigmoid probability.
 
-Scan-level tumor score (``docs/design.md "Scan-level detection"``): as nnU-Net's post-processing
-does, predicted tumor components smaller than ``detection.min_component_mm3`` are removed first
-(:func:`remove_small_components`, 26-connected), so scattered false-positive voxels in a healthy
-scan neither add volume nor make it positive; the score is then the remaining predicted tumor volume
-(:func:`tumor_scan_scores`, record column ``volume_mm3``; ``largest_component_mm3`` is recorded beside it).
+Scan-level tumor scores (``docs/design.md "Scan-level detection"``, :func:`tumor_scan_scores`):
+
+- ``raw_volume_mm3``: every predicted tumor voxel; BenchX's fixed m applies to it, as its protocol
+  does (no component removal);
+- ``volume_mm3``, the ROC score: as nnU-Net's post-processing does, predicted tumor components
+  smaller than ``detection.min_component_mm3`` are removed first (:func:`remove_small_components`,
+  26-connected), so scattered false-positive voxels in a healthy scan neither add volume nor make
+  it positive; ``largest_component_mm3`` is recorded beside it;
+- ``localized_volume_mm3``, the localization-aware score: on a tumor scan only the components left
+  that overlap the true lesion count, with the lesion-level hits ``lesions_found`` of ``lesions``.
 """
 
 from __future__ import annotations
@@ -118,28 +123,60 @@ def remove_small_components(mask: torch.Tensor, min_voxels: float) -> torch.Tens
     return torch.from_numpy(keep[components]).to(mask.device)
 
 
-def tumor_scan_scores(tumor_mask: torch.Tensor, voxel_mm3: float, min_component_mm3: float = 0.0) -> dict[str, float]:
-    """Scan-level scores of one scan's predicted tumor mask after removing components below a size.
+def tumor_scan_scores(
+    tumor_mask: torch.Tensor,
+    voxel_mm3: float,
+    min_component_mm3: float = 0.0,
+    lesion_mask: torch.Tensor | np.ndarray | None = None,
+) -> dict[str, float]:
+    """Scan-level scores of one scan's predicted tumor mask.
 
     Args:
         tumor_mask: 3-D boolean mask of voxels predicted as tumor (:func:`tumor_voxels` of one scan).
         voxel_mm3: the volume of one voxel (mm^3).
-        min_component_mm3: components smaller than this (mm^3) are removed before scoring (nnU-Net style).
+        min_component_mm3: components smaller than this (mm^3) are removed before the volume score
+            (nnU-Net style).
+        lesion_mask: the true tumor mask of the scan (same shape); adds the localization-aware score
+            and the lesion-level hits.
 
     Returns:
-        ``volume_mm3`` (the detection score: predicted tumor volume left after the removal),
-        ``largest_component_mm3`` and ``components`` (the number of components left).
+        ``raw_volume_mm3`` (every predicted tumor voxel: BenchX's fixed m applies to it),
+        ``volume_mm3`` (the ROC score: the predicted tumor volume left after the removal),
+        ``largest_component_mm3`` and ``components`` (the number of components left); with a
+        lesion mask also ``localized_volume_mm3`` (on a scan with a lesion, the volume of the
+        components left that overlap it, so a blob elsewhere does not count as finding the tumor;
+        on a scan without one, ``volume_mm3``: every component is a false positive), ``lesions``
+        (26-connected true lesions) and ``lesions_found`` (those a component left overlaps).
     """
     if voxel_mm3 <= 0:
         raise ValueError(f"voxel volume must be positive, got {voxel_mm3}")
     if min_component_mm3 < 0:
         raise ValueError(f"min_component_mm3 must be >= 0, got {min_component_mm3}")
+    lesions = None
+    if lesion_mask is not None:
+        lesion = lesion_mask.detach().cpu().numpy() if isinstance(lesion_mask, torch.Tensor) else np.asarray(lesion_mask)
+        if lesion.shape != tuple(tumor_mask.shape):
+            raise ValueError(f"lesion mask shape {lesion.shape} differs from the prediction's {tuple(tumor_mask.shape)}")
+        lesions, n_lesions = ndimage.label(lesion.astype(bool), structure=_CONNECTIVITY)
     if not bool(tumor_mask.any()):
-        return {"volume_mm3": 0.0, "largest_component_mm3": 0.0, "components": 0}
-    _, sizes = component_sizes(tumor_mask)
-    kept = sizes[sizes * voxel_mm3 >= min_component_mm3] if min_component_mm3 > 0 else sizes
-    return {
-        "volume_mm3": float(kept.sum()) * voxel_mm3,
-        "largest_component_mm3": float(kept.max()) * voxel_mm3 if len(kept) else 0.0,
-        "components": int(len(kept)),
+        result = {"raw_volume_mm3": 0.0, "volume_mm3": 0.0, "largest_component_mm3": 0.0, "components": 0}
+        if lesions is not None:
+            result.update(localized_volume_mm3=0.0, lesions=int(n_lesions), lesions_found=0)
+        return result
+    components, sizes = component_sizes(tumor_mask)
+    kept = sizes * voxel_mm3 >= min_component_mm3 if min_component_mm3 > 0 else np.ones(len(sizes), dtype=bool)
+    result = {
+        "raw_volume_mm3": float(sizes.sum()) * voxel_mm3,
+        "volume_mm3": float(sizes[kept].sum()) * voxel_mm3,
+        "largest_component_mm3": float(sizes[kept].max()) * voxel_mm3 if kept.any() else 0.0,
+        "components": int(kept.sum()),
     }
+    if lesions is not None:
+        # Which kept components touch a lesion voxel, and which lesions a kept component touches.
+        kept_voxels = np.concatenate([[False], kept])[components]
+        overlap = kept_voxels & (lesions > 0)
+        touching = np.unique(components[overlap])
+        found = np.unique(lesions[overlap])
+        localized = float(sizes[touching - 1].sum()) * voxel_mm3 if n_lesions else result["volume_mm3"]
+        result.update(localized_volume_mm3=localized, lesions=int(n_lesions), lesions_found=int(len(found)))
+    return result

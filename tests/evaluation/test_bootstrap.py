@@ -255,7 +255,10 @@ def test_paired_difference_uses_the_same_resamples_for_both_runs():
         for k in np.flatnonzero(defined):
             column = differences[:, k][~np.isnan(differences[:, k])]
             expected = min(1.0, 2 * min(np.mean(column <= 0), np.mean(column >= 0)))
-            assert rows.loc[k, "p_value"] == pytest.approx(expected, abs=1e-12)
+            assert rows.loc[k, "p_bootstrap"] == pytest.approx(expected, abs=1e-12)
+        # Significance follows the small-count test of the metric: exact McNemar, DeLong for AUC.
+        decisive = {"sensitivity": "p_mcnemar", "auc": "p_delong"}[metric]
+        np.testing.assert_array_equal(rows.loc[defined, "p_value"], rows.loc[defined, decisive])
         # Holm within each attribute, over its supported groups only.
         for attribute, group_rows in rows.groupby("attribute"):
             supported = group_rows[group_rows["supported"] & group_rows["p_value"].notna()]

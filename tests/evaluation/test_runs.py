@@ -58,6 +58,8 @@ def test_evaluate_and_compare_two_runs(two_models, tiny_phantom, capsys, monkeyp
         run_id, tables = evaluate(recipe, result.best_checkpoint, ("val", "test"), training_run_id=result.run_id)
         evaluation_runs.append(run_id)
         assert {"val", "test", "test_fixed", "test_val_chosen", "val_fixed", "val_val_chosen"} <= set(tables)
+        # BenchX's fixed m counts the raw predicted tumor voxels; the records carry every score.
+        assert tables["test_fixed"].attrs["score"] == "raw_volume" and tables["test_val_chosen"].attrs["score"] == "volume"
         overall = tables["test"][tables["test"]["attribute"] == "overall"].iloc[0]
         assert overall["n"] == (pd.read_csv(split)["split"] == "test").sum()
     recipe = models[0][0]
@@ -103,7 +105,10 @@ def test_evaluate_and_compare_two_runs(two_models, tiny_phantom, capsys, monkeyp
     assert set(table["operating_point"]) == {"fixed", "val_chosen", "matched_specificity"}
     assert {"attribute", "group", "metric", "a", "b", "delta", "ci_low", "ci_high", "significant", "n_patients",
             "positives", "negatives", "defined_fraction", "supported", "threshold_a", "threshold_b",
-            "p_value", "p_holm", "significant_holm"} <= set(table.columns)
+            "p_value", "p_holm", "significant_holm", "a_wilson_low", "b_wilson_high", "newcombe_low", "newcombe_high",
+            "p_mcnemar", "p_delong", "p_bootstrap", "test", "score", "nested_threshold"} <= set(table.columns)
+    assert "auc" in set(table["metric"])
+    assert set(table.loc[table["operating_point"] == "fixed", "score"]) == {"raw_volume"}
     fixed = table[table["operating_point"] == "fixed"]
     assert (fixed["threshold_a"] == 50.0).all() and (fixed["threshold_b"] == 50.0).all()
     # The tiny test split supports no claim: nothing may be marked significant.
@@ -119,6 +124,9 @@ def test_evaluate_and_compare_two_runs(two_models, tiny_phantom, capsys, monkeyp
     assert "  test: n=" in capsys.readouterr().out
     assert compare_main([*evaluation_runs, "--experiment", "", "--resamples", "20"]) == 0
     assert "at val_chosen" in capsys.readouterr().out
+    # The localization-aware score: the validation point is chosen again on it.
+    assert compare_main([*evaluation_runs, "--experiment", "", "--resamples", "20", "--score", "localized_volume"]) == 0
+    assert "localized_volume" in capsys.readouterr().out
 
 
 def test_compare_refuses_the_same_run_twice_malformed_ids_and_different_sets(two_models, tiny_phantom, tmp_path, capsys):
@@ -256,6 +264,7 @@ def test_matched_specificity_uses_the_baselines_validation_specificity_and_falls
     from lightning_modules.evaluation.thresholds import specificity_at
 
     test_records, val_a, val_b = random_records(150, 1), random_records(90, 2), random_records(90, 3)
+    test_records["raw_volume_mm3"] = test_records["volume_mm3"] + 30.0  # uncleaned specks add raw volume
     baseline = EvaluatedRun("a" * 32, "baseline", test_records, val_a, {"fixed": 50.0, "val_chosen": 20.0})
     other = EvaluatedRun("b" * 32, "synthx", test_records.assign(volume_mm3=test_records["volume_mm3"] * 2), val_b,
                          {"fixed": 50.0, "val_chosen": 30.0})
@@ -263,6 +272,11 @@ def test_matched_specificity_uses_the_baselines_validation_specificity_and_falls
     table = _compare_pair(baseline, other, {"n_resamples": 20, "confidence": 0.95, "score": "volume"}, notes)
     matched = table[table["operating_point"] == "matched_specificity"].iloc[0]
     assert matched["threshold_a"] == 20.0 and not notes
+    # BenchX's fixed m reads the raw volume; the chosen points the cleaned one, with the threshold's uncertainty.
+    assert set(table.loc[table["operating_point"] == "fixed", "score"]) == {"raw_volume"}
+    assert set(table.loc[table["operating_point"] != "fixed", "score"]) == {"volume"}
+    assert table.loc[table["operating_point"] != "fixed", "nested_threshold"].all()
+    assert not table.loc[table["operating_point"] == "fixed", "nested_threshold"].any()
     assert specificity_at(val_b, matched["threshold_b"]) >= specificity_at(val_a, 20.0) - 1e-12
     other.val_records = None
     table = _compare_pair(baseline, other, {"n_resamples": 20, "confidence": 0.95, "score": "volume"}, notes)
