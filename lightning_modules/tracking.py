@@ -64,7 +64,7 @@ def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float], st
 
 # Where a direct database store (postgresql://, mysql://, mssql://) puts artifacts: this folder or
 # URI (s3://...) if set, else ~/mlartifacts; one sub-folder per experiment. Several machines writing
-# to one database need a shared place, or the tracking server (scripts/services.sh, README "Scaling").
+# to one database need a shared place, or the tracking server (scripts/services.sh, docs/scaling.md).
 ARTIFACT_ROOT_VARIABLE = "BENCHX_ARTIFACT_ROOT"
 DATABASE_SCHEMES = ("postgresql", "mysql", "mssql")
 

@@ -13,7 +13,7 @@
 #   bash scripts/services.sh stop FOLDER
 #
 # Environment: HOST (default 127.0.0.1; another address exposes PostgreSQL and MLflow, still with
-# the password, to the hosts of that network, see README "Scaling"; the test Slurm stays on loopback),
+# the password, to the hosts of that network, see docs/scaling.md; the test Slurm stays on loopback),
 # PYTHON (the Python that has mlflow and psycopg; default .venv/bin/python, else python3),
 # MLFLOW_WORKERS (default 1: gunicorn workers of the server; raise on a real server).
 # Debian packages: postgresql, slurm-wlm, munge (.ci/setup installs them). Every process is

@@ -22,11 +22,10 @@ The phantom's subgroup effects are designed, so that the baseline-vs-SynthX stud
   adenocarcinoma itself is hypo-attenuating in the arterial phase: the shift is designed, not
   clinical (with a hypo-attenuating arterial tumor, measured in phantom version 3 and 4 drafts, a
   detector found arterial tumors as well as venous ones once tumors sat inside the gland).
-  Measured with the study's positive control (``benchx study --painter phantom``, README "The
-  positive control"): arterial tumors of this appearance added to training do make the detector
-  find arterial tumors, but with the small CPU model and its 3,000 steps they also cost it venous
-  sensitivity, so on this phantom the gap is partly a capacity trade-off, not only scarcity. At
-  9,000 steps the cost fell below significance on one seed of three and stayed on the other two.
+  The study's positive control (``benchx study --painter phantom``) tests this: arterial tumors of
+  this appearance added to training do make the detector find arterial tumors, but with the small
+  CPU model and its 3,000 steps they can also cost it venous sensitivity, so on this phantom the gap
+  is partly a capacity trade-off, not only scarcity.
 - **Physics gap (negative control): the non-contrast phase.** Without contrast the tumor is
   iso-attenuating (2 HU darker than the pancreas, with the parenchyma's texture, against 9-19 HU of
   noise), and healthy glands have tumor-sized lobulations, so neither attenuation nor contour
