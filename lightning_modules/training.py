@@ -59,7 +59,8 @@ from lightning_modules.run_folder import (
     recipe_fingerprint,
     resume_checkpoint,
 )
-from lightning_modules.tracking import deferred_signals, ended_run, flatten, run_status, run_tags, start_run, tracking_uri
+from lightning_modules.process import deferred_signals
+from lightning_modules.tracking import ended_run, flatten, run_status, run_tags, start_run, tracking_uri
 from lightning_modules.trainer import (
     FailWithLaunchedProcesses, PeriodicCheckpoint, RunLogger, build_trainer, global_rank, memory_advice, share_from_rank_zero,
 )

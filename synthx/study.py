@@ -51,7 +51,8 @@ from mlflow.tracking import MlflowClient
 
 from lightning_modules.config.recipe import load_recipe
 from lightning_modules.run_folder import RunFolderLock, content_key
-from lightning_modules.tracking import experiment_id, git_commit, tracking_uri
+from lightning_modules.process import git_commit
+from lightning_modules.tracking import experiment_id, tracking_uri
 from synthx.painters import PAINTERS, PHANTOM_PAINTER, SYNTHX_PAINTER
 
 STEP_KEY_TAG = "study_step_key"

@@ -12,9 +12,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import REPO_ROOT
+from lightning_modules.process import Terminated
 from lightning_modules.trainer import RunLogger
 from lightning_modules.tracking import (
-    Terminated,
     default_artifact_location,
     ended_run,
     experiment_id,

@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The recipe is read before torch, Lightning and MLflow are imported, so a mistyped key is
     # reported at once.
     recipe = load_recipe(args.recipe, args.overrides)
-    from lightning_modules.tracking import Terminated
+    from lightning_modules.process import Terminated
     from lightning_modules.trainer import global_rank
     from lightning_modules.training import TrainSettings, train
 

@@ -282,7 +282,8 @@ def _open_run(settings: SynthesisSettings, uri: str, manifest: dict, out_root: P
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from lightning_modules.tracking import experiment_id, git_commit
+    from lightning_modules.process import git_commit
+    from lightning_modules.tracking import experiment_id
 
     mlflow.set_tracking_uri(uri)
     client = mlflow.MlflowClient(uri)
@@ -369,7 +370,7 @@ def synthesize(settings: SynthesisSettings, requests) -> SynthesisSummary:
             ``min_positives:4`` or ``need:40`` (computed on the real cohort), a ``{(sex, age band,
             phase): n}`` mapping, or a list of :class:`SynthesisRequest`.
     """
-    from lightning_modules.tracking import terminating_signals
+    from lightning_modules.process import terminating_signals
     from lightning_modules.tracking import tracking_uri as resolve_uri
 
     check_settings(settings)

@@ -38,7 +38,8 @@ from lightning_modules.data.splits import load_split, split_sha256
 from lightning_modules.run_folder import RunFolderLock, content_key
 from lightning_modules.trainer import build_trainer, global_rank
 from lightning_modules.monitoring import system_callbacks
-from lightning_modules.tracking import experiment_id, flatten, git_commit, tracking_uri
+from lightning_modules.process import git_commit
+from lightning_modules.tracking import experiment_id, flatten, tracking_uri
 from synthx.config import recipe_to_yaml
 from synthx.provenance import GeneratorProvenance
 from synthx.training.dataset import TumorPatchDataModule, recipe_training_cases
