@@ -10,9 +10,14 @@ mean, the range, and how many studies found it significantly up or down.
 The studies must have been evaluated on the same test set: every group's patients, positives and
 negatives must agree, or the studies are refused with the first group that differs.
 
+The second half runs a study as K paired replicates (``benchx study --seeds K``: one seed per
+replicate, every arm in each) and pools them from MLflow with
+:mod:`lightning_modules.evaluation.seed_pooling` (docs/design.md "Seeds as the unit of inference").
+
 Example::
 
     benchx replicates <parent seed 0> <parent seed 1> <parent seed 2> --metric auc --attribute phase
+    benchx study --seeds 5 --workers 2 --out outputs/study-seeds
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ Simulation: every replicate (seed) trains each arm once; a model's score for a p
 noise are of similar size, as the README's per-seed studies show (differences significant in
 opposite directions on different seeds).
 
+The false-positive rates per regime in docs/design.md "Seeds as the unit of inference" are
+``null_false_positive_rate(400, n_patients=24 or 80, training_sd=0, 0.25, 0.5, 0.75 or 1, seed=7)``.
+
 Run: python -m pytest -q tests/evaluation/test_seed_pooling.py
 """
 

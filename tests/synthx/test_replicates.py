@@ -162,8 +162,6 @@ def test_two_replicates_run_as_two_workers_and_are_pooled(tiny_phantom, tmp_path
         log = (Path(settings.output_dir) / f"seed-{seed}.log").read_text()
         assert "[study] baseline: done" in log
     assert trainings[0] != trainings[1]
-    # Both replicates reused one data step: the cohort was made and checked once.
-    assert replicates[0].data.tags["step.data"] == replicates[1].data.tags["step.data"]
 
     pooled_runs = client.search_runs([experiment], "tags.stage = 'replicates_pooled'")
     assert len(pooled_runs) == 1
@@ -188,3 +186,29 @@ def test_two_replicates_run_as_two_workers_and_are_pooled(tiny_phantom, tmp_path
     log = (Path(settings.output_dir) / "seed-1.log").read_text()[logged:]
     assert "[study] baseline: identical finished run" in log and "[study] augmented: identical finished run" in log
     assert "done in" not in log, "a resumed replicate reruns none of its finished steps"
+
+
+def test_a_replicate_is_the_study_seeded_in_its_own_folder(capsys):
+    from synthx.commands.study import main, replicate_command
+    from synthx.replicates import replicate_key, seeded_settings
+    from synthx.study import StudySettings
+
+    settings = StudySettings(overrides=["trainer.max_steps=4"], synthx_overrides=["trainer.max_steps=2"], output_dir="out/s")
+    seeded = seeded_settings(settings, 3)
+    assert seeded.overrides == ["trainer.max_steps=4", "seed=3"] and seeded.synthx_overrides == ["trainer.max_steps=2", "seed=3"]
+    assert seeded.output_dir == str(Path("out/s") / "seed-3") and settings.overrides == ["trainer.max_steps=4"]
+    control = seeded_settings(StudySettings(painter="phantom"), 1)
+    assert control.synthx_overrides == [] and control.overrides == ["seed=1"]  # no generator to seed
+    # The set's identity: the settings and code, not the output folder; another ratio is another set.
+    key = replicate_key(settings, "abc")
+    assert key == replicate_key(StudySettings(**{**settings.__dict__, "output_dir": "elsewhere"}), "abc")
+    assert key != replicate_key(StudySettings(**{**settings.__dict__, "ratio": 0.5}), "abc") != replicate_key(settings, "abd")
+
+    command = replicate_command(["--recipe", "r.yaml", "--seeds", "3", "--workers=2", "--pool-only", "--operating-point",
+                                 "fixed", "seed=4"])
+    assert command[1:] == ["-m", "lightning_modules.cli", "study", "--recipe", "r.yaml", "seed=4"]
+    for arguments, message in ((["--seeds", "2", "--seed", "1"], "not both"), (["--pool-only"], "needs --seeds"),
+                               (["--seeds", "1"], "at least 2")):
+        with pytest.raises(SystemExit):
+            main(arguments)
+        assert message in capsys.readouterr().err
