@@ -126,7 +126,7 @@ def study_arguments(settings) -> list[str]:
     return [*arguments, *settings.overrides]
 
 
-@pytest.mark.slow  # about 4 minutes of CPU on 2 cores: the Slurm array test in tests/services covers the same in CI
+@pytest.mark.slow  # three or more minutes on 2 cores: the Slurm array test in tests/services covers the same in CI
 def test_two_replicates_run_as_two_workers_and_are_pooled(tiny_phantom, tmp_path, capsys):
     """``benchx study --seeds 2 --workers 2``: two processes, one per seed, into one store; pooled;
     a second run keeps both; a replicate whose process was killed is resumed, not redone."""
