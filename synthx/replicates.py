@@ -10,9 +10,14 @@ mean, the range, and how many studies found it significantly up or down.
 The studies must have been evaluated on the same test set: every group's patients, positives and
 negatives must agree, or the studies are refused with the first group that differs.
 
+The second half runs a study as K paired replicates (``benchx study --seeds K``: one seed per
+replicate, every arm in each) and pools them from MLflow with
+:mod:`lightning_modules.evaluation.seed_pooling` (docs/design.md "Seeds as the unit of inference").
+
 Example::
 
     benchx replicates <parent seed 0> <parent seed 1> <parent seed 2> --metric auc --attribute phase
+    benchx study --seeds 5 --workers 2 --out outputs/study-seeds
 """
 
 from __future__ import annotations
@@ -143,3 +148,212 @@ def format_replicates(table: pd.DataFrame) -> str:
              "sig. up/down: studies with a significant difference above / below 0. The intervals are each",
              "study's paired test-set bootstrap; the spread between studies is the training variance they omit."]
     return "\n".join([shown, "", *notes])
+
+
+# ----------------------------------------------------------------------------------------------
+# Seeds as the unit of inference: K paired replicates of one study, run and pooled
+# (docs/design.md "Seeds as the unit of inference"; the pooling itself is
+# lightning_modules.evaluation.seed_pooling).
+
+REPLICATE_SET_TAG = "replicate_set"
+REPLICATE_SEED_TAG = "replicate_seed"
+POOLED_STAGE = "replicates_pooled"
+# Arm pairs pooled when a replicate has both arms (arm minus reference), first the primary one.
+# An arm is a study step ``evaluate_<arm>``.
+ARM_PAIRS = (("synthx", "sham"), ("baseline", "sham"), ("control", "sham"), ("synthx", "baseline"))
+POOLED_OPERATING_POINTS = ("val_chosen", "fixed")
+
+
+def replicate_key(settings, code_version: str) -> str:
+    """The identity of a set of replicates: the study's settings (not its output folder) and code version.
+
+    Every replicate of ``benchx study --seeds K`` carries it (tag ``replicate_set``), whichever
+    process or Slurm task ran it, and the pooled analysis reads the replicates that carry it.
+    """
+    from dataclasses import asdict
+
+    from lightning_modules.run_folder import content_key
+
+    payload = {k: v for k, v in asdict(settings).items() if k != "output_dir"}
+    return content_key({"settings": payload, "code": code_version})
+
+
+def seeded_settings(settings, seed: int):
+    """The settings of replicate ``seed``: every training seeded with it, in ``<out>/seed-<seed>``."""
+    from dataclasses import replace
+
+    from synthx.painters import SYNTHX_PAINTER
+
+    generator = [*settings.synthx_overrides, f"seed={seed}"] if settings.painter == SYNTHX_PAINTER else settings.synthx_overrides
+    return replace(settings, overrides=[*settings.overrides, f"seed={seed}"], synthx_overrides=generator,
+                   output_dir=str(Path(settings.output_dir) / f"seed-{seed}"))
+
+
+def _store(settings) -> tuple[str, str, str]:
+    """(tracking uri, experiment id, replicate key) of a study's settings."""
+    from lightning_modules.tracking import experiment_id, git_commit, tracking_uri
+    from synthx.study import segmentation_recipe
+
+    uri = tracking_uri(segmentation_recipe(settings).tracking.uri)
+    return uri, experiment_id(settings.experiment, uri), replicate_key(settings, git_commit())
+
+
+def finished_replicates(client, experiment_id: str, key: str) -> dict[int, object]:
+    """The finished replicate studies of a set, by seed (the most recent of each seed)."""
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.{REPLICATE_SET_TAG} = '{key}' and tags.stage = 'study' and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"],
+    )
+    found: dict[int, object] = {}
+    for run in runs:
+        found.setdefault(int(run.data.tags[REPLICATE_SEED_TAG]), run)
+    return dict(sorted(found.items()))
+
+
+def run_replicate(settings, seed: int) -> str:
+    """Run replicate ``seed`` of a study unless it has finished; returns its parent run id.
+
+    A killed replicate resumes: its finished steps are reused and an interrupted training resumes
+    from its checkpoint (:mod:`synthx.study`). A finished one is never run again.
+    """
+    from mlflow.tracking import MlflowClient
+
+    from synthx.study import run_study
+
+    uri, experiment, key = _store(settings)
+    client = MlflowClient(tracking_uri=uri)
+    done = finished_replicates(client, experiment, key).get(int(seed))
+    if done is not None:
+        print(f"[replicates] seed {seed}: finished replicate {done.info.run_id} kept")
+        return done.info.run_id
+    run_study(seeded_settings(settings, seed), parent_tags={REPLICATE_SET_TAG: key, REPLICATE_SEED_TAG: str(int(seed))})
+    return finished_replicates(client, experiment, key)[int(seed)].info.run_id
+
+
+def run_replicates(settings, seeds: Sequence[int], workers: int, command: Sequence[str]) -> None:
+    """Run the unfinished replicates, ``workers`` processes at a time, each ``command + --seed S``.
+
+    Each process writes its log to ``<out>/seed-<S>.log``. Finished replicates are not started.
+
+    Raises:
+        ReplicateError: a replicate process failed (rerunning the same command resumes it).
+    """
+    import os
+    import subprocess
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    if workers < 1:
+        raise ReplicateError(f"--workers must be at least 1 (got {workers})")
+    uri, experiment, key = _store(settings)  # creates the experiment before the workers start
+    done = finished_replicates(MlflowClient(tracking_uri=uri), experiment, key)
+    for seed in seeds:
+        if seed in done:
+            print(f"[replicates] seed {seed}: finished replicate {done[seed].info.run_id} kept")
+    pending = [int(s) for s in seeds if int(s) not in done]
+    out = Path(settings.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # Each replicate opens its own parent run: not the one `mlflow run` may have opened for this process.
+    environment = {k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}
+    running: dict[int, tuple[subprocess.Popen, object]] = {}
+    failed: list[int] = []
+    while pending or running:
+        while pending and len(running) < workers:
+            seed = pending.pop(0)
+            log = open(out / f"seed-{seed}.log", "a")
+            print(f"[replicates] seed {seed}: started (log {out / f'seed-{seed}.log'})")
+            running[seed] = (subprocess.Popen([*command, "--seed", str(seed)], stdout=log, stderr=subprocess.STDOUT,
+                                              env=environment), log)
+        time.sleep(1)
+        for seed, (process, log) in list(running.items()):
+            if process.poll() is None:
+                continue
+            log.close()
+            del running[seed]
+            print(f"[replicates] seed {seed}: {'done' if process.returncode == 0 else f'failed ({process.returncode})'}")
+            if process.returncode != 0:
+                failed.append(seed)
+    if failed:
+        raise ReplicateError(f"replicate(s) {', '.join(map(str, sorted(failed)))} failed (logs: {out}/seed-<seed>.log); "
+                             "run the same command again to resume them")
+
+
+def replicate_arms(client, parent, stage: str, operating_point: str, folder: str) -> dict:
+    """A replicate's arms: ``evaluate_<arm>`` step -> :class:`ArmRecords` (its ``stage`` records, its m)."""
+    from lightning_modules.evaluation.artifacts import download_records
+    from lightning_modules.evaluation.runs import OPERATING_POINT_METRIC
+    from lightning_modules.evaluation.seed_pooling import ArmRecords
+
+    arms = {}
+    for tag, run_id in parent.data.tags.items():
+        if not tag.startswith("step.evaluate_"):
+            continue
+        arm = tag[len("step.evaluate_"):]
+        records = download_records(client, run_id, stage, str(Path(folder) / run_id))
+        threshold = client.get_run(run_id).data.metrics.get(OPERATING_POINT_METRIC.format(name=operating_point))
+        if records is None or threshold is None:
+            raise ReplicateError(f"replicate {parent.info.run_id}: evaluation {run_id} ({arm}) has no {stage} records "
+                                 f"or no {operating_point} operating point")
+        arms[arm] = ArmRecords(records, float(threshold))
+    return dict(sorted(arms.items()))
+
+
+def pool_replicates(settings, seeds: Sequence[int] | None = None, operating_point: str = "val_chosen",
+                    stage: str = "test") -> tuple[pd.DataFrame, str]:
+    """The pooled analysis of a study's finished replicates, read from MLflow and logged to a new run.
+
+    Args:
+        settings: the study's settings (they name the replicate set, the store and the experiment).
+        seeds: the seeds that must be there (None: every finished replicate of the set).
+        operating_point: ``val_chosen`` or ``fixed``: each arm's m (AUC does not depend on it).
+        stage: the evaluated split whose records are pooled.
+
+    Returns:
+        The pooled table (:func:`~lightning_modules.evaluation.seed_pooling.pool_seeds`) and the run it was logged to.
+
+    Raises:
+        ReplicateError: fewer than two finished replicates, a named seed missing, or replicates
+            without a common arm pair.
+    """
+    from mlflow.tracking import MlflowClient
+
+    from lightning_modules.evaluation.seed_pooling import format_pooled, pool_seeds
+    from synthx.study import segmentation_recipe
+
+    if operating_point not in POOLED_OPERATING_POINTS:
+        raise ReplicateError(f"operating point must be one of {', '.join(POOLED_OPERATING_POINTS)} (got {operating_point!r})")
+    uri, experiment, key = _store(settings)
+    client = MlflowClient(tracking_uri=uri)
+    parents = finished_replicates(client, experiment, key)
+    if seeds is not None:
+        missing = [s for s in seeds if s not in parents]
+        if missing:
+            raise ReplicateError(f"replicate(s) {', '.join(map(str, missing))} of this study have not finished in "
+                                 f"experiment '{settings.experiment}'; run them first (benchx study --seeds, or one "
+                                 "task per seed with --seed)")
+        parents = {s: parents[s] for s in seeds}
+    if len(parents) < 2:
+        raise ReplicateError(f"{len(parents)} finished replicate(s) of this study in experiment '{settings.experiment}': "
+                             "pooling needs at least two")
+    with tempfile.TemporaryDirectory() as folder:
+        replicates = {str(seed): replicate_arms(client, run, stage, operating_point, folder) for seed, run in parents.items()}
+    common = set.intersection(*(set(arms) for arms in replicates.values()))
+    pairs = [pair for pair in ARM_PAIRS if set(pair) <= common]
+    if not pairs:
+        raise ReplicateError(f"the replicates share no arm pair to compare (arms: {', '.join(sorted(common))})")
+    recipe = segmentation_recipe(settings)
+    table = pool_seeds(replicates, pairs, n_resamples=int(recipe.detection.bootstrap_resamples),
+                       confidence=float(recipe.detection.confidence), score=str(recipe.detection.score))
+    text = (f"== {len(parents)} seeds pooled at the {operating_point} operating point ({stage}) ==\n"
+            + format_pooled(table))
+    run_id = client.create_run(experiment, run_name="pooled", tags={
+        "stage": POOLED_STAGE, REPLICATE_SET_TAG: key, "operating_point": operating_point,
+        "replicated_studies": " ".join(run.info.run_id for run in parents.values()),
+    }).info.run_id
+    client.log_param(run_id, "seeds", ",".join(map(str, parents)))
+    client.log_text(run_id, text, f"pooled/{stage}_{operating_point}.txt")
+    client.log_text(run_id, table.to_csv(index=False), f"pooled/{stage}_{operating_point}.csv")
+    client.set_terminated(run_id, "FINISHED")
+    return table, run_id

@@ -35,6 +35,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -120,7 +122,8 @@ class StudyRunner:
     """Runs named steps as child runs of one parent, skipping those already finished identically."""
 
     def __init__(
-        self, uri: str, experiment: str, code_version: str, parent_name: str = "study", parent_run_id: str | None = None
+        self, uri: str, experiment: str, code_version: str, parent_name: str = "study", parent_run_id: str | None = None,
+        parent_tags: dict[str, str] | None = None,
     ):
         self.uri = uri
         self.client = MlflowClient(tracking_uri=uri)
@@ -128,12 +131,12 @@ class StudyRunner:
         self.experiment_id = experiment_id(experiment, uri)
         self.code_version = code_version
         self.parent_id = parent_run_id or self.client.create_run(
-            self.experiment_id, run_name=parent_name, tags={"stage": "study", "git_commit": code_version}
+            self.experiment_id, run_name=parent_name, tags={"stage": "study", "git_commit": code_version, **(parent_tags or {})}
         ).info.run_id
         if parent_run_id:
-            self.client.set_tag(parent_run_id, "stage", "study")
-            self.client.set_tag(parent_run_id, "git_commit", code_version)
-            self.client.set_tag(parent_run_id, "mlflow.runName", parent_name)
+            for tag, value in {"stage": "study", "git_commit": code_version, "mlflow.runName": parent_name,
+                               **(parent_tags or {})}.items():
+                self.client.set_tag(parent_run_id, tag, value)
         self.outputs: dict[str, dict] = {}
 
     def key(self, name: str, params: dict) -> str:
@@ -233,6 +236,17 @@ def _recipe_params(recipe) -> dict:
 # Steps: each returns the outputs of its MLflow run (at least ``run_id``).
 
 
+@contextlib.contextmanager
+def cohort_lock(root: Path):
+    """An exclusive ``flock`` on ``<root>.lock`` while a process makes the cohort or its split, so
+    that processes started together wait for the first instead of writing the same files."""
+    lock = Path(root).parent / f".{Path(root).name}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
 def data_step(client: MlflowClient, experiment: str, tags: dict, root: Path, split: Path, settings: StudySettings) -> dict:
     """Generate the phantom cohort when absent, make the split when absent, validate both."""
     from lightning_modules.data.cohort import load_cohort
@@ -240,14 +254,15 @@ def data_step(client: MlflowClient, experiment: str, tags: dict, root: Path, spl
     from lightning_modules.data.validation import validate_cohort
 
     run_id = client.create_run(experiment, run_name="data", tags=tags).info.run_id
-    if not (root / "metadata.csv").exists():
-        from lightning_modules.data.phantom import DEFAULT_CASES, generate_phantom_cohort
+    with cohort_lock(root):  # replicates started together (benchx study --seeds) make the cohort once
+        if not (root / "metadata.csv").exists():
+            from lightning_modules.data.phantom import DEFAULT_CASES, generate_phantom_cohort
 
-        generate_phantom_cohort(root, n_cases=settings.cases or DEFAULT_CASES, seed=settings.phantom_seed)
-        client.set_tag(run_id, "phantom_generated", "true")
-    cohort = load_cohort(root)
-    if not split.exists():
-        write_split(make_splits(cohort.metadata, seed=settings.phantom_seed), split)
+            generate_phantom_cohort(root, n_cases=settings.cases or DEFAULT_CASES, seed=settings.phantom_seed)
+            client.set_tag(run_id, "phantom_generated", "true")
+        cohort = load_cohort(root)
+        if not split.exists():
+            write_split(make_splits(cohort.metadata, seed=settings.phantom_seed), split)
     table = load_split(split, cohort)
     problems = validate_cohort(cohort)
     if problems:
@@ -411,7 +426,7 @@ def compare_action(evaluations: dict[str, dict], uri: str, experiment: str, resa
 # The study
 
 
-def _open_runner(settings: StudySettings) -> StudyRunner:
+def _open_runner(settings: StudySettings, parent_tags: dict[str, str] | None = None) -> StudyRunner:
     """The runner; under ``mlflow run`` the run it opened is the study's parent, and its experiment the study's."""
     uri = tracking_uri(segmentation_recipe(settings).tracking.uri)
     parent_run_id = os.environ.get("MLFLOW_RUN_ID")
@@ -419,7 +434,7 @@ def _open_runner(settings: StudySettings) -> StudyRunner:
         client = MlflowClient(tracking_uri=uri)
         settings.experiment = client.get_experiment(client.get_run(parent_run_id).info.experiment_id).name
     return StudyRunner(uri, settings.experiment, git_commit(), parent_name=f"study-{segmentation_recipe(settings).name}",
-                       parent_run_id=parent_run_id)
+                       parent_run_id=parent_run_id, parent_tags=parent_tags)
 
 
 def _baseline_steps(runner: StudyRunner, settings: StudySettings, root: Path, split: Path) -> tuple:
@@ -488,20 +503,21 @@ def _publish_comparison(runner: StudyRunner, comparison: dict) -> pd.DataFrame:
     return table
 
 
-def run_study(settings: StudySettings) -> pd.DataFrame:
+def run_study(settings: StudySettings, parent_tags: dict[str, str] | None = None) -> pd.DataFrame:
     """Run (or resume) the study, step by step (see the module docstring); returns the comparison table.
 
     One study per output folder at a time: a second process is refused, naming the holder.
+    ``parent_tags`` go on the study's parent run (a replicate's set and seed, :mod:`synthx.replicates`).
     """
     settings.check()
     with RunFolderLock(settings.output_dir, "benchx study") as lock:
         if lock.takeover_note:
             print(f"[study] {lock.takeover_note}")
-        return _run_study(settings)
+        return _run_study(settings, parent_tags)
 
 
-def _run_study(settings: StudySettings) -> pd.DataFrame:
-    runner = _open_runner(settings)
+def _run_study(settings: StudySettings, parent_tags: dict[str, str] | None = None) -> pd.DataFrame:
+    runner = _open_runner(settings, parent_tags)
     base = segmentation_recipe(settings)
     root, split = Path(base.data.root), Path(base.data.split)
     try:

@@ -8,6 +8,12 @@ Example::
     benchx study --recipe recipes/unet.yaml --profile cpu
     benchx study --recipe recipes/unet.yaml --profile cpu --target need:40 trainer.max_steps=4000
     benchx study --painter phantom --out outputs/study-phantom-painter   # the positive control
+    benchx study --seeds 5 --workers 2 --out outputs/study-seeds        # 5 paired replicates, pooled
+
+``--seeds K`` runs K replicates (seeds 0..K-1, each a whole study in ``<out>/seed-<S>``, ``--workers``
+processes at a time; finished ones are kept, killed ones resume) and pools them per subgroup;
+``--seed S`` runs one replicate (a Slurm array task: scripts/slurm-study.sbatch); ``--pool-only``
+only pools the finished replicates (docs/design.md "Seeds as the unit of inference").
 """
 
 from __future__ import annotations
@@ -44,13 +50,50 @@ def build_parser() -> argparse.ArgumentParser:
                              "real-appearance tumors into the same canvases; phantom cohorts only)")
     parser.add_argument("--experiment", default=StudySettings.experiment, help="MLflow experiment (default: %(default)s)")
     parser.add_argument("--out", default=StudySettings.output_dir, help="output folder (default: %(default)s)")
+    replicates = parser.add_argument_group("seeds as the unit of inference")
+    replicates.add_argument("--seeds", type=int, default=None, metavar="K",
+                            help="run K paired replicates (seeds 0..K-1) and pool them per subgroup")
+    replicates.add_argument("--workers", type=int, default=1,
+                            help="replicates run at once as separate processes (default: %(default)s)")
+    replicates.add_argument("--seed", type=int, default=None, metavar="S",
+                            help="run replicate S only (one task of a Slurm array); pool later with --seeds K --pool-only")
+    replicates.add_argument("--pool-only", action="store_true",
+                            help="with --seeds: run nothing, pool the K finished replicates")
+    replicates.add_argument("--operating-point", default="val_chosen", choices=("val_chosen", "fixed"),
+                            help="each arm's m in the pooled analysis (default: %(default)s)")
     add_overrides_argument(parser)
     return parser
 
 
+REPLICATE_OPTIONS = {"--seeds": True, "--workers": True, "--seed": True, "--pool-only": False, "--operating-point": True}
+
+
+def replicate_command(argv: Sequence[str]) -> list[str]:
+    """The command of one replicate: this command line without its replicate options (``--seed S`` is added)."""
+    command, skip = [], False
+    for argument in argv:
+        if skip:
+            skip = False
+            continue
+        name = argument.split("=", 1)[0]
+        if name in REPLICATE_OPTIONS:
+            skip = REPLICATE_OPTIONS[name] and "=" not in argument
+            continue
+        command.append(argument)
+    return [sys.executable, "-m", "lightning_modules.cli", "study", *command]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the arguments and run the study; returns 0 when it finished."""
-    args = parse_command_line(build_parser(), sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parse_command_line(parser, argv)
+    if args.seed is not None and args.seeds is not None:
+        parser.error("give --seeds K (all replicates) or --seed S (one), not both")
+    if args.pool_only and args.seeds is None:
+        parser.error("--pool-only needs --seeds K")
+    if args.seeds is not None and args.seeds < 2:
+        parser.error("--seeds needs at least 2 replicates")
     # The profile, given as --profile NAME or profile=NAME, is the study's own setting (default cpu).
     overrides = [item for item in args.overrides if item.split("=", 1)[0].strip() != "profile"]
     settings = StudySettings(
@@ -60,6 +103,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         experiment=args.experiment, output_dir=args.out, painter=args.painter,
         target_phases=[p.strip() for p in args.target_phases.split(",") if p.strip()] if args.target_phases else None,
     )
+    if args.seed is not None:
+        from synthx.replicates import run_replicate
+
+        run_replicate(settings, args.seed)
+        return 0
+    if args.seeds is not None:
+        from lightning_modules.evaluation.seed_pooling import format_pooled
+        from synthx.replicates import pool_replicates, run_replicates
+
+        seeds = list(range(args.seeds))
+        if not args.pool_only:
+            run_replicates(settings, seeds, args.workers, replicate_command(argv))
+        table, run_id = pool_replicates(settings, seeds, args.operating_point)
+        print(f"== {len(seeds)} seeds pooled at the {args.operating_point} operating point (test) ==")
+        print(format_pooled(table))
+        print(f"[replicates] pooled analysis logged to run {run_id} (experiment '{settings.experiment}')")
+        return 0
     run_study(settings)
     return 0
 

@@ -113,3 +113,102 @@ def test_a_finished_study_is_read_with_its_seed_and_ratio(finished_study, tmp_pa
 
     with pytest.raises(ReplicateError, match="names no study steps"):
         study_comparison(parent.data.tags["step.baseline"], uri)
+
+
+def study_arguments(settings) -> list[str]:
+    """The ``benchx study`` command line of a study's settings (the tiny study of test_synthx_study.py)."""
+    arguments = ["--recipe", settings.recipe, "--profile", settings.profile, "--synthx-recipe", settings.synthx_recipe,
+                 "--ratio", str(settings.ratio), "--target", settings.target, "--budget", str(settings.budget),
+                 "--synthesis-steps", str(settings.synthesis_steps), "--experiment", settings.experiment,
+                 "--out", settings.output_dir]
+    for override in settings.synthx_overrides:
+        arguments += ["--synthx-override", override]
+    return [*arguments, *settings.overrides]
+
+
+@pytest.mark.slow  # three or more minutes on 2 cores: the Slurm array test in tests/services covers the same in CI
+def test_two_replicates_run_as_two_workers_and_are_pooled(tiny_phantom, tmp_path, capsys):
+    """``benchx study --seeds 2 --workers 2``: two processes, one per seed, into one store; pooled;
+    a second run keeps both; a replicate whose process was killed is resumed, not redone."""
+    from mlflow.tracking import MlflowClient
+
+    from conftest import RECIPES
+    from synthx.commands.study import main
+    from synthx.replicates import REPLICATE_SEED_TAG, finished_replicates, replicate_key
+    from test_synthx_study import _study_settings
+
+    from lightning_modules.tracking import experiment_id, git_commit
+
+    root, split = tiny_phantom
+    settings = _study_settings(root, split, tmp_path)
+    settings.synthx_recipe = str(RECIPES / "generator" / "synthx.yaml")
+    settings.experiment = "seeds-test"
+    arguments = study_arguments(settings)
+    assert main([*arguments, "--seeds", "2", "--workers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "seed 0: started" in out and "seed 1: started" in out
+
+    uri = [o for o in settings.overrides if o.startswith("tracking.uri=")][0].split("=", 1)[1]
+    client = MlflowClient(uri)
+    experiment = experiment_id("seeds-test", uri)
+    replicates = finished_replicates(client, experiment, replicate_key(settings, git_commit()))
+    assert sorted(replicates) == [0, 1]
+    trainings = {}
+    for seed, parent in replicates.items():
+        assert parent.data.tags[REPLICATE_SEED_TAG] == str(seed)
+        baseline = client.get_run(parent.data.tags["step.baseline"])
+        assert baseline.data.params["seed"] == str(seed)
+        trainings[seed] = baseline.info.run_id
+        log = (Path(settings.output_dir) / f"seed-{seed}.log").read_text()
+        assert "[study] baseline: done" in log
+    assert trainings[0] != trainings[1]
+
+    pooled_runs = client.search_runs([experiment], "tags.stage = 'replicates_pooled'")
+    assert len(pooled_runs) == 1
+    table = pd.read_csv(client.download_artifacts(pooled_runs[0].info.run_id, "pooled/test_val_chosen.csv",
+                                                  str(tmp_path / "pooled")))
+    assert set(table["comparison"]) == {"synthx - baseline"}
+    overall = table[(table["attribute"] == "overall") & (table["metric"] == "specificity")].iloc[0]
+    assert overall["seeds"] == 2 and overall["mean_delta"] == pytest.approx((overall["delta 0"] + overall["delta 1"]) / 2)
+    assert "seeds pooled at the val_chosen operating point" in out
+
+    # A second run starts nothing: both replicates have finished.
+    assert main([*arguments, "--seeds", "2", "--workers", "2"]) == 0
+    again = capsys.readouterr().out
+    assert "started" not in again and again.count("finished replicate") == 2
+    # A replicate whose process was killed (its parent run never ended) is resumed: every step it
+    # had finished is reused, nothing is trained again.
+    client.set_terminated(replicates[1].info.run_id, "KILLED")
+    logged = len((Path(settings.output_dir) / "seed-1.log").read_text())
+    assert main([*arguments, "--seeds", "2", "--workers", "2"]) == 0
+    resumed = capsys.readouterr().out
+    assert "seed 1: started" in resumed and "seed 0: started" not in resumed
+    log = (Path(settings.output_dir) / "seed-1.log").read_text()[logged:]
+    assert "[study] baseline: identical finished run" in log and "[study] augmented: identical finished run" in log
+    assert "done in" not in log, "a resumed replicate reruns none of its finished steps"
+
+
+def test_a_replicate_is_the_study_seeded_in_its_own_folder(capsys):
+    from synthx.commands.study import main, replicate_command
+    from synthx.replicates import replicate_key, seeded_settings
+    from synthx.study import StudySettings
+
+    settings = StudySettings(overrides=["trainer.max_steps=4"], synthx_overrides=["trainer.max_steps=2"], output_dir="out/s")
+    seeded = seeded_settings(settings, 3)
+    assert seeded.overrides == ["trainer.max_steps=4", "seed=3"] and seeded.synthx_overrides == ["trainer.max_steps=2", "seed=3"]
+    assert seeded.output_dir == str(Path("out/s") / "seed-3") and settings.overrides == ["trainer.max_steps=4"]
+    control = seeded_settings(StudySettings(painter="phantom"), 1)
+    assert control.synthx_overrides == [] and control.overrides == ["seed=1"]  # no generator to seed
+    # The set's identity: the settings and code, not the output folder; another ratio is another set.
+    key = replicate_key(settings, "abc")
+    assert key == replicate_key(StudySettings(**{**settings.__dict__, "output_dir": "elsewhere"}), "abc")
+    assert key != replicate_key(StudySettings(**{**settings.__dict__, "ratio": 0.5}), "abc") != replicate_key(settings, "abd")
+
+    command = replicate_command(["--recipe", "r.yaml", "--seeds", "3", "--workers=2", "--pool-only", "--operating-point",
+                                 "fixed", "seed=4"])
+    assert command[1:] == ["-m", "lightning_modules.cli", "study", "--recipe", "r.yaml", "seed=4"]
+    for arguments, message in ((["--seeds", "2", "--seed", "1"], "not both"), (["--pool-only"], "needs --seeds"),
+                               (["--seeds", "1"], "at least 2")):
+        with pytest.raises(SystemExit):
+            main(arguments)
+        assert message in capsys.readouterr().err
