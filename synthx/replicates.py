@@ -191,7 +191,8 @@ def seeded_settings(settings, seed: int):
 
 def _store(settings) -> tuple[str, str, str]:
     """(tracking uri, experiment id, replicate key) of a study's settings."""
-    from lightning_modules.tracking import experiment_id, git_commit, tracking_uri
+    from lightning_modules.process import git_commit
+    from lightning_modules.tracking import experiment_id, tracking_uri
     from synthx.study import segmentation_recipe
 
     uri = tracking_uri(segmentation_recipe(settings).tracking.uri)
