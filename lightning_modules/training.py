@@ -42,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_modules.config.recipe import recipe_to_yaml
 from lightning_modules.data.cohort import CohortError
 from lightning_modules.data.datamodule import CohortDataModule
-from lightning_modules.data.mixing import log_dataset_inputs, mixing_datamodule
+from lightning_modules.data.mixing import log_dataset_inputs, log_exposures, mixing_datamodule
 from lightning_modules.data.splits import load_split, split_sha256
 from lightning_modules.evaluation.callback import SubgroupEvaluation
 from lightning_modules.evaluation.provenance import log_training_cases
@@ -173,6 +173,7 @@ def train(recipe: DictConfig, settings: TrainSettings | None = None, **options) 
             trainer.fit(module, datamodule=datamodule, ckpt_path=start.resume_from)
         best_path = Path(best.best_model_path) if best.best_model_path else None
         if trainer.is_global_zero:
+            log_exposures(logger.experiment, start.run_id, datamodule, int(trainer.global_step))
             log_checkpoints(logger, [best_path, checkpoint_dir / "last.ckpt"])
             model_checkpoint = best_path if best_path and best_path.exists() else checkpoint_dir / "last.ckpt"
             log_segmentation_model(start.run_id, start.uri, recipe, model_checkpoint, recipe_to_yaml(recipe))

@@ -53,6 +53,8 @@ def study_comparison(run_id: str, uri: str) -> pd.DataFrame:
                                  f"resume it with the same `benchx study` command")
         table = study.csv("compare", "comparison/test_comparison.csv")
         augmented = study.run("augmented")
+    # The study's comparison also holds baseline minus sham (the schedule alone): replicates line up SynthX's.
+    table = table[table["run"] == "synthx"].reset_index(drop=True) if "run" in table.columns else table
     table.insert(0, "study", run_id)
     table.insert(1, "seed", augmented.data.params.get("seed", ""))
     table.insert(2, "ratio", augmented.data.tags.get("synthx_ratio", ""))

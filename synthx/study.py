@@ -1,20 +1,32 @@
-"""The baseline-versus-SynthX study, the project's main job (``benchx study``, MLproject ``main``).
+"""The baseline / sham / SynthX study, the project's main job (``benchx study``, MLproject ``main``).
 
-Steps, each an MLflow child run of one parent run (``mlflow.parentRunId``):
+Before any step, the pre-specified primary endpoint is logged on the parent run
+(:mod:`synthx.endpoint`, ``docs/design.md "The primary endpoint"``). Steps, each an MLflow child
+run of one parent run (``mlflow.parentRunId``):
 
 1. ``data``: the cohort (the embedded phantom is generated when absent) and its split (the
    committed ``splits/phantom.csv`` for the phantom; made once otherwise), validated;
-2. ``baseline``: the backbone trained on real data (``synthx.ratio=0``);
-3. ``evaluate_baseline``: subgroup evaluation on validation and test (operating point chosen on
-   validation when the recipe says so, ``docs/design.md "Scan-level detection"``);
-4. ``targeting``: how many synthetic tumors per (sex, age band, phase) cell. The default rule
+2. ``locked_cohort`` (phantom cohorts): the locked test cohort, a phantom of another seed that no
+   design decision has seen, viewed together with the development validation split
+   (``docs/design.md "The locked test cohort"``);
+3. ``baseline``: the backbone trained on real data, on the exposure-matched schedule's real draws
+   (``synthx.real_steps``, ``docs/design.md "Arms with equal real exposure"``);
+4. ``evaluate_baseline``: subgroup evaluation on validation and the development test split
+   (operating point chosen on validation when the recipe says so, ``docs/design.md "Scan-level detection"``);
+5. ``targeting``: how many synthetic tumors per (sex, age band, phase) cell. The default rule
    ``need:B`` spends a budget of B cases where the baseline's VALIDATION sensitivity falls short
    (``synthx.targeting``); it reads the baseline's validation records only, never test labels;
-5. ``synthx_train``: the SynthX generator trained on the training split's tumors;
-6. ``synthesize``: the targeted cases painted into matching healthy training scans;
-7. ``augmented``: the same backbone, seed and iterations with the synthetic cohort mixed in at ratio r;
-8. ``evaluate_synthx``: the augmented model evaluated as the baseline was;
-9. ``compare``: the BenchX table-6 comparison with paired bootstrap differences.
+6. ``synthx_train``: the SynthX generator trained on the training split's tumors;
+7. ``synthesize``: the targeted cases painted into matching healthy training scans;
+8. ``sham``: the augmented schedule (real_steps x (1 + r) steps, the baseline's real draws) with each
+   synthetic slot filled by a real training positive of the synthetic case's cell;
+9. ``augmented``: the same schedule with the synthetic cases;
+10. ``evaluate_locked_baseline``, ``evaluate_sham``, ``evaluate_synthx``: the three arms on the
+    study's test set (the locked cohort; the split's test set for other cohorts), operating points
+    chosen on the development validation split;
+11. ``compare``: the BenchX table-6 comparison with paired bootstrap differences against the sham
+    arm: SynthX minus sham (the primary endpoint and the secondary family) and baseline minus sham
+    (what the schedule alone does).
 
 The positive control (``painter="phantom"``, ``benchx study --painter phantom``): on the embedded
 phantom, the phantom's own renderer paints the targeted tumors instead of SynthX (no
@@ -55,14 +67,20 @@ from lightning_modules.config.recipe import load_recipe
 from lightning_modules.run_folder import RunFolderLock, content_key
 from lightning_modules.process import git_commit
 from lightning_modules.tracking import experiment_id, tracking_uri
+from synthx.endpoint import PrimaryEndpoint, endpoint_summary, label_results, log_endpoint
 from synthx.painters import PAINTERS, PHANTOM_PAINTER, SYNTHX_PAINTER
 
 STEP_KEY_TAG = "study_step_key"
 STEP_NAME_TAG = "study_step"
 PARENT_TAG = "mlflow.parentRunId"
-STEPS = ("data", "baseline", "evaluate_baseline", "targeting", "synthx_train", "synthesize", "augmented",
-         "evaluate_synthx", "compare")
+STEPS = ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting", "synthx_train", "synthesize", "sham",
+         "augmented", "evaluate_locked_baseline", "evaluate_sham", "evaluate_synthx", "compare")
 TARGETS_ARTIFACT = "synthx/targets.csv"
+# The locked cohort's size: the positive control's effect on arterial sensitivity detectable with 80%
+# power (``python -m synthx.power``, docs/design.md "The locked test cohort").
+LOCKED_CASES = 307
+LOCKED_SEED_OFFSET = 1000  # the locked phantom's seed: the development phantom's seed + this
+LOCKED_PREFIX = "L"  # the locked cases' and patients' ids in the evaluation view
 
 
 @dataclass
@@ -88,9 +106,23 @@ class StudySettings:
     painter: str = SYNTHX_PAINTER
     # Restrict the targeted cells to these contrast phases (None: every phase), e.g. ["arterial"].
     target_phases: list[str] | None = None
+    # The locked test cohort (phantom cohorts only): scans, and the phantom seed (None: the
+    # development phantom's seed + LOCKED_SEED_OFFSET). 0 cases: test on the split's test set.
+    locked_cases: int = LOCKED_CASES
+    locked_seed: int | None = None
+    endpoint: PrimaryEndpoint = field(default_factory=PrimaryEndpoint)
+
+    @property
+    def locked_phantom_seed(self) -> int:
+        return self.phantom_seed + LOCKED_SEED_OFFSET if self.locked_seed is None else int(self.locked_seed)
 
     def check(self) -> None:
         """Refuse settings that would be silently ignored."""
+        if self.locked_cases and self.locked_phantom_seed == self.phantom_seed:
+            raise ValueError(f"the locked test cohort needs a phantom seed other than the development cohort's "
+                             f"({self.phantom_seed}); choose another --locked-seed")
+        if self.locked_cases < 0:
+            raise ValueError("--locked-cases must be 0 (test on the split's test set) or a number of scans")
         if self.target_phases is not None:
             from lightning_modules.data.metadata import PHASES, normalize_phase
 
@@ -275,6 +307,74 @@ def data_step(client: MlflowClient, experiment: str, tags: dict, root: Path, spl
     return {"run_id": run_id, "split_sha256": split_sha256(split)}
 
 
+def locked_view(development_root: Path, development_split: Path, locked_root: Path, out: Path) -> tuple[Path, Path]:
+    """The evaluation view of the locked cohort: the development validation cases (``val``) and the
+    locked phantom's cases (``test``), each locked case and patient renamed with ``LOCKED_PREFIX``.
+
+    The case folders are links, so nothing is copied. Returns (view root, view split).
+
+    Raises:
+        ValueError: a locked case or patient id that is also a development one.
+    """
+    import shutil
+
+    from lightning_modules.data.cohort import load_cohort, write_metadata
+    from lightning_modules.data.splits import load_split, write_split
+
+    development = load_cohort(development_root)
+    split = load_split(development_split, development)
+    val = split.loc[split["split"] == "val", "case_id"].tolist()
+    locked = load_cohort(locked_root).metadata.copy()
+    folders = {LOCKED_PREFIX + case_id: Path(locked_root).resolve() / case_id for case_id in locked["case_id"]}
+    locked["case_id"] = LOCKED_PREFIX + locked["case_id"].astype(str)
+    locked["patient_id"] = LOCKED_PREFIX + locked["patient_id"].astype(str)
+    shared_cases = set(locked["case_id"]) & set(development.metadata["case_id"])
+    shared_patients = set(locked["patient_id"]) & set(development.metadata["patient_id"].astype(str))
+    if shared_cases or shared_patients:
+        raise ValueError(f"locked cohort shares ids with the development cohort: {sorted(shared_cases | shared_patients)[:5]}")
+    folders.update({case_id: Path(development_root).resolve() / case_id for case_id in val})
+    staging = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for case_id, target in folders.items():
+        (staging / case_id).symlink_to(target, target_is_directory=True)
+    rows = pd.concat([development.subset(val), locked], ignore_index=True)
+    write_metadata(staging, rows)
+    table = pd.DataFrame({"case_id": rows["case_id"], "patient_id": rows["patient_id"].astype(str),
+                          "split": ["val"] * len(val) + ["test"] * len(locked)})
+    write_split(table, staging / "split.csv")
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+    return out, out / "split.csv"
+
+
+def locked_cohort_step(client: MlflowClient, experiment: str, tags: dict, root: Path, split: Path,
+                       settings: StudySettings) -> dict:
+    """Generate the locked phantom (another seed, the development phantom's shape and spacing) and its view."""
+    from lightning_modules.data.phantom import PARAMS_FILE, generate_phantom_cohort
+    from lightning_modules.data.splits import split_sha256
+
+    run_id = client.create_run(experiment, run_name="locked_cohort", tags=tags).info.run_id
+    development = json.loads((root / PARAMS_FILE).read_text())
+    seed = settings.locked_phantom_seed
+    if seed == int(development["seed"]):
+        raise ValueError(f"the locked cohort's seed {seed} is the development phantom's")
+    folder = Path(settings.output_dir) / "locked_cohort"
+    phantom = folder / f"phantom-seed{seed}-{settings.locked_cases}"
+    generate_phantom_cohort(phantom, n_cases=settings.locked_cases, seed=seed, shape=development["shape"],
+                            spacing=development["spacing"])
+    view, view_split = locked_view(root, split, phantom, folder / f"view-seed{seed}-{settings.locked_cases}")
+    table = pd.read_csv(view_split)
+    for key, value in {"locked_seed": seed, "development_seed": development["seed"], "locked_cases": settings.locked_cases,
+                       "view_split_sha256": split_sha256(view_split)}.items():
+        client.log_param(run_id, key, value)
+    client.log_metric(run_id, "data/cases/test", float((table["split"] == "test").sum()))
+    client.log_metric(run_id, "data/cases/val", float((table["split"] == "val").sum()))
+    client.log_artifact(run_id, str(view_split), "split")
+    client.set_terminated(run_id, "FINISHED")
+    return {"run_id": run_id, "root": str(view), "split": str(view_split), "seed": seed}
+
+
 def train_action(recipe, variant: str, output_dir: Path) -> Callable[[dict], dict]:
     """The action of a training step: train ``recipe`` into ``output_dir/<variant>/<fingerprint>``."""
 
@@ -288,14 +388,19 @@ def train_action(recipe, variant: str, output_dir: Path) -> Callable[[dict], dic
     return action
 
 
-def evaluate_action(recipe, trained: dict, variant: str) -> Callable[[dict], dict]:
-    """The action of an evaluation step: the trained model on validation and test, into a linked run."""
+def evaluate_action(recipe, trained: dict, variant: str, test_set: str = "test") -> Callable[[dict], dict]:
+    """The action of an evaluation step: the trained model on validation and test, into a linked run.
+
+    ``test_set`` names the test set in the run's name and its ``test_set`` tag (``test``: the
+    split's; ``locked``: the locked cohort's view).
+    """
 
     def action(tags: dict) -> dict:
         from lightning_modules.evaluation.runs import evaluate
 
         run_id, _ = evaluate(recipe, trained["checkpoint"], ("val", "test"), training_run_id=trained["run_id"],
-                             run_name=f"evaluate-{recipe.name}-{variant}-test", extra_tags={**tags, "variant": variant})
+                             run_name=f"evaluate-{recipe.name}-{variant}-{test_set}",
+                             extra_tags={**tags, "variant": variant, "test_set": test_set})
         return {"run_id": run_id}
 
     return action
@@ -409,13 +514,20 @@ def synthesize_action(client: MlflowClient, root: Path, split: Path, settings: S
     return action
 
 
+COMPARED_ARMS = ("sham", "synthx", "baseline")  # the sham arm first: the reference of both comparisons
+
+
 def compare_action(evaluations: dict[str, dict], uri: str, experiment: str, resamples: int) -> Callable[[dict], dict]:
-    """The action of the comparison step: paired bootstrap differences, baseline vs SynthX, on test."""
+    """The action of the comparison step: paired bootstrap differences against the sham arm, on test.
+
+    One table: rows of run ``synthx`` are SynthX minus sham, rows of run ``baseline`` baseline minus
+    sham (:data:`COMPARED_ARMS`).
+    """
 
     def action(tags: dict) -> dict:
         from lightning_modules.evaluation.runs import compare
 
-        _, run_id = compare([evaluations["baseline"]["run_id"], evaluations["synthx"]["run_id"]], "test", uri=uri,
+        _, run_id = compare([evaluations[arm]["run_id"] for arm in COMPARED_ARMS], "test", uri=uri,
                             experiment=experiment, n_resamples=resamples)
         return {"run_id": run_id}
 
@@ -437,17 +549,43 @@ def _open_runner(settings: StudySettings, parent_tags: dict[str, str] | None = N
                        parent_run_id=parent_run_id, parent_tags=parent_tags)
 
 
+def arm_overrides(settings: StudySettings, arm: str, cohort: str | None = None) -> list[str]:
+    """The recipe overrides of an arm on the exposure-matched schedule (``docs/design.md "Arms with equal real exposure"``).
+
+    The recipe's ``trainer.max_steps`` (with the study's overrides) are the real steps S of every
+    arm; the sham and SynthX arms train S x (1 + r) steps, their extra draws being synthetic slots.
+    """
+    from lightning_modules.data.exposure import matched_total_steps
+
+    real_steps = int(segmentation_recipe(settings).trainer.max_steps)
+    if arm == "baseline":
+        return ["synthx.ratio=0", f"synthx.real_steps={real_steps}"]
+    extra = [f"synthx.ratio={settings.ratio}", f"synthx.cohort={cohort}", f"synthx.real_steps={real_steps}",
+             f"trainer.max_steps={matched_total_steps(real_steps, settings.ratio)}"]
+    return [*extra, "synthx.sham=true"] if arm == "sham" else extra
+
+
 def _baseline_steps(runner: StudyRunner, settings: StudySettings, root: Path, split: Path) -> tuple:
-    """data, baseline, evaluate_baseline; returns (baseline recipe, baseline outputs, evaluation outputs)."""
+    """data, locked_cohort, baseline, evaluate_baseline; returns (baseline recipe, baseline outputs,
+    evaluation outputs, locked cohort outputs or None)."""
     output_dir = Path(settings.output_dir)
     runner.step("data", {"root": str(root), "split": str(split), "cases": settings.cases, "seed": settings.phantom_seed},
                 lambda tags: data_step(runner.client, runner.experiment_id, tags, root, split, settings))
-    recipe = segmentation_recipe(settings, ["synthx.ratio=0"])
+    locked = None
+    from lightning_modules.data.phantom import PARAMS_FILE
+
+    if settings.locked_cases and (root / PARAMS_FILE).is_file():
+        locked = runner.step(
+            "locked_cohort", {"root": str(root), "split": str(split), "cases": settings.locked_cases,
+                              "seed": settings.locked_phantom_seed, "output_dir": str(output_dir)},
+            lambda tags: locked_cohort_step(runner.client, runner.experiment_id, tags, root, split, settings),
+        )
+    recipe = segmentation_recipe(settings, arm_overrides(settings, "baseline"))
     baseline = runner.step("baseline", _recipe_params(recipe), train_action(recipe, "baseline", output_dir))
     evaluation = runner.step("evaluate_baseline", {"training_run": baseline["run_id"], "recipe": _recipe_params(recipe),
                                                    "checkpoint": Path(baseline["checkpoint"]).name},
                              evaluate_action(recipe, baseline, "baseline"))
-    return recipe, baseline, evaluation
+    return recipe, baseline, evaluation, locked
 
 
 def _synthx_steps(runner: StudyRunner, settings: StudySettings, root: Path, split: Path, evaluation: dict,
@@ -491,16 +629,39 @@ def synthetic_folder(output_dir: Path, params: dict) -> Path:
     return Path(output_dir) / "synthetic" / content_key(params)
 
 
-def _publish_comparison(runner: StudyRunner, comparison: dict) -> pd.DataFrame:
-    """Copy the comparison's text table onto the parent run, print it, and return the comparison table."""
+def _publish_comparison(runner: StudyRunner, comparison: dict, endpoint: PrimaryEndpoint) -> pd.DataFrame:
+    """Copy the comparison's text table onto the parent run with each row's role (primary, secondary,
+    schedule) and the primary result; print them and return the labelled comparison table."""
     client = runner.client
     with tempfile.TemporaryDirectory() as folder:
         table = pd.read_csv(client.download_artifacts(comparison["run_id"], "comparison/test_comparison.csv", folder))
         text = Path(client.download_artifacts(comparison["run_id"], "comparison/test_comparison.txt", folder)).read_text()
+    table = label_results(table, endpoint)
+    summary = endpoint_summary(table, endpoint)
     client.log_text(runner.parent_id, text, "comparison/test_comparison.txt")
+    client.log_text(runner.parent_id, table.to_csv(index=False), "comparison/test_roles.csv")
+    client.log_text(runner.parent_id, summary + "\n", "comparison/primary_endpoint.txt")
+    primary = table[table["role"] == "primary"]
+    if not primary.empty:
+        for column in ("delta", "ci_low", "ci_high", "p_family"):
+            value = float(primary[column].iloc[0])
+            if value == value:  # NaN is not logged
+                client.log_metric(runner.parent_id, f"endpoint/{column}", value)
     client.set_tag(runner.parent_id, "comparison_run_id", comparison["run_id"])
     print(text)
+    print(summary)
     return table
+
+
+def baseline_test_sets(client: MlflowClient, development_run: str, locked_run: str) -> pd.DataFrame:
+    """The baseline's test subgroup table on the development split beside the locked cohort's."""
+    columns = ["n_patients", "positives", "negatives", "sensitivity", "specificity", "f1", "auc"]
+    with tempfile.TemporaryDirectory() as folder:
+        tables = [pd.read_csv(client.download_artifacts(run, "evaluation/test_subgroups.csv", f"{folder}/{i}"))
+                  for i, run in enumerate((development_run, locked_run))]
+    kept = [c for c in columns if c in tables[0].columns and c in tables[1].columns]
+    parts = [t[["attribute", "group", *kept]].astype({"group": str}) for t in tables]
+    return parts[0].merge(parts[1], on=["attribute", "group"], how="outer", suffixes=("_development", "_locked"))
 
 
 def run_study(settings: StudySettings, parent_tags: dict[str, str] | None = None) -> pd.DataFrame:
@@ -516,30 +677,49 @@ def run_study(settings: StudySettings, parent_tags: dict[str, str] | None = None
         return _run_study(settings, parent_tags)
 
 
+def _evaluate_arm(runner: StudyRunner, settings: StudySettings, name: str, arm: str, trained: dict,
+                  extra: list[str], locked: dict | None) -> dict:
+    """Evaluate one arm on the study's test set: the locked cohort's view when there is one."""
+    view = [f"data.root={locked['root']}", f"data.split={locked['split']}"] if locked else []
+    recipe = segmentation_recipe(settings, [*extra, *view])
+    return runner.step(name, {"training_run": trained["run_id"], "recipe": _recipe_params(recipe),
+                              "checkpoint": Path(trained["checkpoint"]).name},
+                       evaluate_action(recipe, trained, arm, "locked" if locked else "test"))
+
+
 def _run_study(settings: StudySettings, parent_tags: dict[str, str] | None = None) -> pd.DataFrame:
     runner = _open_runner(settings, parent_tags)
     base = segmentation_recipe(settings)
     root, split = Path(base.data.root), Path(base.data.split)
+    # The primary endpoint is fixed before anything is trained or evaluated.
+    log_endpoint(runner.client, runner.parent_id, settings.endpoint)
+    output_dir = Path(settings.output_dir)
     try:
-        baseline_recipe, _, baseline_evaluation = _baseline_steps(runner, settings, root, split)
+        _, baseline, baseline_evaluation, locked = _baseline_steps(runner, settings, root, split)
         synthesis = _synthx_steps(runner, settings, root, split, baseline_evaluation, str(base.detection.score),
                                   int(base.seed))
-        augmented_recipe = segmentation_recipe(
-            settings, [f"synthx.ratio={settings.ratio}", f"synthx.cohort={synthesis['cohort']}"]
-        )
-        augmented = runner.step("augmented", {**_recipe_params(augmented_recipe), "synthesis_run": synthesis["run_id"]},
-                                train_action(augmented_recipe, "synthx", Path(settings.output_dir)))
-        synthx_evaluation = runner.step(
-            "evaluate_synthx", {"training_run": augmented["run_id"], "recipe": _recipe_params(augmented_recipe),
-                                "checkpoint": Path(augmented["checkpoint"]).name},
-            evaluate_action(augmented_recipe, augmented, "synthx"),
-        )
-        evaluations = {"baseline": baseline_evaluation, "synthx": synthx_evaluation}
+        trained, extras = {"baseline": baseline}, {"baseline": arm_overrides(settings, "baseline")}
+        for arm, step in (("sham", "sham"), ("synthx", "augmented")):
+            extras[arm] = arm_overrides(settings, arm, synthesis["cohort"])
+            recipe = segmentation_recipe(settings, extras[arm])
+            trained[arm] = runner.step(step, {**_recipe_params(recipe), "synthesis_run": synthesis["run_id"]},
+                                       train_action(recipe, arm, output_dir))
+        evaluations = {"baseline": baseline_evaluation}
+        if locked:
+            evaluations["baseline"] = _evaluate_arm(runner, settings, "evaluate_locked_baseline", "baseline",
+                                                    baseline, extras["baseline"], locked)
+        for arm in ("sham", "synthx"):
+            evaluations[arm] = _evaluate_arm(runner, settings, f"evaluate_{arm}", arm, trained[arm], extras[arm], locked)
         comparison = runner.step(
-            "compare", {"runs": [baseline_evaluation["run_id"], synthx_evaluation["run_id"]]},
+            "compare", {"runs": [evaluations[arm]["run_id"] for arm in COMPARED_ARMS]},
             compare_action(evaluations, runner.uri, settings.experiment, int(base.detection.bootstrap_resamples)),
         )
-        table = _publish_comparison(runner, comparison)
+        table = _publish_comparison(runner, comparison, settings.endpoint)
+        if locked:
+            side_by_side = baseline_test_sets(runner.client, baseline_evaluation["run_id"], evaluations["baseline"]["run_id"])
+            runner.client.log_text(runner.parent_id, side_by_side.to_csv(index=False), "study/baseline_test_sets.csv")
+            print("[study] the baseline on the development test split and on the locked cohort:")
+            print(side_by_side.to_string(index=False))
         from synthx.report import publish_study
 
         print(f"[study] report: {publish_study(runner.uri, runner.parent_id, settings.output_dir)}")

@@ -141,6 +141,11 @@ class SynthXMixConfig:
     mode: str = "add"
     cohort: Optional[str] = None
     generator_run: Optional[str] = None
+    # Exposure-matched schedule (lightning_modules/data/exposure.py): the first real_steps x batch
+    # draws are the real stream every arm shares; trainer.max_steps = real_steps x (1 + ratio).
+    real_steps: Optional[int] = None
+    # Sham arm: each synthetic slot is filled by a real training positive of the synthetic case's cell.
+    sham: bool = False
 
 
 @dataclass
@@ -279,6 +284,16 @@ def check_recipe(config: DictConfig, source: str = "recipe") -> None:
         raise RecipeError(f"{source}: synthx.ratio must be in [0, 1] (displace) or [0, 10] (add), got {config.synthx.ratio}")
     if config.data.cache not in ("memory", "disk", "none"):
         raise RecipeError(f"{source}: data.cache must be memory, disk or none, got {config.data.cache!r}")
+    if config.synthx.real_steps is not None:
+        from lightning_modules.data.exposure import matched_total_steps
+
+        expected = matched_total_steps(config.synthx.real_steps, config.synthx.ratio)
+        if config.synthx.real_steps < 1 or config.trainer.max_steps != expected:
+            raise RecipeError(f"{source}: synthx.real_steps={config.synthx.real_steps} at synthx.ratio={config.synthx.ratio} "
+                              f"needs trainer.max_steps={expected} (real steps x (1 + ratio)), got {config.trainer.max_steps}")
+    if config.synthx.sham and (config.synthx.real_steps is None or config.synthx.ratio == 0):
+        raise RecipeError(f"{source}: synthx.sham needs an exposure-matched schedule with synthetic slots "
+                          "(synthx.real_steps and synthx.ratio > 0)")
     try:
         check_backbone_config(
             config.model.backbone,

@@ -53,6 +53,7 @@ from lightning_modules.data.synthetic_provenance import (
     read_provenance,
 )
 from lightning_modules.evaluation.provenance import log_generator_training_cases
+from lightning_modules.data.exposure import EXPOSURE_ARTIFACT, ExposureMatchedSampler, sham_substitutes
 from lightning_modules.tracking import log_inputs
 from lightning_modules.data.datamodule import CohortDataModule, cached_dataset, case_items, seeded_compose
 
@@ -203,6 +204,8 @@ def mixing_datamodule(recipe: DictConfig) -> CohortDataModule:
     """The recipe's datamodule; with ``synthx.ratio > 0`` its training set mixes in the synthetic cohort."""
     synthetic_root = resolve_synthetic_cohort(recipe)
     ratio = float(recipe.synthx.ratio)
+    if recipe.synthx.real_steps is not None:
+        return matched_datamodule(recipe, synthetic_root if ratio > 0 else None)
     if ratio == 0.0 or synthetic_root is None:
         if ratio > 0:
             raise CohortError(["synthx.ratio > 0 needs synthx.cohort or synthx.generator_run"])
@@ -224,6 +227,96 @@ def mixing_datamodule(recipe: DictConfig) -> CohortDataModule:
     check_synthetic_cohort(synthetic, datamodule.split, datamodule.cohort, split_sha256(recipe.data.split))
     datamodule.synthetic_cohort = synthetic
     return datamodule
+
+
+class MatchedTrainingSet(Dataset):
+    """Real training items, then synthetic ones, drawn by an :class:`ExposureMatchedSampler` (``sampler``)."""
+
+    def __init__(self, items: list[dict], transforms: Compose, sampler: ExposureMatchedSampler, recipe: DictConfig,
+                 sham_match: pd.Series | None = None):
+        self.inner = cached_dataset(items, transforms, recipe)
+        self.case_ids = [item["case_id"] for item in items]
+        self.synthetic = [int(i >= sampler.n_real) for i in range(len(items))]
+        self.sampler = sampler
+        self.sham_match = sham_match
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        return self.inner[index]
+
+    def exposure_table(self, steps: int) -> pd.DataFrame:
+        """Per case: ``case_id, synthetic, real_draws, slot_draws`` after ``steps`` optimizer steps."""
+        table = self.sampler.exposures(steps)
+        table.insert(0, "case_id", self.case_ids)
+        table.insert(1, "synthetic", self.synthetic)
+        return table.drop(columns="index")
+
+
+def matched_datamodule(recipe: DictConfig, synthetic_root: Path | None) -> CohortDataModule:
+    """The datamodule of an exposure-matched arm (:mod:`lightning_modules.data.exposure`).
+
+    ``synthetic_root`` None: the baseline (real draws only). With ``synthx.sham`` the synthetic cohort
+    only says which cells the slots belong to; its cases are never loaded for training.
+    """
+    if float(recipe.synthx.ratio) > 0 and synthetic_root is None:
+        raise CohortError(["synthx.ratio > 0 needs synthx.cohort or synthx.generator_run"])
+    synthetic = load_cohort(synthetic_root) if synthetic_root is not None else None
+    sham = bool(recipe.synthx.sham)
+
+    def build(datamodule: CohortDataModule, transforms: list):
+        classes = list(recipe.data.classes)
+        train_ids = datamodule.case_ids("train")
+        real_items = case_items(datamodule.cohort, train_ids, classes)
+        synth_items, substitutes, match = [], None, None
+        if synthetic is not None:
+            check_synthetic_cohort(synthetic, datamodule.split, datamodule.cohort)
+            if sham:
+                real = datamodule.cohort.subset(train_ids)
+                if (pd.to_numeric(real["tumor"], errors="coerce").fillna(-1) < 0).any():
+                    real["tumor"] = datamodule.cohort.resolve_tumor_labels(str(recipe.data.tumor_class)).loc[train_ids].to_numpy()
+                substitutes, match = sham_substitutes(synthetic.metadata, real)
+                match.index = list(synthetic.metadata["case_id"])
+            else:
+                synth_items = case_items(synthetic, synthetic.case_ids, classes)
+        sampler = ExposureMatchedSampler(
+            len(real_items), int(recipe.data.batch_size), int(recipe.synthx.real_steps), int(recipe.trainer.max_steps),
+            int(recipe.seed), n_synthetic=len(synthetic.metadata) if synthetic is not None else 0, substitutes=substitutes,
+        )
+        return MatchedTrainingSet(real_items + synth_items, seeded_compose(transforms, int(recipe.seed)), sampler, recipe, match)
+
+    datamodule = CohortDataModule(recipe, train_dataset_factory=build)
+    if synthetic is not None and not sham:
+        datamodule.synthetic_cohort = synthetic
+    return datamodule
+
+
+def log_exposures(client: MlflowClient, run_id: str, datamodule: CohortDataModule, steps: int) -> pd.DataFrame | None:
+    """Log an exposure-matched training's per-case draws (artifact) and their totals (metrics).
+
+    Returns the per-case table, or None for a training without an exposure-matched schedule.
+    """
+    dataset = datamodule.datasets.get("train")
+    if not isinstance(dataset, MatchedTrainingSet):
+        return None
+    table = dataset.exposure_table(steps)
+    client.log_text(run_id, table.to_csv(index=False), EXPOSURE_ARTIFACT)
+    real_cases = table["synthetic"] == 0
+    sham = dataset.sham_match is not None
+    totals = {
+        "exposure/real_draws": table.loc[real_cases, "real_draws"].sum(),
+        "exposure/synthetic_draws": table.loc[~real_cases, "slot_draws"].sum(),
+        "exposure/sham_draws": table.loc[real_cases, "slot_draws"].sum(),
+        "exposure/steps": steps,
+    }
+    if sham:
+        for match, count in dataset.sham_match.value_counts().items():
+            totals[f"exposure/sham_match_{match}"] = count
+    for key, value in totals.items():
+        client.log_metric(run_id, key, float(value))
+    client.set_tag(run_id, "exposure_schedule", "sham" if sham else ("synthetic" if (~real_cases).any() else "real"))
+    return table
 
 
 def exposure_logger(datamodule: CohortDataModule):

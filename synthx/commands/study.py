@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="who paints the targeted tumors: synthx (default: the SynthX generator, trained in the "
                              "study) or phantom (the positive control: the embedded phantom's own renderer paints "
                              "real-appearance tumors into the same canvases; phantom cohorts only)")
+    parser.add_argument("--locked-cases", type=int, default=StudySettings.locked_cases,
+                        help="scans of the locked test cohort, a phantom of another seed (default: %(default)s, sized "
+                             "by `python -m synthx.power`; 0: test on the split's test set)")
+    parser.add_argument("--locked-seed", type=int, default=None,
+                        help="the locked phantom's seed (default: the development phantom's seed + 1000)")
     parser.add_argument("--experiment", default=StudySettings.experiment, help="MLflow experiment (default: %(default)s)")
     parser.add_argument("--out", default=StudySettings.output_dir, help="output folder (default: %(default)s)")
     replicates = parser.add_argument_group("seeds as the unit of inference")
@@ -101,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         synthx_recipe=args.synthx_recipe, synthx_overrides=args.synthx_override, cases=args.cases,
         ratio=args.ratio, target=args.target, budget=args.budget, synthesis_steps=args.synthesis_steps,
         experiment=args.experiment, output_dir=args.out, painter=args.painter,
+        locked_cases=args.locked_cases, locked_seed=args.locked_seed,
         target_phases=[p.strip() for p in args.target_phases.split(",") if p.strip()] if args.target_phases else None,
     )
     if args.seed is not None:

@@ -34,7 +34,8 @@ def _array_done(job_id: str, environment) -> bool:
 
 
 def test_a_slurm_array_of_two_replicates_is_pooled(services, tiny_phantom, tmp_path, capsys):
-    from lightning_modules.tracking import experiment_id, git_commit
+    from lightning_modules.process import git_commit
+    from lightning_modules.tracking import experiment_id
     from synthx.commands.study import main
     from synthx.replicates import finished_replicates, replicate_key
 

@@ -137,7 +137,8 @@ def test_two_replicates_run_as_two_workers_and_are_pooled(tiny_phantom, tmp_path
     from synthx.replicates import REPLICATE_SEED_TAG, finished_replicates, replicate_key
     from test_synthx_study import _study_settings
 
-    from lightning_modules.tracking import experiment_id, git_commit
+    from lightning_modules.process import git_commit
+    from lightning_modules.tracking import experiment_id
 
     root, split = tiny_phantom
     settings = _study_settings(root, split, tmp_path)

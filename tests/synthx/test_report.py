@@ -22,7 +22,9 @@ def test_runs_are_named_and_the_parent_carries_the_headline(finished_study):
     names = {step: client.get_run(run_id).info.run_name for step, run_id in steps.items()}
     assert names["baseline"] == "train-unet-baseline" and names["augmented"] == "train-unet-synthx"
     assert names["evaluate_baseline"] == "evaluate-unet-baseline-test"
-    assert names["evaluate_synthx"] == "evaluate-unet-synthx-test"
+    # The arms are compared on the locked test cohort.
+    assert names["evaluate_synthx"] == "evaluate-unet-synthx-locked" and names["sham"] == "train-unet-sham"
+    assert names["evaluate_sham"] == "evaluate-unet-sham-locked"
 
     from synthx.report import headline
 

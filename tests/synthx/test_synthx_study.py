@@ -123,6 +123,7 @@ def _study_settings(root, split, tmp_path):
         synthesis_steps=2,
         experiment="study-test",
         output_dir=str(tmp_path / "study"),
+        locked_cases=8,  # the locked test cohort: a tiny phantom of another seed
     )
 
 
@@ -141,18 +142,23 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     with pytest.raises(KeyboardInterrupt):
         run_study(settings)
     first = capsys.readouterr().out
-    for step in ("data", "baseline", "evaluate_baseline", "targeting", "synthx_train"):
+    for step in ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting", "synthx_train"):
         assert f"[study] {step}: done" in first, step
 
     monkeypatch.setattr(synthx.generation, "synthesize", real_synthesize)
     table = run_study(settings)
     second = capsys.readouterr().out
-    for step in ("data", "baseline", "evaluate_baseline", "targeting", "synthx_train"):
+    for step in ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting", "synthx_train"):
         assert f"[study] {step}: identical finished run" in second, step
-    for step in ("synthesize", "augmented", "evaluate_synthx", "compare"):
+    for step in ("synthesize", "sham", "augmented", "evaluate_locked_baseline", "evaluate_sham", "evaluate_synthx", "compare"):
         assert f"[study] {step}: done" in second, step
-    assert {"attribute", "group", "metric", "delta", "ci_low", "ci_high", "significant"} <= set(table.columns)
+    assert {"attribute", "group", "metric", "delta", "ci_low", "ci_high", "significant", "role", "p_family"} <= set(table.columns)
     assert "phase" in set(table["attribute"])
+    # SynthX and the baseline are each compared with the sham arm; the endpoint row is the one primary.
+    assert set(table["run"]) == {"synthx", "baseline"}
+    assert set(table.loc[table["run"] == "baseline", "role"]) == {"schedule"}
+    assert (table["role"] == "primary").sum() <= 1 and "secondary" in set(table["role"])
+    assert "Primary endpoint (pre-specified)" in second
 
     uri = load_recipe(RECIPES / "unet.yaml", settings.overrides).tracking.uri
     client = MlflowClient(uri)
@@ -162,6 +168,36 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     assert latest.info.status == "FINISHED"
     steps = {k[len("step."):]: v for k, v in latest.data.tags.items() if k.startswith("step.")}
     assert set(steps) == set(STEPS)
+    assert latest.data.params["endpoint.group"] == "arterial" and latest.data.params["endpoint.reference"] == "sham"
+    artifacts = {a.path for a in client.list_artifacts(latest.info.run_id, "comparison")}
+    assert {"comparison/primary_endpoint.txt", "comparison/test_roles.csv"} <= artifacts
+    # The arms share their real draws case by case; the sham arm's extra draws are real positives.
+    exposures = {}
+    for step in ("baseline", "sham", "augmented"):
+        path = client.download_artifacts(steps[step], "exposure/cases.csv", str(tmp_path / f"exposure-{step}"))
+        table_ = pd.read_csv(path)
+        exposures[step] = table_
+    real = {k: t[t["synthetic"] == 0].set_index("case_id")["real_draws"] for k, t in exposures.items()}
+    pd.testing.assert_series_equal(real["sham"], real["baseline"])
+    pd.testing.assert_series_equal(real["augmented"], real["baseline"])
+    slots = exposures["augmented"].loc[exposures["augmented"]["synthetic"] == 1, "slot_draws"].sum()
+    assert slots > 0 and exposures["sham"]["slot_draws"].sum() == slots
+    # The locked cohort: another seed, no shared case or patient, and it is the compared test set.
+    locked = client.get_run(steps["locked_cohort"])
+    assert locked.data.params["locked_seed"] != locked.data.params["development_seed"]
+    view = pd.read_csv(client.download_artifacts(steps["locked_cohort"], "split/split.csv", str(tmp_path / "view")))
+    development = load_cohort(root).metadata
+    test_ids = set(view.loc[view["split"] == "test", "case_id"])
+    assert len(test_ids) == 8 and not test_ids & set(development["case_id"])
+    assert not set(view.loc[view["split"] == "test", "patient_id"]) & set(development["patient_id"].astype(str))
+    assert set(view.loc[view["split"] == "val", "case_id"]) == set(pd.read_csv(split).query("split == 'val'")["case_id"])
+    from lightning_modules.evaluation.artifacts import download_records
+
+    for step in ("evaluate_locked_baseline", "evaluate_sham", "evaluate_synthx"):
+        assert client.get_run(steps[step]).data.tags["test_set"] == "locked"
+        records = download_records(client, steps[step], "test", str(tmp_path / f"records-{step}"))
+        assert set(records["case_id"]) == test_ids, step
+    assert "baseline_test_sets.csv" in {Path(a.path).name for a in client.list_artifacts(latest.info.run_id, "study")}
     for name, run_id in steps.items():
         assert client.get_run(run_id).info.status == "FINISHED", name
         # A reused step keeps the parent of the study run that made it.
@@ -188,9 +224,9 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     settings.budget = 3
     run_study(settings)
     fourth = capsys.readouterr().out
-    for step in ("data", "baseline", "evaluate_baseline", "synthx_train"):
+    for step in ("data", "locked_cohort", "baseline", "evaluate_baseline", "synthx_train", "evaluate_locked_baseline"):
         assert f"[study] {step}: identical finished run" in fourth, step
-    for step in ("targeting", "synthesize", "augmented", "evaluate_synthx", "compare"):
+    for step in ("targeting", "synthesize", "sham", "augmented", "evaluate_sham", "evaluate_synthx", "compare"):
         assert f"[study] {step}: done" in fourth, step
     newest = client.search_runs([experiment.experiment_id], "tags.stage = 'study'", order_by=["attributes.start_time DESC"])[0]
     new_steps = {k[len("step."):]: v for k, v in newest.data.tags.items() if k.startswith("step.")}
@@ -212,9 +248,9 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     control = dataclasses.replace(settings, painter="phantom", synthx_overrides=[], synthesis_steps=None)
     run_study(control)
     fifth = capsys.readouterr().out
-    for step in ("data", "baseline", "evaluate_baseline", "targeting"):
+    for step in ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting", "evaluate_locked_baseline"):
         assert f"[study] {step}: identical finished run" in fifth, step
-    for step in ("synthesize", "augmented", "evaluate_synthx", "compare"):
+    for step in ("synthesize", "sham", "augmented", "evaluate_sham", "evaluate_synthx", "compare"):
         assert f"[study] {step}: done" in fifth, step
     assert "synthx_train" not in fifth
     latest = client.search_runs([experiment.experiment_id], "tags.stage = 'study'", order_by=["attributes.start_time DESC"])[0]
@@ -227,6 +263,28 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     assert len(painted) == 3 and set(painted["synthx_painter"]) == {"phantom"}
     report = (output_dir / "study_report.html").read_text()
     assert "Positive control:" in report and "--painter phantom" in report
+
+
+def test_primary_endpoint_is_logged_before_any_step(tiny_phantom, tmp_path, monkeypatch):
+    """The parent run carries the endpoint before the data step, let alone a training, has started."""
+    import synthx.study as study
+
+    root, split = tiny_phantom
+    seen = {}
+
+    def first_steps(runner, *args):
+        run = runner.client.get_run(runner.parent_id)
+        seen.update(params=dict(run.data.params), tag=run.data.tags.get("primary_endpoint"), steps=dict(runner.outputs))
+        raise KeyboardInterrupt("stop before the first step")
+
+    monkeypatch.setattr(study, "_baseline_steps", first_steps)
+    with pytest.raises(KeyboardInterrupt):
+        study.run_study(_study_settings(root, split, tmp_path))
+    assert seen["steps"] == {}, "no step ran before"
+    assert seen["params"]["endpoint.metric"] == "sensitivity" and seen["params"]["endpoint.group"] == "arterial"
+    assert seen["params"]["endpoint.operating_point"] == "matched_specificity"
+    assert seen["params"]["endpoint.arm"] == "synthx" and seen["params"]["endpoint.reference"] == "sham"
+    assert "synthx minus sham" in seen["tag"]
 
 
 def test_study_trains_a_changed_generator_recipe_into_its_own_folder(tmp_path, monkeypatch):
