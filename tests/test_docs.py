@@ -20,7 +20,7 @@ DIARY_PATTERNS = {
     "a UTC time": re.compile(r"\b\d{1,2}:\d{2}(:\d{2})? ?UTC\b"),
     "a host diary": re.compile(r"\b(this|a faster|a slower|an idle|the idle) host\b|\bhosts? of this kind\b", re.IGNORECASE),
     "a first-person account": re.compile(r"\b(I|we|We) (measured|adopted|ran|tried|kept|chose|found|checked|looked|rewrote)\b"),
-    "a commit hash as narrative": re.compile(r"(`[0-9a-f]{7,40}`|\b(commit|since|at|after|before|of) [0-9a-f]{7,40}\b)"),
+    "a commit hash as narrative": re.compile(r"(`(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}`|\b(commit|since|at|after|before|of) (?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b)"),
     "a dated experiment": re.compile(r"\b20\d\d-\d\d-\d\d\b"),
 }
 

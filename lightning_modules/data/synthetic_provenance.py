@@ -13,7 +13,7 @@ learned from that split's validation or test cases.
 it into the synthetic cohort. A painter that learns nothing (the phantom painter) records
 ``trained: false``. A generator without a case list is accepted only with the same split file
 (same sha256); a synthetic cohort without the file is refused, since what its generator saw is
-unknown. This module is the base package's reader and check; :mod:`synthx.provenance` raises
+unknown. This module is the base package's reader and check; the generator package's provenance module raises
 them as ``ProvenanceError`` for generation.
 
 Example::

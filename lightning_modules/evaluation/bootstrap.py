@@ -438,8 +438,8 @@ def holm_adjust(p_values) -> np.ndarray:
     return adjusted
 
 
-# The test that decides a difference's significance, per metric (docs/design.md "Confidence
-# intervals and comparisons"). F1 and auc_binary have no exact paired test: their bootstrap interval
+# The test that decides a difference's significance, per metric
+# (docs/design.md "Confidence intervals and comparisons"). F1 and auc_binary have no exact paired test: their bootstrap interval
 # must exclude 0 and the exact McNemar test must find changed decisions on the positives or the
 # negatives (Bonferroni over the two); their p is the larger of the two p-values.
 SIGNIFICANCE_TESTS = {"sensitivity": "mcnemar_exact", "specificity": "mcnemar_exact", "auc": "delong",

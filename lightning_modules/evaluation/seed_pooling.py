@@ -13,7 +13,7 @@ evaluation set's seed). The seed level is a sample of K: its bootstrap spread is
 
 Per row: the mean difference, its percentile interval and bootstrap p-value, how many seeds found
 the difference above and below 0, and each seed's own difference. Pure functions: records in,
-table out (:mod:`synthx.replicates` reads the replicates from MLflow).
+table out (the study's replicates workflow reads the replicates from MLflow).
 
 Example::
 
