@@ -60,10 +60,43 @@ def test_mednext_down_blocks_expand_by_the_next_stages_ratio():
 
 def test_stunet_reproduces_the_reference_outputs():
     reference = torch.load(FIXTURES / "stunet_reference.pt", weights_only=True)
-    network = build_stunet(3, 1, 3, patch_size=(16, 16, 16), dims=(2, 4, 8, 8), depths=(1, 2, 2, 1))
+    network = build_stunet(3, 1, 3, patch_size=(16, 16, 16), dims=(2, 4, 8, 8), depths=(1, 2, 2, 1), strides=[2, 2, 2])
     network.load_state_dict({stunet_key(k): v for k, v in reference["state_dict"].items()}, strict=True)
     _reproduces(network, reference)
     assert sum(p.numel() for p in build_stunet(3, 1, 3).parameters()) == 58_160_975  # the reference's STU-Net-B
+
+
+def _reproduces_subsampled(network: torch.nn.Module, reference: dict, inputs: torch.Tensor) -> None:
+    """Outputs too large to ship are stored subsampled (every ``step``-th voxel per axis) with their sums."""
+    network.train()
+    with torch.no_grad():
+        outputs = network(inputs)
+    assert len(outputs) == len(reference["outputs"])
+    for ours, theirs, step, sums in zip(outputs, reference["outputs"], reference["output_steps"], reference["output_sums"]):
+        scale = max(1.0, float(theirs.abs().max()))
+        torch.testing.assert_close(ours[..., ::step, ::step, ::step], theirs, rtol=0, atol=1e-5 * scale)
+        torch.testing.assert_close(ours.double().sum(dim=(2, 3, 4)), sums, rtol=1e-5, atol=1e-5 * scale * ours[0, 0].numel() ** 0.5)
+
+
+def test_stunet_plans_its_strides_at_the_patch_as_the_reference_trainer():
+    """At BenchX's 96^3 patch (1.5 mm) nnU-Net's plan pools 4 times; the reference pads the fifth stride with 1."""
+    reference = torch.load(FIXTURES / "stunet96_reference.pt", weights_only=True)
+    network = build_stunet(3, 1, 2, patch_size=(96, 96, 96), dims=(2, 4, 4, 4, 8, 8), spacing=(1.5, 1.5, 1.5))
+    assert [list(s) for s in network.strides] == reference["strides"] == [[2, 2, 2]] * 4 + [[1, 1, 1]]
+    network.load_state_dict({stunet_key(k): v for k, v in reference["state_dict"].items()}, strict=True)
+    inputs = reference["input"].float() * reference["input_scale"]
+    _reproduces_subsampled(network, reference, inputs)
+    # The bottleneck is 6^3 (the old fixed strides gave 3^3).
+    with torch.no_grad():
+        features = inputs
+        for stage in network.encoder:
+            features = stage(features)
+    assert features.shape[2:] == (6, 6, 6)
+    # With the previous fixed strides of 2 the outputs differ: the fixture sees the strides.
+    fixed = build_stunet(3, 1, 2, patch_size=(96, 96, 96), dims=(2, 4, 4, 4, 8, 8), strides=[2] * 5)
+    fixed.load_state_dict(network.state_dict())
+    with pytest.raises(AssertionError):
+        _reproduces_subsampled(fixed, reference, inputs)
 
 
 def _model_swinvit_file(network, path: Path) -> dict:
