@@ -29,6 +29,7 @@ from lightning_modules.models.backbones.stunet import reference_key as stunet_ke
 from lightning_modules.models.backbones.swin_unetr import LEGACY_MERGING_OFFSETS, build_swin_unetr
 from lightning_modules.models.backbones.universal_model import build_universal_model
 from lightning_modules.models.backbones.universal_model import reference_key as universal_key
+from lightning_modules.models.backbones.vsmtrans import build_vsmtrans
 from lightning_modules.tracking import run_tags
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -171,6 +172,19 @@ def test_universal_model_reproduces_the_reference_outputs(fixture, backbone, tex
         options = dict(text_embeddings_path=str(path), class_names=["pancreas", "pancreatic_lesion"])
     network = build_universal_model(3, 1, 3, patch_size=(size,) * 3, backbone=backbone, **options)
     _seed_weights(network, keep=("text_embeddings",))
+    _reproduces_in_both_modes(network, reference)
+
+
+def test_vsmtrans_reproduces_the_reference_outputs():
+    """Four window shapes with interleaved heads, the parallel convolution (batch norm: batch statistics in
+    training, running ones in evaluation), deep supervision on; dropout off so that training mode is
+    deterministic."""
+    reference = torch.load(FIXTURES / "vsmtrans_reference.pt", weights_only=True)
+    network = build_vsmtrans(
+        3, 1, 2, patch_size=(32, 32, 32), feature_size=12, depths=(2, 2, 2, 2), num_heads=(1, 1, 2, 3), window_size=2,
+        split_sizes=(1, 1, 2, 2), drop_rate=0.0, attn_drop_rate=0.0, drop_path_rate=0.0, deep_supervision=True,
+    )
+    _seed_weights(network)
     _reproduces_in_both_modes(network, reference)
 
 
