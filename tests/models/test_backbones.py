@@ -379,6 +379,14 @@ def test_plan_from_cohort_and_resolved_recipe_build(tmp_path):
     unplanned = load_recipe(recipe_path("nnunet"), ["profile=cpu"])
     assert resolve_planned_recipe(unplanned) == (unplanned, None)
 
+    # target_spacing median: nnU-Net's target spacing (the median here) replaces data.spacing.
+    median_recipe = load_recipe(recipe_path("resenc"), [f"data.root={root}", "model.options.target_spacing=median",
+                                                        "model.options.preset=M"])
+    median_resolved, median_plan = resolve_planned_recipe(median_recipe)
+    assert list(median_resolved.data.spacing) == pytest.approx([2.125, 2.25, 2.2])
+    assert median_plan["spacing"] == pytest.approx([2.125, 2.25, 2.2])
+    assert median_plan["architecture"] == "resenc_m" and median_plan["feature_map_budget"] == pytest.approx(680e6)
+
 
 def test_plan_from_cohort_names_the_case_with_a_missing_ct(tmp_path):
     root = tmp_path / "cohort"
