@@ -18,8 +18,14 @@ its published rules (our implementation, not nnU-Net's code):
    dynamic_network_architectures, the quantity nnU-Net calibrates) exceed the budget, shrink the
    axis that is largest relative to the median shape by one stride step and re-plan the topology.
    The budget is nnU-Net's calibration: 560 M feature-map voxels per 8 GB for the plain U-Net
-   (ExperimentPlanner), 2.1 G per 24 GB for ResEnc (nnUNetPlannerResEncL), scaled to
-   ``gpu_memory_gb``.
+   (ExperimentPlanner); for ResEnc the presets of nnU-Net's planners, M 680 M per 8 GB, L 2.1 G per
+   24 GB, XL 3.6 G per 40 GB (``model.options.preset``), scaled to ``gpu_memory_gb`` (by default
+   the preset's own 8, 24 or 40 GB).
+
+Target spacing: the recipe's ``data.spacing`` (Touchstone's fixed 1.5 mm), or with
+``model.options.target_spacing: median`` nnU-Net's rule 1 on the training cases' headers, which
+then replaces ``data.spacing`` for training. Cross-checked against nnU-Net's own planners
+(nnunetv2) in ``tests/models/test_planning_nnunet.py``.
 
 Not planned here: the batch size (BenchX table 8 fixes 2), 2D and low-resolution cascade
 configurations, and the axis transposition nnU-Net applies.
@@ -49,6 +55,7 @@ from lightning_modules.config.recipe import check_recipe
 from lightning_modules.data.cohort import load_cohort
 from lightning_modules.models.backbones import get_backbone
 from lightning_modules.models.backbones.nnunet import (
+    RESENC_PRESETS,
     TOPOLOGY_OPTIONS,
     build_nnunet,
     build_resenc,
@@ -57,8 +64,15 @@ from lightning_modules.models.backbones.nnunet import (
 )
 
 # nnU-Net's calibration of its feature-map estimate against GPU memory (batch size 2):
-# (feature-map voxels, GB it corresponds to). ExperimentPlanner and nnUNetPlannerResEncL.
-FEATURE_MAP_REFERENCE = {"plain": (560e6, 8.0), "resenc": (2.1e9, 24.0)}
+# (feature-map voxels, GB it corresponds to). ExperimentPlanner and nnUNetPlannerResEncM/L/XL
+# ("resenc" is L, the BenchX setting).
+FEATURE_MAP_REFERENCE = {
+    "plain": (560e6, 8.0),
+    "resenc": (2.1e9, 24.0),
+    "resenc_m": (680e6, 8.0),
+    "resenc_l": (2.1e9, 24.0),
+    "resenc_xl": (3.6e9, 40.0),
+}
 # Voxels of the initial patch before it is fitted to the budget (nnU-Net: 256^3).
 INITIAL_PATCH_VOXELS = 256**3
 MIN_FEATURE_MAP_EDGE = 4
@@ -66,7 +80,13 @@ ANISOTROPY_THRESHOLD = 3.0
 BASE_FEATURES = 32
 MAX_FEATURES = 320
 # The planner's architecture names and the builders they plan for.
-PLANNED_BUILDERS = {"plain": build_nnunet, "resenc": build_resenc}
+PLANNED_BUILDERS = {
+    "plain": build_nnunet,
+    "resenc": build_resenc,
+    "resenc_m": build_resenc,
+    "resenc_l": build_resenc,
+    "resenc_xl": build_resenc,
+}
 
 
 
@@ -243,7 +263,8 @@ def _shrink_step(topology: dict, spacing: Sequence[float], shape: Sequence[float
     """Rule 5's step: shrink the axis largest relative to the median shape, and re-plan the topology
     (``n_stages`` 0 when nothing is left)."""
     patch = list(topology["patch_size"])
-    axis = int(np.argmax([p / s for p, s in zip(patch, shape)]))
+    # nnU-Net takes the last of np.argsort: among tied axes (equal ratios), the highest index.
+    axis = int(np.argsort([p / s for p, s in zip(patch, shape)])[-1])
     # Shrink by the step that applies after shrinking: a shorter axis may need fewer poolings and
     # so admit finer sizes (256 -> 224 rather than 192 when the divisor drops from 64 to 32).
     trial = list(patch)
@@ -367,17 +388,26 @@ def resolve_planned_recipe(recipe, case_ids: Sequence[str] | None = None):
     options = OmegaConf.to_container(recipe.model.options, resolve=True)
     if architecture is None or not is_planned(options):
         return recipe, None
-    default_memory = 8.0 if architecture == "plain" else 24.0
+    if architecture != "plain":
+        preset = str(options.get("preset", "L")).upper()
+        architecture = f"resenc_{preset.lower()}"
+        default_memory = RESENC_PRESETS[preset]
+    else:
+        default_memory = 8.0
+    median = options.get("target_spacing", "recipe") == "median"
+    memory = options.get("gpu_memory_gb")
     plan = plan_from_cohort(
         recipe.data.root,
-        list(recipe.data.spacing),
+        None if median else list(recipe.data.spacing),
         case_ids=case_ids,
         architecture=architecture,
-        gpu_memory_gb=float(options.get("gpu_memory_gb", default_memory)),
+        gpu_memory_gb=float(memory if memory is not None else default_memory),
         out_channels=len(recipe.data.classes) + 1,
     )
     resolved = copy.deepcopy(recipe)
     resolved.data.patch_size = list(plan["patch_size"])
+    if median:
+        resolved.data.spacing = [round(float(s), 4) for s in plan["spacing"]]
     for key in TOPOLOGY_OPTIONS:
         resolved.model.options[key] = plan[key]
     check_recipe(resolved, source=f"{recipe.name} (planned)")

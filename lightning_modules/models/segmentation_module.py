@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from monai.inferers import sliding_window_inference
 from monai.losses import DiceCELoss
+from monai.optimizers import WarmupCosineSchedule
 from torch import nn
 
 from lightning_modules.data.lesions import largest_lesion_extent_mm, pancreas_location, tumor_size_group
@@ -61,6 +62,24 @@ def lr_lambda(schedule: str, max_steps: int, warmup_steps: int = 0, power: float
         return 1.0
 
     return factor
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim: dict, max_steps: int):
+    """The per-step learning-rate scheduler of a recipe's ``optim`` section.
+
+    ``cosine`` with ``warmup_steps``: MONAI's ``WarmupCosineSchedule`` (linear warm-up from 0, then
+    cosine to 0), the schedule of the UNETR, SwinUNETR and Universal Model reference training code
+    (``LinearWarmupCosineAnnealingLR`` with its defaults, warm-up start and final learning rate 0): the
+    cosine part is identical, and the warm-up ramp reaches the full rate one step later (step
+    ``warmup_steps`` rather than ``warmup_steps - 1``). Every other schedule: :func:`lr_lambda`.
+    """
+    schedule = optim.get("schedule", "constant")
+    warmup_steps = int(optim.get("warmup_steps", 0))
+    if schedule == "cosine" and warmup_steps > 0:
+        return WarmupCosineSchedule(optimizer, warmup_steps=warmup_steps, t_total=max_steps, end_lr=0.0, cycles=0.5)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(schedule, max_steps, warmup_steps, float(optim.get("poly_power", 0.9)))
+    )
 
 
 class SegmentationModule(pl.LightningModule):
@@ -292,15 +311,7 @@ class SegmentationModule(pl.LightningModule):
             optimizer = torch.optim.AdamW(self.network.parameters(), lr=lr, weight_decay=weight_decay)
         else:
             raise ValueError(f"unknown optimizer {name!r}")
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer,
-            lr_lambda(
-                optim.get("schedule", "constant"),
-                int(self.hparams.max_steps),
-                int(optim.get("warmup_steps", 0)),
-                float(optim.get("poly_power", 0.9)),
-            ),
-        )
+        schedule = build_lr_scheduler(optimizer, optim, int(self.hparams.max_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 

@@ -226,11 +226,13 @@ def test_stunet_upsamples_by_nearest_interpolation_and_1x1_conv():
     assert not any(isinstance(m, torch.nn.ConvTranspose3d) for m in network.modules())
     kernels = {m.kernel_size for m in network.modules() if isinstance(m, torch.nn.Conv3d)}
     assert kernels == {(3, 3, 3), (1, 1, 1)}  # 3x3x3 everywhere; 1x1x1 only for shortcuts, upsampling and heads
-    upsample = network.upsamplers[0]
-    x = torch.randn(1, 64, 2, 2, 2)
-    with torch.no_grad():
-        expected = upsample.conv(F.interpolate(x, scale_factor=2, mode="nearest"))  # the reference's order
-        torch.testing.assert_close(upsample(x), expected, rtol=1e-5, atol=1e-6)
+    # The CPU profile's planned strides at 32^3: [2, 2, 2, 1]; the coarsest upsampling keeps the resolution.
+    assert network.upsamplers[0].scale == (1, 1, 1) and network.upsamplers[1].scale == (2, 2, 2)
+    for upsample, scale in ((network.upsamplers[0], 1), (network.upsamplers[1], 2)):
+        x = torch.randn(1, upsample.conv.in_channels, 2, 2, 2)
+        with torch.no_grad():
+            expected = upsample.conv(F.interpolate(x, scale_factor=scale, mode="nearest"))  # the reference's order
+            torch.testing.assert_close(upsample(x), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_stunet_block_is_the_reference_block():
@@ -392,8 +394,10 @@ def test_vsmtrans_option_rules_give_recipe_error(overrides, message):
         ("universal_model_b", ["data.patch_size=[48,48,48]"], "divisible by 32"),
         ("universal_model_b", ["model.options.norm=instance"], "1-voxel bottleneck"),
         ("universal_model_b", ["model.options.feature_size=16"], "divisible by 12"),
-        ("stunet_b", ["data.patch_size=[40,40,40]"], "divisible by 16"),
-        ("stunet_b", ["data.patch_size=[16,16,16]"], "at least 32"),
+        # Planned strides adapt to the patch: 36 pools three times (36 -> 5 rounded up), so 8 must divide it.
+        ("stunet_b", ["data.patch_size=[36,36,36]"], r"divisible by \[8, 8, 8\]"),
+        ("stunet_b", ["data.patch_size=[16,16,16]", "model.options.strides=[2,2,2,2]"], "at least twice that"),
+        ("stunet_b", ["model.options.strides=[2,2,2]"], "needs 4 strides"),
         ("stunet_b", ["model.options.depths=[1,1,1]"], "one entry per stage"),
         ("vsmtrans", ["data.patch_size=[32,32,40]"], "divisible by 32"),
     ],

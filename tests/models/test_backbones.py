@@ -143,7 +143,8 @@ def test_recipe_optimizer_lowers_loss_on_fixed_batch(name):
     from lightning_modules.models.checkpoints import build_module
 
     torch.manual_seed(0)
-    recipe = load_recipe(recipe_path(name), ["profile=cpu"])
+    # At the recipe's learning rate: a warm-up schedule starts from 0 (tested in test_segmentation_module.py).
+    recipe = load_recipe(recipe_path(name), ["profile=cpu", "optim.warmup_steps=0"])
     module = build_module(recipe)
     optimizer = module.configure_optimizers()["optimizer"]
     image, labels = fixed_batch()
@@ -168,7 +169,7 @@ def full_size_options(name: str) -> tuple[dict, tuple[int, ...]]:
     if all(options.get(key) == "auto" for key in TOPOLOGY_OPTIONS):
         architecture = "plain" if name == "nnunet" else "resenc"
         plan = plan_nnunet(
-            TYPICAL_CT_SPACING, TYPICAL_CT_SHAPE, architecture=architecture, gpu_memory_gb=options["gpu_memory_gb"]
+            TYPICAL_CT_SPACING, TYPICAL_CT_SHAPE, architecture=architecture, gpu_memory_gb=options["gpu_memory_gb"] or 24.0
         )
         options.update({key: plan[key] for key in TOPOLOGY_OPTIONS})
         patch = tuple(plan["patch_size"])
@@ -378,6 +379,14 @@ def test_plan_from_cohort_and_resolved_recipe_build(tmp_path):
 
     unplanned = load_recipe(recipe_path("nnunet"), ["profile=cpu"])
     assert resolve_planned_recipe(unplanned) == (unplanned, None)
+
+    # target_spacing median: nnU-Net's target spacing (the median here) replaces data.spacing.
+    median_recipe = load_recipe(recipe_path("resenc"), [f"data.root={root}", "model.options.target_spacing=median",
+                                                        "model.options.preset=M"])
+    median_resolved, median_plan = resolve_planned_recipe(median_recipe)
+    assert list(median_resolved.data.spacing) == pytest.approx([2.125, 2.25, 2.2])
+    assert median_plan["spacing"] == pytest.approx([2.125, 2.25, 2.2])
+    assert median_plan["architecture"] == "resenc_m" and median_plan["feature_map_budget"] == pytest.approx(680e6)
 
 
 def test_plan_from_cohort_names_the_case_with_a_missing_ct(tmp_path):

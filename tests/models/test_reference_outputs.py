@@ -1,9 +1,12 @@
-"""Numerical cross-checks against the reference implementations (MedNeXt, STU-Net: Apache-2.0) and
-the loaders of user-supplied pre-trained weights (SwinUNETR's ``model_swinvit.pt`` format).
+"""Numerical cross-checks against the reference implementations (MedNeXt, STU-Net, Universal Model,
+VSmTrans) and the loaders of user-supplied pre-trained weights (SwinUNETR's ``model_swinvit.pt`` format).
 
 The reference outputs are tensors in ``tests/fixtures/`` (how they were made: tests/fixtures/README.md);
 the project's module loads the reference's state dict (keys renamed) and must reproduce its outputs
-in float32 within 1e-5.
+in float32 within 1e-5. Fixtures of full-width networks (whose state dicts are too large to ship)
+hold no state dict: every weight is a seeded function of its name and shape
+(:func:`seeded_tensor`), filled into this project's module here and into the reference's, through
+the key renaming, when the fixture was made.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/pytest tests/models/test_reference_outputs.py -x -q``
 """
@@ -11,6 +14,9 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/pytest tests/models/test_reference_outputs.py
 from __future__ import annotations
 
 from pathlib import Path
+
+import math
+import zlib
 
 import pytest
 import torch
@@ -21,6 +27,9 @@ from lightning_modules.models.backbones.mednext import reference_key as mednext_
 from lightning_modules.models.backbones.stunet import build_stunet
 from lightning_modules.models.backbones.stunet import reference_key as stunet_key
 from lightning_modules.models.backbones.swin_unetr import LEGACY_MERGING_OFFSETS, build_swin_unetr
+from lightning_modules.models.backbones.universal_model import build_universal_model
+from lightning_modules.models.backbones.universal_model import reference_key as universal_key
+from lightning_modules.models.backbones.vsmtrans import build_vsmtrans
 from lightning_modules.tracking import run_tags
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -60,10 +69,137 @@ def test_mednext_down_blocks_expand_by_the_next_stages_ratio():
 
 def test_stunet_reproduces_the_reference_outputs():
     reference = torch.load(FIXTURES / "stunet_reference.pt", weights_only=True)
-    network = build_stunet(3, 1, 3, patch_size=(16, 16, 16), dims=(2, 4, 8, 8), depths=(1, 2, 2, 1))
+    network = build_stunet(3, 1, 3, patch_size=(16, 16, 16), dims=(2, 4, 8, 8), depths=(1, 2, 2, 1), strides=[2, 2, 2])
     network.load_state_dict({stunet_key(k): v for k, v in reference["state_dict"].items()}, strict=True)
     _reproduces(network, reference)
     assert sum(p.numel() for p in build_stunet(3, 1, 3).parameters()) == 58_160_975  # the reference's STU-Net-B
+
+
+def _reproduces_subsampled(network: torch.nn.Module, reference: dict, inputs: torch.Tensor) -> None:
+    """Outputs too large to ship are stored subsampled (every ``step``-th voxel per axis) with their sums."""
+    network.train()
+    with torch.no_grad():
+        outputs = network(inputs)
+    assert len(outputs) == len(reference["outputs"])
+    for ours, theirs, step, sums in zip(outputs, reference["outputs"], reference["output_steps"], reference["output_sums"]):
+        scale = max(1.0, float(theirs.abs().max()))
+        torch.testing.assert_close(ours[..., ::step, ::step, ::step], theirs, rtol=0, atol=1e-5 * scale)
+        torch.testing.assert_close(ours.double().sum(dim=(2, 3, 4)), sums, rtol=1e-5, atol=1e-5 * scale * ours[0, 0].numel() ** 0.5)
+
+
+def test_stunet_plans_its_strides_at_the_patch_as_the_reference_trainer():
+    """At BenchX's 96^3 patch (1.5 mm) nnU-Net's plan pools 4 times; the reference pads the fifth stride with 1."""
+    reference = torch.load(FIXTURES / "stunet96_reference.pt", weights_only=True)
+    network = build_stunet(3, 1, 2, patch_size=(96, 96, 96), dims=(2, 4, 4, 4, 8, 8), spacing=(1.5, 1.5, 1.5))
+    assert [list(s) for s in network.strides] == reference["strides"] == [[2, 2, 2]] * 4 + [[1, 1, 1]]
+    network.load_state_dict({stunet_key(k): v for k, v in reference["state_dict"].items()}, strict=True)
+    inputs = reference["input"].float() * reference["input_scale"]
+    _reproduces_subsampled(network, reference, inputs)
+    # The bottleneck is 6^3 (the old fixed strides gave 3^3).
+    with torch.no_grad():
+        features = inputs
+        for stage in network.encoder:
+            features = stage(features)
+    assert features.shape[2:] == (6, 6, 6)
+    # With the previous fixed strides of 2 the outputs differ: the fixture sees the strides.
+    fixed = build_stunet(3, 1, 2, patch_size=(96, 96, 96), dims=(2, 4, 4, 4, 8, 8), strides=[2] * 5)
+    fixed.load_state_dict(network.state_dict())
+    with pytest.raises(AssertionError):
+        _reproduces_subsampled(fixed, reference, inputs)
+
+
+def seeded_tensor(name: str, like: torch.Tensor) -> torch.Tensor:
+    """The fixtures' weight for a parameter or buffer: a function of this project's key and the shape only.
+
+    Matrices and kernels ~ N(0, 1 / fan_in); 1-D weights (norm scales) ~ N(1, 0.1); 1-D biases
+    ~ N(0, 0.05); running means ~ N(0, 0.1), running variances 1 + U(0, 0.1); integer buffers kept.
+    """
+    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    shape = tuple(like.shape)
+    if not like.is_floating_point():
+        return like.clone()
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "running_var":
+        return 1.0 + 0.1 * torch.rand(shape, generator=generator)
+    if leaf == "running_mean":
+        return 0.1 * torch.randn(shape, generator=generator)
+    if len(shape) == 1:
+        if leaf == "weight":
+            return 1.0 + 0.1 * torch.randn(shape, generator=generator)
+        return 0.05 * torch.randn(shape, generator=generator)
+    return torch.randn(shape, generator=generator) / math.sqrt(math.prod(shape[1:]))
+
+
+def _seed_weights(network: torch.nn.Module, keep: tuple[str, ...] = ()) -> None:
+    state = {k: (v if k in keep else seeded_tensor(k, v)) for k, v in network.state_dict().items()}
+    network.load_state_dict(state, strict=True)
+
+
+def _reproduces_in_both_modes(network: torch.nn.Module, reference: dict) -> None:
+    """Train and eval outputs against the reference's (stored subsampled, with their sums)."""
+    inputs = reference["input"].float() * reference["input_scale"]
+    for mode in ("train", "eval"):
+        network.train(mode == "train")
+        with torch.no_grad():
+            outputs = network(inputs)
+        outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        expected = reference[mode]
+        assert len(outputs) == len(expected["outputs"]), mode
+        for ours, theirs, step, sums in zip(outputs, expected["outputs"], expected["output_steps"], expected["output_sums"]):
+            scale = max(1.0, float(theirs.abs().max()))
+            torch.testing.assert_close(ours[..., ::step, ::step, ::step], theirs, rtol=0, atol=1e-5 * scale)
+            torch.testing.assert_close(
+                ours.double().sum(dim=tuple(range(2, ours.dim()))), sums, rtol=1e-5, atol=1e-5 * scale * ours[0, 0].numel() ** 0.5
+            )
+
+
+@pytest.mark.parametrize(
+    "fixture, backbone, text",
+    [
+        ("universal_model_a_reference.pt", "unet3d", False),
+        ("universal_model_a_text_reference.pt", "unet3d", True),
+        ("universal_model_b_reference.pt", "swin", False),
+    ],
+)
+def test_universal_model_reproduces_the_reference_outputs(fixture, backbone, text, tmp_path):
+    """Full-width variants a and b (random and text class embeddings), batch statistics and per-image heads."""
+    reference = torch.load(FIXTURES / fixture, weights_only=True)
+    size = reference["input"].shape[-1]
+    options = {}
+    if text:
+        path = tmp_path / "text.pt"
+        torch.save({"embeddings": reference["text_embeddings"], "names": ["Pancreas", "Pancreas Tumor"]}, path)
+        options = dict(text_embeddings_path=str(path), class_names=["pancreas", "pancreatic_lesion"])
+    network = build_universal_model(3, 1, 3, patch_size=(size,) * 3, backbone=backbone, **options)
+    _seed_weights(network, keep=("text_embeddings",))
+    _reproduces_in_both_modes(network, reference)
+
+
+def test_vsmtrans_reproduces_the_reference_outputs():
+    """Four window shapes with interleaved heads, the parallel convolution (batch norm: batch statistics in
+    training, running ones in evaluation), deep supervision on; dropout off so that training mode is
+    deterministic."""
+    reference = torch.load(FIXTURES / "vsmtrans_reference.pt", weights_only=True)
+    network = build_vsmtrans(
+        3, 1, 2, patch_size=(32, 32, 32), feature_size=12, depths=(2, 2, 2, 2), num_heads=(1, 1, 2, 3), window_size=2,
+        split_sizes=(1, 1, 2, 2), drop_rate=0.0, attn_drop_rate=0.0, drop_path_rate=0.0, deep_supervision=True,
+    )
+    _seed_weights(network)
+    _reproduces_in_both_modes(network, reference)
+
+
+def test_universal_model_reference_keys_cover_the_module():
+    """Every key of the reference's names maps onto one of this module's (the fixtures rely on the renaming)."""
+    names = [f"backbone.down_tr{w}.ops.{i}.{layer}.{p}" for w in (64, 128, 256, 512) for i in (0, 1)
+             for layer, p in (("conv1", "weight"), ("conv1", "bias"), ("bn1", "weight"), ("bn1", "bias"))]
+    names += [f"backbone.up_tr{w}.{part}" for w in (256, 128, 64) for part in ("up_conv.weight", "up_conv.bias")]
+    names += [f"backbone.up_tr{w}.ops.{i}.{layer}.{p}" for w in (256, 128, 64) for i in (0, 1)
+              for layer, p in (("conv1", "weight"), ("conv1", "bias"), ("bn1", "weight"), ("bn1", "bias"))]
+    names += ["precls_conv.0.weight", "precls_conv.2.bias", "GAP.0.weight", "GAP.3.weight", "controller.weight",
+              "organ_embedding.weight"]
+    ours = build_universal_model(3, 1, 3, patch_size=(16, 16, 16), backbone="unet3d").state_dict()
+    mapped = [universal_key(n) for n in names]
+    assert len(set(mapped)) == len(mapped) and all(k in ours for k in mapped)
 
 
 def _model_swinvit_file(network, path: Path) -> dict:

@@ -4,17 +4,27 @@ record gathering, optimizer and schedule."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from monai.data import MetaTensor
 from monai.losses import DiceCELoss
+from omegaconf import OmegaConf
 from torch import nn
 
+from lightning_modules.config.recipe import load_recipe
 from lightning_modules.data.lesions import largest_lesion_extent_mm
-from lightning_modules.models.segmentation_module import SegmentationModule, deep_supervision_weights, lr_lambda
+from lightning_modules.models.segmentation_module import (
+    SegmentationModule,
+    build_lr_scheduler,
+    deep_supervision_weights,
+    lr_lambda,
+)
 
 CLASSES = ["pancreas", "pancreatic_lesion"]
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
 def tiny_module(output: str = "softmax", **kwargs) -> SegmentationModule:
@@ -44,6 +54,44 @@ def test_deep_supervision_weights_and_schedules():
     cosine = lr_lambda("cosine", max_steps=10, warmup_steps=2)
     assert cosine(0) == 0.5 and cosine(1) == 1.0 and cosine(2) == 1.0 and cosine(10) == pytest.approx(0.0)
     assert lr_lambda("constant", 10)(7) == 1.0
+
+
+def _reference_warmup_cosine(step: int, warmup: int, total: int) -> float:
+    """LinearWarmupCosineAnnealingLR's closed form with its defaults (warm-up start and final rate 0), as
+    the UNETR, SwinUNETR and Universal Model training code use it: step/(warmup - 1) during the warm-up,
+    then cosine over the remaining steps."""
+    if step < warmup:
+        return step / (warmup - 1)
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
+
+
+@pytest.mark.parametrize("name", ["unetr", "swin_unetr_tiny", "swin_unetr_small", "swin_unetr_base",
+                                  "universal_model_a", "universal_model_b"])
+def test_warm_up_cosine_schedule_first_steps_follow_the_reference(name):
+    recipe = load_recipe(RECIPES / f"{name}.yaml", [])
+    optim = OmegaConf.to_container(recipe.optim)
+    max_steps = int(recipe.trainer.max_steps)
+    warmup = int(optim["warmup_steps"])
+    assert optim["schedule"] == "cosine" and warmup == max_steps // (100 if name.startswith(("unetr", "swin")) else 20)
+    lr = float(optim["lr"])
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    scheduler = build_lr_scheduler(optimizer, optim, max_steps)
+    rates = []
+    for _ in range(warmup + 3):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates[0] == 0.0  # starts from 0, as the reference
+    assert rates[1] == pytest.approx(lr / warmup) and rates[2] == pytest.approx(2 * lr / warmup)
+    assert all(b > a for a, b in zip(rates[:warmup], rates[1 : warmup + 1]))  # linear ramp up to lr
+    assert rates[warmup] == pytest.approx(lr)
+    for step in range(warmup + 3):  # within one warm-up step of the reference's ramp; the cosine part equal
+        assert rates[step] == pytest.approx(lr * _reference_warmup_cosine(step, warmup, max_steps), abs=1.001 * lr / warmup)
+    for step in (warmup, warmup + 1, warmup + 2):
+        assert rates[step] == pytest.approx(lr * _reference_warmup_cosine(step, warmup, max_steps), rel=1e-9)
+    # The profile's schedule keeps the same shape: a warm-up well inside the CPU profile's steps.
+    cpu = load_recipe(RECIPES / f"{name}.yaml", ["profile=cpu"])
+    assert 0 < cpu.optim.warmup_steps < cpu.trainer.max_steps // 10
 
 
 def test_loss_is_dice_ce_and_deep_supervision_weights_the_scales():

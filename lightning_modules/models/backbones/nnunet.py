@@ -39,6 +39,12 @@ TOPOLOGY_OPTIONS = ("n_stages", "strides", "kernel_sizes", "features_per_stage")
 
 # ResEnc presets: residual blocks per encoder stage; stages beyond the sixth get 6 as well.
 RESENC_BLOCKS = (1, 3, 4, 6, 6, 6)
+# The ResEnc presets of "nnU-Net revisited" (nnUNetPlannerResEncM/L/XL): the GPU memory each plans
+# for. The network is the same; the planner fits a larger patch to a larger budget.
+RESENC_PRESETS = {"M": 8.0, "L": 24.0, "XL": 40.0}
+# Where planning takes the target spacing from: the recipe's data.spacing, or the cohort's median
+# spacing as nnU-Net does (planning.target_spacing).
+TARGET_SPACINGS = ("recipe", "median")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -59,6 +65,7 @@ def build_nnunet(
     n_conv_per_stage_decoder: int = 2,
     deep_supervision: bool = True,
     gpu_memory_gb: float = 8.0,
+    target_spacing: str = "recipe",
 ) -> nn.Module:
     """Build nnU-Net's PlainConvUNet from an explicit (planned or written-out) topology.
 
@@ -76,6 +83,8 @@ def build_nnunet(
         deep_supervision: a segmentation head per decoder stage in train mode.
         gpu_memory_gb: the memory the planner fits the patch to; used only when the topology is
             ``auto`` (by :func:`lightning_modules.models.planning.resolve_planned_recipe`), not by the network.
+        target_spacing: ``recipe`` (plan at ``data.spacing``) or ``median`` (plan at the cohort's
+            median spacing as nnU-Net does, and train at it); planning only.
     """
     topology = _explicit_topology(
         "nnunet", spatial_dims, n_stages, strides, kernel_sizes, features_per_stage, patch_size
@@ -112,7 +121,9 @@ def build_resenc(
     n_blocks_per_stage: Sequence[int] | str = AUTO,
     n_conv_per_stage_decoder: int = 1,
     deep_supervision: bool = True,
-    gpu_memory_gb: float = 24.0,
+    gpu_memory_gb: float | None = None,
+    preset: str = "L",
+    target_spacing: str = "recipe",
 ) -> nn.Module:
     """Build nnU-Net's ResidualEncoderUNet (ResEnc) from an explicit topology.
 
@@ -129,8 +140,11 @@ def build_resenc(
             (1, 3, 4, 6, 6, 6, 6, ...) cut to ``n_stages``.
         n_conv_per_stage_decoder: convolutions per decoder stage.
         deep_supervision: a segmentation head per decoder stage in train mode.
-        gpu_memory_gb: the memory the planner fits the patch to (ResEnc L: 24); used only when the
-            topology is ``auto``.
+        gpu_memory_gb: the memory the planner fits the patch to; ``None``: the preset's (M 8,
+            L 24, XL 40); used only when the topology is ``auto``.
+        preset: ``M``, ``L`` or ``XL``: nnU-Net's ResEnc planner whose feature-map calibration and
+            memory target the planner uses (planning only; the network is the same).
+        target_spacing: ``recipe`` or ``median`` (see :func:`build_nnunet`); planning only.
     """
     topology = _explicit_topology(
         "resenc", spatial_dims, n_stages, strides, kernel_sizes, features_per_stage, patch_size
@@ -199,6 +213,12 @@ def is_planned(options: dict) -> bool:
 
 def check_nnunet_options(options: dict, patch_size: tuple[int, ...]) -> None:
     """Shape rules for nnunet/resenc, checked at recipe load (options with the builder's defaults)."""
+    if "preset" in options and str(options["preset"]).upper() not in RESENC_PRESETS:
+        raise ValueError(f"resenc preset must be one of {', '.join(RESENC_PRESETS)}, got {options['preset']!r}")
+    if options.get("target_spacing", "recipe") not in TARGET_SPACINGS:
+        raise ValueError(
+            f"target_spacing must be one of {', '.join(TARGET_SPACINGS)}, got {options.get('target_spacing')!r}"
+        )
     values = [options.get(key, AUTO) for key in TOPOLOGY_OPTIONS]
     planned = [key for key, value in zip(TOPOLOGY_OPTIONS, values) if value == AUTO]
     if planned and len(planned) != len(TOPOLOGY_OPTIONS):

@@ -24,33 +24,44 @@ outputs in ``tests/models/test_reference_outputs.py``):
 - The upsampling's 1x1x1 convolution runs before the nearest-neighbour interpolation (the reference
   interpolates first). Both act per voxel, so they commute, and convolving at the coarse resolution
   is 8x cheaper.
-- Strides are 2 on every axis (the reference takes them from an nnU-Net plan; Touchstone's 96^3
-  patches at isotropic spacing give 2 on every axis).
 
-Shape rules: the encoder halves the resolution len(dims) - 1 times (stride-2 convolution in the
-first block of every stage after the first), so every patch dimension must be divisible by
-2 ** (len(dims) - 1): 32 at full size. The bottleneck must keep at least 2 voxels per axis for
-instance normalization, so the smallest patch is 2 ** len(dims) (64 at full size, 32 for the
-five-stage CPU profile).
+Strides follow the reference trainer (``STUNetTrainer_base.build_network_architecture``): it takes
+the pooling strides of the nnU-Net plan, keeps at most ``len(dims) - 1`` of them and pads the
+missing ones with 1. With ``strides="auto"`` (the default) the plan is nnU-Net's topology rule for
+the build ``patch_size`` at ``spacing``
+(:func:`lightning_modules.models.planning.network_topology`): at BenchX's 96^3 patch at isotropic
+spacing it pools 4 times (96 -> 6, a 6^3 map is too small to pool again), so STU-Net-B's strides are
+[2, 2, 2, 2, 1] and its bottleneck is 6^3, not 3^3. A stride-1 stage keeps the resolution and its
+upsampling is the identity (the reference interpolates with scale factor 1). Explicit ``strides``
+give one entry per stage after the first, an int or one value per axis.
+
+Shape rules: every patch dimension must be divisible by the product of the strides along it (16 at
+96^3 with the planned strides), and the bottleneck must keep at least 2 voxels per axis for instance
+normalization.
 
 Outputs: logits ``(B, out_channels, *patch)``; in training mode with ``deep_supervision`` a list of
-logits from every decoder stage, full resolution first (``len(dims) - 1`` tensors).
+logits from every decoder stage, full resolution first (``len(dims) - 1`` tensors; two of them have
+the same size when the last stride is 1, as in the reference).
 
 The reference's state dict loads after renaming keys with :func:`reference_key`.
 
 Example::
 
-    net = build_stunet(3, 1, 3, patch_size=(96, 96, 96))               # STU-Net-B
+    net = build_stunet(3, 1, 3, patch_size=(96, 96, 96))               # STU-Net-B, strides [2, 2, 2, 2, 1]
     net = build_stunet(3, 1, 3, patch_size=(32, 32, 32), dims=(8, 16, 32, 64, 64))
+    net = build_stunet(3, 1, 3, patch_size=(16, 16, 16), dims=(2, 4, 8, 8), strides=[2, 2, 2])
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+AUTO = "auto"
 
 NEGATIVE_SLOPE = 0.01  # nnU-Net's LeakyReLU, and the slope its He initialization assumes
 
@@ -66,7 +77,9 @@ class ResidualBlock(nn.Module):
         projection: give the shortcut a 1x1x1 convolution (the first block of each stage).
     """
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int, projection: bool) -> None:
+    def __init__(
+        self, in_channels: int, out_channels: int, kernel_size: int, stride: int | tuple[int, ...], projection: bool
+    ) -> None:
         super().__init__()
         padding = kernel_size // 2
         self.conv1 = nn.Conv3d(in_channels, out_channels, kernel_size, stride=stride, padding=padding)
@@ -83,17 +96,23 @@ class ResidualBlock(nn.Module):
 
 
 class NearestUpsample(nn.Module):
-    """1x1x1 convolution, then nearest-neighbour upsampling by 2 (the two commute)."""
+    """1x1x1 convolution, then nearest-neighbour upsampling by the stage's stride (the two commute)."""
 
-    def __init__(self, in_channels: int, out_channels: int) -> None:
+    def __init__(self, in_channels: int, out_channels: int, scale: tuple[int, ...] = (2, 2, 2)) -> None:
         super().__init__()
         self.conv = nn.Conv3d(in_channels, out_channels, kernel_size=1)
+        self.scale = tuple(int(s) for s in scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.interpolate(self.conv(x), scale_factor=2, mode="nearest")
+        x = self.conv(x)
+        if all(s == 1 for s in self.scale):
+            return x
+        return F.interpolate(x, scale_factor=self.scale, mode="nearest")
 
 
-def _stage(in_channels: int, out_channels: int, depth: int, stride: int, kernel_size: int) -> nn.Sequential:
+def _stage(
+    in_channels: int, out_channels: int, depth: int, stride: int | tuple[int, ...], kernel_size: int
+) -> nn.Sequential:
     """``depth`` residual blocks; the first has the projection shortcut (as in the reference, always)."""
     blocks = [ResidualBlock(in_channels, out_channels, kernel_size, stride, projection=True)]
     blocks += [ResidualBlock(out_channels, out_channels, kernel_size, 1, projection=False) for _ in range(depth - 1)]
@@ -119,6 +138,7 @@ class STUNet(nn.Module):
         depths: residual blocks per stage (used for the encoder stage and its decoder mirror).
         kernel_size: every convolution's kernel (3 in the paper, for transferability).
         deep_supervision: in training mode, return the logits of every decoder stage.
+        strides: per stage after the first, one stride per axis; 2 on every axis when omitted.
     """
 
     def __init__(
@@ -130,18 +150,24 @@ class STUNet(nn.Module):
         depths: Sequence[int],
         kernel_size: int = 3,
         deep_supervision: bool = True,
+        strides: Sequence[Sequence[int]] | None = None,
     ) -> None:
         super().__init__()
         if spatial_dims != 3:
             raise ValueError(f"STU-Net is volumetric: spatial_dims must be 3, got {spatial_dims}")
         self.deep_supervision = deep_supervision
+        strides = [tuple(s) for s in strides] if strides is not None else [(2, 2, 2)] * (len(dims) - 1)
+        self.strides = strides
         inputs = [in_channels, *dims[:-1]]
-        # Stage 0 keeps the resolution; every later stage halves it in its first block.
+        # Stage 0 keeps the resolution; every later stage pools by its stride in its first block.
+        stage_strides = [(1, 1, 1), *strides]
         self.encoder = nn.ModuleList(
-            _stage(inputs[i], dims[i], depths[i], 1 if i == 0 else 2, kernel_size) for i in range(len(dims))
+            _stage(inputs[i], dims[i], depths[i], stage_strides[i], kernel_size) for i in range(len(dims))
         )
         # Decoder stages from the coarsest skip upwards: stage u upsamples dims[-1-u] to dims[-2-u].
-        self.upsamplers = nn.ModuleList(NearestUpsample(dims[-1 - u], dims[-2 - u]) for u in range(len(dims) - 1))
+        self.upsamplers = nn.ModuleList(
+            NearestUpsample(dims[-1 - u], dims[-2 - u], strides[-1 - u]) for u in range(len(dims) - 1)
+        )
         self.decoder = nn.ModuleList(
             _stage(2 * dims[-2 - u], dims[-2 - u], depths[-2 - u], 1, kernel_size) for u in range(len(dims) - 1)
         )
@@ -183,11 +209,38 @@ def reference_key(key: str) -> str:
 
 
 STUNET_B_DIMS = (32, 64, 128, 256, 512, 512)
+TOUCHSTONE_SPACING = (1.5, 1.5, 1.5)  # the spacing BenchX resamples to (recipes pass data.spacing)
+
+
+def stunet_strides(
+    n_stages: int, patch_size: Sequence[int], spacing: Sequence[float] = TOUCHSTONE_SPACING, strides=AUTO
+) -> list[list[int]]:
+    """The pooling strides of the stages after the first, one list per stage and one value per axis.
+
+    ``strides="auto"``: nnU-Net's plan at ``patch_size`` and ``spacing``, as the reference trainer
+    uses it: the plan's strides after the first stage, at most ``n_stages - 1`` of them, padded with 1.
+    Explicit strides (an int or one value per axis per stage) are returned as lists.
+    """
+    dims = len(patch_size)
+    if isinstance(strides, str):
+        if strides != AUTO:
+            raise ValueError(f"STU-Net strides must be 'auto' or one stride per stage, got {strides!r}")
+        # Imported here: the planner imports the backbone registry, which imports this module.
+        from lightning_modules.models.planning import network_topology
+
+        planned = network_topology(spacing, patch_size)["strides"][1:]
+        planned = [list(s) for s in planned[: n_stages - 1]]
+        return planned + [[1] * dims for _ in range(n_stages - 1 - len(planned))]
+    result = []
+    for stride in strides:
+        per_axis = [int(stride)] * dims if isinstance(stride, (int, float)) else [int(s) for s in stride]
+        result.append(per_axis)
+    return result
 
 
 def stunet_divisor(options: dict) -> int:
-    """Every patch dimension must be divisible by 2 ** (number of stages - 1)."""
-    return 2 ** (len(options.get("dims", STUNET_B_DIMS)) - 1)
+    """Checked per axis against the strides by :func:`check_stunet_options` (they depend on the patch)."""
+    return 1
 
 
 def check_stunet_options(options: dict, patch_size: Sequence[int]) -> None:
@@ -204,11 +257,21 @@ def check_stunet_options(options: dict, patch_size: Sequence[int]) -> None:
         )
     if int(options["kernel_size"]) % 2 == 0:
         raise ValueError(f"STU-Net needs an odd kernel_size (same padding), got {options['kernel_size']}")
-    divisor = 2 ** (len(dims) - 1)
-    if any(int(p) % divisor or int(p) // divisor < 2 for p in patch_size):
+    spacing = options.get("spacing", TOUCHSTONE_SPACING)
+    if len(spacing) != len(patch_size) or any(float(s) <= 0 for s in spacing):
+        raise ValueError(f"STU-Net needs a positive spacing per axis, got spacing={list(spacing)}")
+    strides = stunet_strides(len(dims), patch_size, spacing, options.get("strides", AUTO))
+    if len(strides) != len(dims) - 1 or any(len(s) != len(patch_size) or min(s) < 1 for s in strides):
         raise ValueError(
-            f"STU-Net with {len(dims)} stages needs every patch dimension divisible by {divisor} and at least "
-            f"{2 * divisor} (instance norm needs 2 voxels per axis at the bottleneck); patch_size is {list(patch_size)}"
+            f"STU-Net with {len(dims)} stages needs {len(dims) - 1} strides (one per stage after the first, "
+            f"positive, an int or one per axis), got strides={options.get('strides')}"
+        )
+    divisors = [math.prod(s[axis] for s in strides) for axis in range(len(patch_size))]
+    if any(int(p) % d or int(p) // d < 2 for p, d in zip(patch_size, divisors)):
+        raise ValueError(
+            f"STU-Net with strides {strides} needs every patch dimension divisible by {divisors} (per axis) and "
+            f"at least twice that (instance norm needs 2 voxels per axis at the bottleneck); patch_size is "
+            f"{list(patch_size)}"
         )
 
 
@@ -222,22 +285,32 @@ def build_stunet(
     depths: Sequence[int] | None = None,
     kernel_size: int = 3,
     deep_supervision: bool = True,
+    strides: Sequence[int | Sequence[int]] | str = AUTO,
+    spacing: Sequence[float] = TOUCHSTONE_SPACING,
 ) -> nn.Module:
     """Build STU-Net (base size by default), block by block as the reference.
 
-    Deliberate differences from the reference (both numerically neutral): listed in the module
-    docstring (1x1x1 convolution before the nearest upsampling; strides 2 on every axis).
+    Deliberate difference from the reference (numerically neutral): the 1x1x1 convolution runs
+    before the nearest upsampling (module docstring).
 
     Args:
         spatial_dims: 3 for volumes.
         in_channels: input channels.
         out_channels: classes including background.
-        patch_size: the training patch, checked against the shape rules.
+        patch_size: the training patch: the strides are planned for it, and it is checked against them.
         dims: width of each stage (STU-Net-B: 32, 64, 128, 256, 512, 512).
         depths: residual blocks per stage; one per stage when omitted (STU-Net-B).
         kernel_size: convolution kernel in every stage.
         deep_supervision: return the logits of every decoder stage in training mode.
+        strides: ``auto`` (nnU-Net's plan at ``patch_size`` and ``spacing``, padded with 1 as the
+            reference trainer does) or one stride per stage after the first (an int or one per axis).
+        spacing: the spacing the patch is at (mm per axis; the recipe passes ``data.spacing``).
     """
-    check_stunet_options(dict(dims=dims, depths=depths, kernel_size=kernel_size), patch_size)
+    check_stunet_options(
+        dict(dims=dims, depths=depths, kernel_size=kernel_size, strides=strides, spacing=spacing), patch_size
+    )
     depths = tuple(depths) if depths is not None else (1,) * len(dims)
-    return STUNet(spatial_dims, in_channels, out_channels, tuple(dims), depths, kernel_size, deep_supervision)
+    planned = stunet_strides(len(dims), patch_size, spacing, strides)
+    return STUNet(
+        spatial_dims, in_channels, out_channels, tuple(dims), depths, kernel_size, deep_supervision, planned
+    )
