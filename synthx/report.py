@@ -31,9 +31,12 @@ from typing import Callable
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
+from synthx.labels import arm_label
 from synthx.painters import PHANTOM_PAINTER
 
 REPORT_ARTIFACT = "report/study_report.html"
+COMPARISON_ARTIFACT = "comparison/test_comparison.csv"
+NOTE_TAG = "mlflow.note.content"
 HEADLINE_METRICS = ("sensitivity", "f1")
 TABLE_METRICS = ("sensitivity", "specificity", "f1")
 STEP_TAG_PREFIX = "step."
@@ -357,7 +360,7 @@ pre { background: #f7f7f7; padding: 1em; font-size: 12px; overflow-x: auto; }
 
 def report_sections(study: StudyRuns) -> list[tuple[str, Callable[[], str]]]:
     """(title, builder) of every section; a builder raises LookupError when its item is absent."""
-    comparison = lambda: study.csv("compare", "comparison/test_comparison.csv")  # noqa: E731
+    comparison = lambda: study_comparison(study)  # noqa: E731
 
     def baseline_table() -> str:
         table = study.csv("evaluate_baseline", "evaluation/test_subgroups.csv")
@@ -379,12 +382,35 @@ def report_sections(study: StudyRuns) -> list[tuple[str, Callable[[], str]]]:
     ]
 
 
+def study_comparison(study: StudyRuns) -> pd.DataFrame:
+    """The compare step's table (LookupError when the study has none)."""
+    return study.csv("compare", COMPARISON_ARTIFACT)
+
+
+def verdict_lines(study: StudyRuns) -> list[str]:
+    """The study's verdict sentences (:func:`synthx.verdict.study_verdict`); LookupError without a comparison."""
+    from synthx.verdict import study_verdict
+
+    lines = study_verdict(study_comparison(study), PRIMARY_POINT)
+    if not lines:
+        raise LookupError("the comparison holds none of the designed subgroups")
+    return lines
+
+
+def verdict_html(study: StudyRuns) -> str:
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in verdict_lines(study))
+    return (f"<ul class='verdict'>{items}</ul><p class='note'>Closed: the paired 95% CI of the difference lies above 0; "
+            "not closed: at or below 0; undetermined: it spans 0 (docs/design.md \"Reading the verdict\").</p>")
+
+
 def render(study: StudyRuns) -> str:
     parent = study.parent
     name = parent.info.run_name or parent.info.run_id
     experiment = study.client.get_experiment(parent.info.experiment_id).name
     body = [f"<h1>Study report: {html.escape(name)}</h1>",
-            f"<p>Experiment <b>{html.escape(experiment)}</b>, parent run <code>{parent.info.run_id}</code>. "
+            f"<section id='verdict'><h2>Verdict (test)</h2>{_section_body(lambda: verdict_html(study))}</section>",
+            f"<p>Experiment <b>{html.escape(experiment)}</b>, parent run <code>{parent.info.run_id}</code>, "
+            f"commit <code>{html.escape(parent.data.tags.get('git_commit', 'not recorded'))}</code>. "
             f"Steps: {', '.join(html.escape(s) for s in study.steps)}.</p>"]
     if "synthesize" in study.steps and study.run("synthesize").data.tags.get("painter") == PHANTOM_PAINTER:
         body.append("<p><b>Positive control:</b> the synthetic tumors were painted by the phantom's own renderer "
@@ -410,26 +436,156 @@ def build_report(run_id: str, uri: str, out: str | Path | None = None, log: bool
     return out
 
 
+def study_arms(study: StudyRuns) -> list[tuple[str, str]]:
+    """(training step, arm) of every trained arm of the study, baseline first: the step's run tag
+    ``variant`` names the arm (``augmented`` trains ``synthx``)."""
+    arms = []
+    for step in study.steps:
+        if step.startswith(("evaluate", "synthx_train")) or step in ("data", "targeting", "synthesize", "compare"):
+            continue
+        variant = study.run(step).data.tags.get("variant")
+        if variant:
+            arms.append((step, variant))
+    return sorted(arms, key=lambda arm: arm[1] != "baseline")
+
+
+def model_version_description(study: StudyRuns, step: str, arm: str, experiment: str, evaluation: str | None) -> str:
+    """A registered version's description: arm, study, recipe, data and validation-chosen operating point."""
+    tags = study.run(step).data.tags
+    params = study.run(step).data.params
+    point = "not chosen (no evaluation run)"
+    if evaluation:
+        run = study.client.get_run(evaluation)
+        threshold = run.data.metrics.get("operating_point/val_chosen")
+        if threshold is not None:
+            rule = run.data.tags.get("operating_point.val_chosen.rule", "")
+            point = f"m = {threshold:,.0f} mm³ chosen on validation{f' by {rule}' if rule else ''} (evaluation run {evaluation})"
+    data = params.get("data.root") or tags.get("eval_cohort") or "see the training run"
+    return (f"{arm_label(arm)} arm of study {experiment} (parent run {study.parent.info.run_id}, "
+            f"training run {study.steps[step]}). Recipe: {tags.get('recipe', 'not recorded')} (profile {tags.get('profile', '-')}), synthetic ratio "
+            f"{tags.get('synthx_ratio', '0')}. Data: {data}, split sha256 {tags.get('split_sha256', 'not recorded')[:12]}. "
+            f"Operating point: {point}.")
+
+
 def publish_study(uri: str, parent_id: str, output_dir: str | Path) -> Path:
-    """What a finished study publishes on its parent run: registry aliases (``baseline``, ``synthx``
-    and ``<experiment>-baseline``/``-synthx`` on ``benchx-<backbone>``, ``<experiment>`` on
-    ``synthx-generator``), the headline metrics, and the HTML report (also written to ``output_dir``)."""
+    """What a finished study publishes on its parent run: registry aliases ``<experiment>-<arm>`` on
+    ``benchx-<backbone>`` (scoped by experiment) and ``<experiment>`` on ``synthx-generator``, a
+    description on each version, the headline metrics, the verdict as the run's description, and
+    the HTML report (also written to ``output_dir``)."""
     from lightning_modules.models.pyfunc import set_aliases
 
     with tempfile.TemporaryDirectory() as folder:
         study = load_study(parent_id, uri, Path(folder))
         experiment = study.client.get_experiment(study.parent.info.experiment_id).name
         aliases = {}
-        for step, variant in (("baseline", "baseline"), ("augmented", "synthx")):
-            if step in study.steps:
-                aliases[variant] = set_aliases(study.steps[step], uri, [variant, f"{experiment}-{variant}"])
+        for step, variant in study_arms(study):
+            # Scoped by experiment: one experiment's study never moves another's aliases.
+            aliases[variant] = set_aliases(study.steps[step], uri, [f"{experiment}-{variant}"])
+            evaluation = study.steps.get(f"evaluate_{variant}") or study.steps.get(f"evaluate_{step}")
+            if aliases[variant]:
+                name, _, version = aliases[variant].partition("/")
+                study.client.update_model_version(name, version, description=model_version_description(
+                    study, step, variant, experiment, evaluation))
         if "synthx_train" in study.steps:
             aliases["generator"] = set_aliases(study.steps["synthx_train"], uri, [experiment], prefix="synthx-")
         for variant, target in aliases.items():
             if target:
                 study.client.set_tag(parent_id, f"model.{variant}", target)
         try:
-            log_headline(study.client, parent_id, study.csv("compare", "comparison/test_comparison.csv"))
+            log_headline(study.client, parent_id, study_comparison(study))
+            # The parent run's description in the MLflow UI: the verdict.
+            study.client.set_tag(parent_id, NOTE_TAG, "\n\n".join(verdict_lines(study)))
         except LookupError as error:
-            print(f"[study] headline metrics not logged: {error}")
+            print(f"[study] headline metrics and verdict not logged: {error}")
     return build_report(parent_id, uri, Path(output_dir) / "study_report.html")
+
+
+# ------------------------------------------------------------------------------------------------
+# The results page (Markdown)
+
+
+def results_table(comparison: pd.DataFrame, point: str, metric: str = "sensitivity") -> pd.DataFrame:
+    """Overall and per phase: scans, each arm's ``metric`` in % and each compared arm's difference
+    from its reference with the paired 95% CI, at ``point``."""
+    from synthx.labels import arm_label, attribute_label, group_label
+    from synthx.verdict import comparison_arms
+
+    table = comparison[comparison["metric"] == metric]
+    if "operating_point" in table.columns:
+        table = table[table["operating_point"] == point]
+    table = table[table["attribute"].isin(["overall", "phase"])]
+    arms = comparison_arms(comparison)
+    rows = []
+    for (attribute, group), part in table.groupby(["attribute", "group"], sort=False):
+        first = part.iloc[0]
+        row = {"Subgroup": f"{attribute_label(attribute)}: {group_label(attribute, group)}" if attribute != "overall"
+               else "All scans", "Tumor scans": int(first["positives"]), "Healthy scans": int(first["negatives"])}
+        references = part["reference"].astype(str) if "reference" in part.columns else pd.Series("baseline", index=part.index)
+        values = {}
+        for reference, r in zip(references, part.itertuples(index=False)):
+            values.setdefault(reference, r.a)
+            values.setdefault(str(r.run), r.b)
+        for arm in arms:
+            row[arm_label(arm)] = _pct(values.get(arm))
+        for reference, r in zip(references, part.itertuples(index=False)):
+            row[f"{arm_label(r.run)} - {arm_label(reference)} [95% CI]"] = (
+                f"{_pct(r.delta, True)} [{_pct(r.ci_low, True)}, {_pct(r.ci_high, True)}]")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _markdown_table(frame: pd.DataFrame) -> str:
+    header = "| " + " | ".join(str(c) for c in frame.columns) + " |"
+    rule = "|" + "|".join("---" for _ in frame.columns) + "|"
+    lines = ["| " + " | ".join(str(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join([header, rule, *lines])
+
+
+def results_markdown(study: StudyRuns) -> str:
+    """docs/results.md: the verdict and a short table, naming the run and the commit that produced them."""
+    from synthx.labels import point_label
+
+    parent = study.parent
+    experiment = study.client.get_experiment(parent.info.experiment_id).name
+    comparison = study_comparison(study)
+    from synthx.verdict import available_point
+
+    point = available_point(comparison, PRIMARY_POINT)
+    thresholds = ""
+    if "threshold_a" in comparison.columns and "operating_point" in comparison.columns:
+        at = comparison[comparison["operating_point"] == point]
+        if len(at):
+            thresholds = f" (m = {float(at['threshold_a'].iloc[0]):,.0f} mm³ for the baseline)"
+    lines = [
+        "# Results",
+        "",
+        f"Generated by `benchx report --markdown` from the study run `{parent.info.run_id}` "
+        f"(experiment `{experiment}`, run name `{parent.info.run_name}`) at commit "
+        f"`{parent.data.tags.get('git_commit', 'not recorded')}`. Regenerate it rather than editing it.",
+        "",
+        "## Verdict (test set)",
+        "",
+        *[f"- {line}" for line in verdict_lines(study)],
+        "",
+        f"## Sensitivity in % at {point_label(point)}{thresholds}",
+        "",
+        _markdown_table(results_table(comparison, point)),
+        "",
+        "Differences are in percentage points with paired 95% bootstrap CIs over patients "
+        "(docs/design.md \"Confidence intervals and comparisons\"). The full tables are in the study's HTML report.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_results_markdown(run_id: str, uri: str, out: str | Path) -> Path:
+    """Write :func:`results_markdown` of a study's parent run to ``out``."""
+    out = Path(out)
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            text = results_markdown(load_study(run_id, uri, Path(folder)))
+        except LookupError as error:
+            raise ReportError(f"run {run_id}: no results page without a finished comparison: {error}") from error
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    return out

@@ -60,6 +60,7 @@ PARENT_TAG = "mlflow.parentRunId"
 STEPS = ("data", "baseline", "evaluate_baseline", "targeting", "synthx_train", "synthesize", "augmented",
          "evaluate_synthx", "compare")
 TARGETS_ARTIFACT = "synthx/targets.csv"
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 
 
 @dataclass
@@ -125,6 +126,8 @@ class StudyRunner:
         self.client = MlflowClient(tracking_uri=uri)
         self.experiment = experiment
         self.experiment_id = experiment_id(experiment, uri)
+        # A model-training experiment, so the MLflow UI opens it on its runs rather than on GenAI pages.
+        self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         self.code_version = code_version
         self.parent_id = parent_run_id or self.client.create_run(
             self.experiment_id, run_name=parent_name, tags={"stage": "study", "git_commit": code_version}
@@ -279,7 +282,7 @@ def evaluate_action(recipe, trained: dict, variant: str) -> Callable[[dict], dic
         from lightning_modules.evaluation.runs import evaluate
 
         run_id, _ = evaluate(recipe, trained["checkpoint"], ("val", "test"), training_run_id=trained["run_id"],
-                             run_name=f"evaluate-{recipe.name}-{variant}-test", extra_tags={**tags, "variant": variant})
+                             run_name=f"{variant}-evaluate-{recipe.name}", extra_tags={**tags, "variant": variant})
         return {"run_id": run_id}
 
     return action
@@ -531,4 +534,21 @@ def _run_study(settings: StudySettings) -> pd.DataFrame:
         raise
     runner.finish()
     print(f"[study] parent run {runner.parent_id} in experiment '{settings.experiment}' ({runner.uri})")
+    print(f"[study] MLflow UI: {ui_command(runner.uri, runner.experiment_id)}")
+    print(verdict_text(table))
     return table
+
+
+def ui_command(uri: str, experiment_id: str, port: int = 5000) -> str:
+    """The command that opens the study's runs in the MLflow UI, and the page to open (the runs
+    view of the experiment, not MLflow 3's GenAI overview)."""
+    return (f"mlflow ui --backend-store-uri {uri} --port {port}, then open "
+            f"http://127.0.0.1:{port}/#/experiments/{experiment_id}/runs")
+
+
+def verdict_text(comparison: pd.DataFrame) -> str:
+    """The verdict sentences the study ends on (:func:`synthx.verdict.study_verdict`)."""
+    from synthx.verdict import study_verdict
+
+    lines = study_verdict(comparison)
+    return "Verdict (test):\n" + "\n".join(f"  {line}" for line in lines) if lines else "Verdict: no designed subgroup in the comparison"

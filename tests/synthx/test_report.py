@@ -20,9 +20,10 @@ def test_runs_are_named_and_the_parent_carries_the_headline(finished_study):
     assert parent.info.run_name == "study-unet"
     steps = {k[len("step."):]: v for k, v in parent.data.tags.items() if k.startswith("step.")}
     names = {step: client.get_run(run_id).info.run_name for step, run_id in steps.items()}
-    assert names["baseline"] == "train-unet-baseline" and names["augmented"] == "train-unet-synthx"
-    assert names["evaluate_baseline"] == "evaluate-unet-baseline-test"
-    assert names["evaluate_synthx"] == "evaluate-unet-synthx-test"
+    # Short, the arm first (the UI cuts long names at their end).
+    assert names["baseline"] == "baseline-train-unet" and names["augmented"] == "synthx-train-unet"
+    assert names["evaluate_baseline"] == "baseline-evaluate-unet"
+    assert names["evaluate_synthx"] == "synthx-evaluate-unet"
 
     from synthx.report import headline
 
@@ -50,12 +51,21 @@ def test_aliases_point_at_the_study_versions(finished_study):
     settings, uri, parent_id = finished_study
     client = MlflowClient(uri)
     tags = client.get_run(parent_id).data.tags
-    assert client.get_model_version_by_alias("benchx-unet", "baseline").run_id == tags["step.baseline"]
-    assert client.get_model_version_by_alias("benchx-unet", "synthx").run_id == tags["step.augmented"]
+    baseline = client.get_model_version_by_alias("benchx-unet", f"{settings.experiment}-baseline")
+    assert baseline.run_id == tags["step.baseline"]
     assert client.get_model_version_by_alias("benchx-unet", f"{settings.experiment}-synthx").run_id == tags["step.augmented"]
     assert client.get_model_version_by_alias("synthx-generator", settings.experiment).run_id == tags["step.synthx_train"]
+    # Scoped by experiment: no bare alias another experiment's study would move.
+    aliases = set(client.get_registered_model("benchx-unet").aliases)
+    assert not {"baseline", "synthx"} & aliases, aliases
+    # The version says what it is: arm, recipe, data and the validation-chosen operating point.
+    chosen = client.get_run(tags["step.evaluate_baseline"]).data.metrics["operating_point/val_chosen"]
+    description = client.get_model_version("benchx-unet", baseline.version).description
+    assert description.startswith(f"baseline arm of study {settings.experiment}"), description
+    assert "Recipe: unet" in description and "Data: " in description and "split sha256" in description
+    assert f"m = {chosen:,.0f} mm³ chosen on validation" in description, description
     evaluated = client.get_run(tags["step.evaluate_synthx"]).data.tags
-    version = client.get_model_version_by_alias("benchx-unet", "synthx").version
+    version = client.get_model_version_by_alias("benchx-unet", f"{settings.experiment}-synthx").version
     assert evaluated.get("model_version") == str(version) and evaluated.get("registered_model") == "benchx-unet"
     inputs = client.get_run(tags["step.evaluate_synthx"]).inputs.dataset_inputs
     contexts = {t.value for d in inputs for t in d.tags if t.key == "mlflow.data.context"}
@@ -133,3 +143,55 @@ def test_versions_name_a_package_that_is_not_installed(monkeypatch):
     page = report.versions_html(study)
     assert re.search(r"diffusers \(report built with\)</td>\s*<td>not installed", page), page
     assert "torch (report built with)" in page and "abc123" in page
+
+
+def _comparison(client, parent_id, folder) -> pd.DataFrame:
+    compare = client.get_run(parent_id).data.tags["step.compare"]
+    path = client.download_artifacts(compare, "comparison/test_comparison.csv", str(folder))
+    return pd.read_csv(path, keep_default_na=False, na_values=[""])
+
+
+def test_the_verdict_opens_the_report_and_is_the_parent_s_description(finished_study, tmp_path):
+    import html
+    from pathlib import Path
+
+    from synthx.verdict import study_verdict
+
+    settings, uri, parent_id = finished_study
+    client = MlflowClient(uri)
+    lines = study_verdict(_comparison(client, parent_id, tmp_path), "val_chosen")
+    assert [line.split(",")[0] for line in lines] == ["Scarcity gap (arterial)", "Physics gap (non-contrast)",
+                                                       "Primary endpoint (sensitivity in arterial)"]
+    assert all(re.search(r" - (closed|not closed|undetermined) \(SynthX - baseline ", line) for line in lines), lines
+    assert client.get_run(parent_id).data.tags["mlflow.note.content"] == "\n\n".join(lines)
+    text = (Path(settings.output_dir) / "study_report.html").read_text()
+    first_section = text.index("<h2>")
+    assert text[first_section:].startswith("<h2>Verdict (test)</h2>"), text[first_section:first_section + 80]
+    assert html.escape(lines[0]) in text[:text.index("Baseline vs SynthX")]
+
+
+def test_benchx_report_markdown_writes_the_results_page(finished_study, tmp_path):
+    from lightning_modules.cli import main
+    from synthx.report import _pct
+    from synthx.verdict import study_verdict
+
+    settings, uri, parent_id = finished_study
+    client = MlflowClient(uri)
+    out = tmp_path / "docs" / "results.md"
+    assert main(["report", "--run-id", parent_id, "--markdown", str(out), "--tracking-uri", uri]) == 0
+    page = out.read_text()
+    parent = client.get_run(parent_id)
+    assert page.startswith("# Results\n")
+    assert f"`{parent_id}`" in page and f"`{parent.data.tags['git_commit']}`" in page, "names the run and commit"
+    comparison = _comparison(client, parent_id, tmp_path)
+    verdict = page.split("## Verdict (test set)\n\n")[1].split("\n\n")[0].splitlines()
+    assert verdict == [f"- {line}" for line in study_verdict(comparison, "val_chosen")]
+    table = [line for line in page.splitlines() if line.startswith("|")]
+    assert table[0] == "| Subgroup | Tumor scans | Healthy scans | baseline | SynthX | SynthX - baseline [95% CI] |"
+    rows = {line.split(" | ")[0].lstrip("| "): line.strip("| ").split(" | ") for line in table[2:]}
+    assert "All scans" in rows and "Phase: arterial" in rows, rows
+    at = comparison[(comparison["operating_point"] == "val_chosen") & (comparison["metric"] == "sensitivity")]
+    arterial = at[at["group"] == "arterial"].iloc[0]
+    assert rows["Phase: arterial"][1:5] == [str(int(arterial["positives"])), str(int(arterial["negatives"])),
+                                            _pct(arterial["a"]), _pct(arterial["b"])]
+    assert "at the validation-chosen operating point" in page
