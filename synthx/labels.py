@@ -1,5 +1,5 @@
 """Names people read in place of the keys the tables carry: arms, attributes, groups, metrics and
-operating points (``le20`` is shown as "age <= 20", ``val_chosen`` as "the validation-chosen
+operating points (``le20`` is shown as "20 or younger", ``val_chosen`` as "the validation-chosen
 operating point"). A key without a label is shown as it is."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ ATTRIBUTES = {"overall": "Overall", "age": "Age", "sex": "Sex", "race": "Race", 
               "tumor_size": "Tumor size", "tumor_location": "Tumor location", "cohort": "Site"}
 GROUPS = {
     ("overall", "all"): "all scans",
-    ("age", "le20"): "age <= 20", ("age", "20-40"): "age 21-40", ("age", "40-60"): "age 41-60",
-    ("age", "60-80"): "age 61-80", ("age", "gt80"): "age > 80",
+    ("age", "le20"): "20 or younger", ("age", "20-40"): "21 to 40", ("age", "40-60"): "41 to 60",
+    ("age", "60-80"): "61 to 80", ("age", "gt80"): "over 80",
     ("sex", "F"): "female", ("sex", "M"): "male",
-    ("tumor_size", "small"): "tumor <= 20 mm", ("tumor_size", "large"): "tumor > 20 mm",
+    ("tumor_size", "small"): "20 mm or smaller", ("tumor_size", "large"): "over 20 mm",
 }
 METRICS = {"sensitivity": "Sensitivity", "specificity": "Specificity", "f1": "F1", "auc": "AUC",
            "auc_binary": "AUC (decision)", "n": "Scans", "n_patients": "Patients", "positives": "Tumor scans",

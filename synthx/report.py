@@ -1,19 +1,25 @@
 """The study report: one self-contained HTML page built from what a study's runs logged in MLflow.
 
-Sections: the headline (per attribute, the worst group's sensitivity and F1 for the baseline and the
-SynthX-augmented model and their difference), the BenchX table-6 comparison with paired bootstrap
-CIs at each operating point, forest plots per attribute, the baseline's subgroup table, the synthetic
-cohort (cells requested and filled, cells that could not be filled, one example per phase), the
-leakage checks, the recipes and the code and library versions. Figures are embedded as base64 PNG,
-so the file opens anywhere (the MLflow UI previews it among the parent run's artifacts). An item a
-study did not log is shown as "not available", with the reason.
+It opens with the verdict (:mod:`synthx.verdict`), then: the baseline by subgroup (sensitivity,
+specificity and AUC with CIs, the designed gaps marked), tumors found per subgroup and arm, the
+BenchX table-6 comparison per arm and operating point, a forest plot per operating point
+(significance marked, axis scaled to the data), ROC curves per phase and arm, the worst group per
+attribute, the training curves of every run, the synthetic cohort (cells, real and synthetic
+tumors side by side with their measured contrast, a quality summary), the leakage checks, the
+recipes and the versions. Values are in %, groups carry labels (:mod:`synthx.labels`), and tables
+fit a 1,280 px screen. Figures are embedded as base64 PNG, so the file opens anywhere (the MLflow
+UI previews it among the parent run's artifacts). An item a study did not log is shown as "not
+available", with the reason. :func:`results_markdown` writes the short results page
+(docs/results.md) from the same run.
 
 :func:`publish_study` is what the study calls when it finishes: headline metrics on the parent run
-(so the experiment table sorts studies by them), registry aliases, and the report.
+(so the experiment table sorts studies by them), the verdict as its description, registry aliases
+scoped by experiment with a description on each version, and the report.
 
 Example::
 
     benchx report --run-id <study parent run> --out outputs/study/report.html
+    benchx report --run-id <study parent run> --markdown docs/results.md
 """
 
 from __future__ import annotations
@@ -163,74 +169,259 @@ def _pct(value, sign: bool = False) -> str:
 
 
 def _table_html(frame: pd.DataFrame) -> str:
-    return frame.to_html(index=False, escape=True, na_rep="-", border=0, classes="data")
+    return f"<div class='scroll'>{frame.to_html(index=False, escape=True, na_rep='-', border=0, classes='data')}</div>"
+
+
+def _subgroup_name(attribute, group) -> str:
+    from synthx.labels import attribute_label, group_label
+
+    return "All scans" if str(attribute) == "overall" else f"{attribute_label(attribute)}: {group_label(attribute, group)}"
+
+
+def _mark(row) -> str:
+    from lightning_modules.evaluation.runs import significance_mark
+
+    try:
+        return significance_mark(row).strip()
+    except (KeyError, TypeError, ValueError):
+        return ""
 
 
 def comparison_html(comparison: pd.DataFrame) -> str:
-    """Table 6: one row per subgroup; per metric base, SynthX and the difference with its paired CI."""
-    by_point = "operating_point" if "operating_point" in comparison.columns else None
+    """Table 6, one table per compared arm and operating point: per subgroup its scans and, per
+    metric, reference -> arm and the difference with its paired CI, in %; fits a 1,280 px screen."""
+    from synthx.labels import arm_label, metric_label, point_label
+
+    keys = [k for k in ("run", "operating_point") if k in comparison.columns]
+    metrics = [m for m in (*TABLE_METRICS, "auc") if m in set(comparison["metric"])]
     parts = []
-    for point, table in comparison.groupby(by_point, sort=False) if by_point else [(None, comparison)]:
+    for key, table in comparison.groupby(keys, sort=False) if keys else [((), comparison)]:
+        key = key if isinstance(key, tuple) else (key,)
+        named = dict(zip(keys, key))
         rows = []
         for (attribute, group), part in table.groupby(["attribute", "group"], sort=False):
-            row = {"attribute": attribute, "group": group, "n": int(part["n"].iloc[0])}
-            for metric in TABLE_METRICS:
+            first = part.iloc[0]
+            row = {"Subgroup": _subgroup_name(attribute, group), "Tumor / healthy": f"{int(first['positives'])} / {int(first['negatives'])}"}
+            for metric in metrics:
                 hit = part[part["metric"] == metric]
                 if hit.empty:
                     continue
                 r = hit.iloc[0]
-                star = " **" if bool(r.get("significant_holm", False)) else " *" if bool(r["significant"]) else ""
-                row[f"{metric} base"] = _pct(r["a"])
-                row[f"{metric} SynthX"] = _pct(r["b"])
-                row[f"{metric} delta [95% CI]"] = f"{_pct(r['delta'], True)} [{_pct(r['ci_low'], True)}, {_pct(r['ci_high'], True)}]{star}"
+                row[metric_label(metric)] = ("-" if _pct(r["a"]) == _pct(r["b"]) == "-" else
+                                             f"{_pct(r['a'])} → {_pct(r['b'])}: {_pct(r['delta'], True)} "
+                                             f"[{_pct(r['ci_low'], True)}, {_pct(r['ci_high'], True)}] {_mark(r)}")
             rows.append(row)
-        title = ""
-        if point is not None:
-            # The two thresholds (compare writes them with every operating point), so a moved
-            # operating point is visible beside the differences.
-            thresholds = f" (m baseline {table['threshold_a'].iloc[0]:,.4g}, SynthX {table['threshold_b'].iloc[0]:,.4g})"
-            title = f"<h3>Operating point: {html.escape(str(point) + thresholds)}</h3>"
-        parts.append(title + _table_html(pd.DataFrame(rows)))
-    note = ("<p class='note'>In %. * significant: the paired 95% bootstrap CI of the difference excludes 0 and the "
-            "subgroup is large enough; ** also after Holm's correction over the groups of its attribute; "
-            "- undefined.</p>")
+        reference = str(table["reference"].iloc[0]) if "reference" in table.columns else "baseline"
+        title = f"{arm_label(named.get('run', 'SynthX'))} against {arm_label(reference)}"
+        if "operating_point" in named:
+            title += f" at {point_label(named['operating_point'])}"
+            if {"threshold_a", "threshold_b"} <= set(table.columns):
+                title += f" (m {table['threshold_a'].iloc[0]:,.0f} and {table['threshold_b'].iloc[0]:,.0f} mm³)"
+        parts.append(f"<h3>{html.escape(title)}</h3>" + _table_html(pd.DataFrame(rows)))
+    note = ("<p class='note'>In %: reference → arm: difference [paired 95% bootstrap CI]. * significant: the CI "
+            "excludes 0 and the subgroup is large enough; ** also after Holm's correction; ~ the CI excludes 0 "
+            "but the subgroup is below the support rule; - undefined.</p>")
     return "".join(parts) + note
 
 
-def forest_html(comparison: pd.DataFrame) -> str:
-    """One forest plot per attribute: SynthX minus baseline with the paired CI, per group and metric."""
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    comparison, point = primary_point(comparison)
-    parts = [f"<p>Operating point: {html.escape(point)}.</p>" if point else ""]
-    for attribute, table in comparison[comparison["attribute"] != "overall"].groupby("attribute", sort=False):
-        groups = list(dict.fromkeys(table["group"]))
-        figure, axes = plt.subplots(1, len(HEADLINE_METRICS), figsize=(9, 0.45 * len(groups) + 1.4), sharey=True)
-        for axis, metric in zip(axes, HEADLINE_METRICS):
-            rows = table[table["metric"] == metric].set_index("group").reindex(groups)
-            delta = rows["delta"].astype(float)
-            low = (delta - rows["ci_low"].astype(float)).clip(lower=0).fillna(0)
-            high = (rows["ci_high"].astype(float) - delta).clip(lower=0).fillna(0)
-            axis.errorbar(delta, range(len(groups)), xerr=[low, high], fmt="o", capsize=3)
-            axis.axvline(0.0, color="black", linewidth=1)
-            axis.set_xlim(-1.02, 1.02)
-            axis.set_xlabel(f"{metric}: SynthX minus baseline")
+    return plt
+
+
+def forest_html(comparison: pd.DataFrame) -> str:
+    """One forest plot per operating point (and compared arm): the paired difference with its CI per
+    subgroup and metric; significant differences filled and marked, the axis scaled to the data."""
+    import numpy as np
+
+    from synthx.labels import arm_label, metric_label, point_label
+
+    plt = _pyplot()
+    keys = [k for k in ("run", "operating_point") if k in comparison.columns]
+    metrics = [m for m in (*HEADLINE_METRICS, "specificity", "auc") if m in set(comparison["metric"])]
+    parts = []
+    for key, table in comparison.groupby(keys, sort=False) if keys else [((), comparison)]:
+        key = key if isinstance(key, tuple) else (key,)
+        named = dict(zip(keys, key))
+        subgroups = list(dict.fromkeys(zip(table["attribute"], table["group"])))
+        figure, axes = plt.subplots(1, len(metrics), figsize=(2.9 * len(metrics) + 1.5, 0.26 * len(subgroups) + 1.3),
+                                    sharey=True, squeeze=False)
+        for axis, metric in zip(axes[0], metrics):
+            rows = table[table["metric"] == metric].set_index(["attribute", "group"]).reindex(subgroups)
+            delta, low, high = (100 * rows[c].astype(float) for c in ("delta", "ci_low", "ci_high"))
+            marks = [_mark(r) if r.notna().any() else "" for _, r in rows.reset_index().iterrows()]
+            y = np.arange(len(subgroups))
+            for i, mark in enumerate(marks):
+                if np.isnan(delta.iloc[i]):
+                    continue
+                significant = mark in ("*", "**")
+                axis.errorbar(delta.iloc[i], y[i], xerr=[[max(delta.iloc[i] - low.iloc[i], 0)], [max(high.iloc[i] - delta.iloc[i], 0)]],
+                              fmt="o", capsize=2, color="#c0392b" if significant else "#34495e",
+                              markerfacecolor="#c0392b" if significant else "white", markersize=4)
+                if mark:
+                    axis.annotate(mark, (high.iloc[i], y[i]), xytext=(3, -3), textcoords="offset points", fontsize=8)
+            finite = pd.concat([low, high]).replace([np.inf, -np.inf], np.nan).dropna()
+            lo, hi = (min(finite.min(), 0.0), max(finite.max(), 0.0)) if len(finite) else (-1.0, 1.0)
+            pad = max((hi - lo) * 0.12, 1.0)
+            axis.set_xlim(lo - pad, hi + pad)
+            axis.axvline(0.0, color="black", linewidth=0.8)
+            axis.set_xlabel(f"{metric_label(metric)}: difference (points)", fontsize=8)
             axis.grid(axis="x", alpha=0.3)
-        axes[0].set_yticks(range(len(groups)))
-        axes[0].set_yticklabels([f"{g} (n={int(n)})" for g, n in zip(groups, table.groupby("group", sort=False)["n"].first())])
-        axes[0].invert_yaxis()
-        figure.suptitle(f"{attribute}: paired 95% CI")
-        parts.append(f"<h3>{html.escape(str(attribute))}</h3>{_figure_html(figure)}")
+            axis.tick_params(labelsize=7)
+        axes[0][0].set_yticks(range(len(subgroups)))
+        axes[0][0].set_yticklabels([_subgroup_name(a, g) for a, g in subgroups], fontsize=7)
+        axes[0][0].invert_yaxis()
+        reference = str(table["reference"].iloc[0]) if "reference" in table.columns else "baseline"
+        title = f"{arm_label(named.get('run', 'synthx'))} minus {arm_label(reference)}"
+        if "operating_point" in named:
+            title += f" at {point_label(named['operating_point'])}"
+        figure.suptitle(title + " (paired 95% CI; filled red: significant)", fontsize=9)
+        parts.append(f"<h3>{html.escape(title)}</h3>{_figure_html(figure)}")
     return "".join(parts)
+
+
+def baseline_subgroup_html(study: StudyRuns) -> str:
+    """The baseline's sensitivity, specificity and AUC per subgroup with CIs (test, validation-chosen
+    point), the designed gaps marked."""
+    import numpy as np
+
+    from synthx.labels import metric_label
+    from synthx.verdict import designed_gap_subgroups
+
+    table = None
+    for path in ("evaluation/test_val_chosen_subgroups.csv", "evaluation/test_subgroups.csv"):
+        try:
+            table = study.csv("evaluate_baseline", path)
+            break
+        except LookupError:
+            continue
+    if table is None:
+        raise LookupError("the baseline evaluation logged no test subgroup table")
+    plt = _pyplot()
+    designed = {(a, g): label.split(" (")[0] for label, a, g in designed_gap_subgroups()}
+    subgroups = list(zip(table["attribute"].astype(str), table["group"].astype(str)))
+    metrics = [m for m in ("sensitivity", "specificity", "auc") if m in table.columns]
+    figure, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics) + 1.6, 0.26 * len(subgroups) + 1.3), sharey=True, squeeze=False)
+    y = np.arange(len(subgroups))
+    for axis, metric in zip(axes[0], metrics):
+        value = 100 * table[metric].astype(float)
+        low = 100 * table.get(f"{metric}_ci_low", table[metric]).astype(float)
+        high = 100 * table.get(f"{metric}_ci_high", table[metric]).astype(float)
+        colors = ["#c0392b" if key in designed else "#34495e" for key in subgroups]
+        for i in range(len(subgroups)):
+            if not np.isnan(value.iloc[i]):
+                axis.errorbar(value.iloc[i], y[i], xerr=[[max(value.iloc[i] - low.iloc[i], 0)], [max(high.iloc[i] - value.iloc[i], 0)]],
+                              fmt="o", capsize=2, color=colors[i], markersize=4)
+        axis.set_xlim(-3, 103)
+        axis.set_xlabel(f"{metric_label(metric)} (%)", fontsize=8)
+        axis.grid(axis="x", alpha=0.3)
+        axis.tick_params(labelsize=7)
+    labels = [_subgroup_name(a, g) + (f"  ◀ {designed[(a, g)]}" if (a, g) in designed else "") for a, g in subgroups]
+    axes[0][0].set_yticks(y)
+    axes[0][0].set_yticklabels(labels, fontsize=7)
+    for tick, key in zip(axes[0][0].get_yticklabels(), subgroups):
+        if key in designed:
+            tick.set_color("#c0392b")
+    axes[0][0].invert_yaxis()
+    figure.suptitle("Baseline on test, 95% CIs; designed gaps in red", fontsize=9)
+    return _figure_html(figure)
+
+
+def found_html(comparison: pd.DataFrame) -> str:
+    """Tumors found per subgroup and arm at the primary operating point."""
+    from synthx.labels import arm_label
+    from synthx.verdict import arm_results
+
+    comparison, point = primary_point(comparison)
+    part = comparison[(comparison["metric"] == "sensitivity") & (comparison["positives"] > 0)]
+    rows = []
+    for (attribute, group), rows_ in part.groupby(["attribute", "group"], sort=False):
+        row = {"Subgroup": _subgroup_name(attribute, group)}
+        for result in arm_results(rows_, "sensitivity"):
+            row[arm_label(result.arm)] = (f"{result.found} of {result.of} ({_pct(result.value)}%)"
+                                          if result.found is not None else "-")
+        rows.append(row)
+    from synthx.labels import point_label
+
+    return f"<p>At {html.escape(point_label(point))}.</p>" + _table_html(pd.DataFrame(rows))
+
+
+def roc_html(study: StudyRuns) -> str:
+    """ROC curves on test per phase, one curve per evaluated arm (scan score: predicted tumor volume)."""
+    import numpy as np
+    from sklearn.metrics import roc_auc_score, roc_curve
+
+    from lightning_modules.evaluation.artifacts import download_records
+    from synthx.labels import arm_label
+
+    arms = {}
+    for step in study.steps:
+        if step.startswith("evaluate_"):
+            records = download_records(study.client, study.steps[step], "test", study.folder / step)
+            if records is not None:
+                arms[study.run(step).data.tags.get("variant", step[len("evaluate_"):])] = records
+    if not arms:
+        raise LookupError("no evaluation run logged test records")
+    plt = _pyplot()
+    phases = [p for p in ("non-contrast", "arterial", "venous", "delayed")
+              if any((r["phase"].astype(str) == p).any() for r in arms.values())]
+    figure, axes = plt.subplots(1, len(phases) + 1, figsize=(2.7 * (len(phases) + 1), 2.9), squeeze=False)
+    for axis, phase in zip(axes[0], ["all", *phases]):
+        for arm, records in arms.items():
+            part = records if phase == "all" else records[records["phase"].astype(str) == phase]
+            labels = part["label"].astype(int).to_numpy()
+            score = part["volume_mm3"].astype(float).to_numpy() if "volume_mm3" in part else part["max_prob"].astype(float).to_numpy()
+            if len(np.unique(labels)) < 2:
+                continue
+            fpr, tpr, _ = roc_curve(labels, score)
+            axis.plot(100 * fpr, 100 * tpr, label=f"{arm_label(arm)} AUC {100 * roc_auc_score(labels, score):.0f}%")
+        axis.plot([0, 100], [0, 100], color="grey", linewidth=0.6, linestyle=":")
+        axis.set_title("all phases" if phase == "all" else phase, fontsize=9)
+        axis.set_xlabel("1 - specificity (%)", fontsize=8)
+        axis.tick_params(labelsize=7)
+        if axis.lines[:-1]:
+            axis.legend(fontsize=6, loc="lower right")
+    axes[0][0].set_ylabel("sensitivity (%)", fontsize=8)
+    return _figure_html(figure)
+
+
+def training_curves_html(study: StudyRuns) -> str:
+    """train/loss of every training run of the study (arms and generator), from MLflow's metric history."""
+    from synthx.labels import arm_label
+
+    curves = {}
+    for step in study.steps:
+        if step.startswith("evaluate") or step in ("data", "targeting", "synthesize", "compare"):
+            continue
+        history = study.client.get_metric_history(study.steps[step], "train/loss")
+        if history:
+            name = "SynthX generator" if step == "synthx_train" else arm_label(study.run(step).data.tags.get("variant", step))
+            curves[name] = sorted((m.step, m.value) for m in history)
+    if not curves:
+        raise LookupError("no training run logged train/loss")
+    plt = _pyplot()
+    figure, axes = plt.subplots(1, 2, figsize=(10, 2.9), squeeze=False)
+    for name, points in curves.items():
+        axis = axes[0][1] if name == "SynthX generator" else axes[0][0]
+        axis.plot([p[0] for p in points], [p[1] for p in points], label=name, linewidth=1)
+    for axis, title in zip(axes[0], ("segmentation arms", "generator")):
+        axis.set_title(title, fontsize=9)
+        axis.set_xlabel("step", fontsize=8)
+        axis.set_ylabel("train/loss", fontsize=8)
+        axis.tick_params(labelsize=7)
+        if axis.lines:
+            axis.legend(fontsize=7)
+    return _figure_html(figure)
 
 
 def synthetic_html(study: StudyRuns) -> str:
     """Cells requested and filled by the synthesis step, the cells left unfilled, and examples."""
     per_cell = study.csv("synthesize", "synthx/per_cell.csv")
-    parts = ["<h3>Cells</h3>", _table_html(per_cell)]
+    parts = ["<h3>Cells</h3>", _table_html(_cells(per_cell))]
     filled = per_cell["generated"] + per_cell.get("skipped", 0)
     unfilled = per_cell[filled < per_cell["requested"]]
     note = ""
@@ -245,10 +436,23 @@ def synthetic_html(study: StudyRuns) -> str:
         unfilled = pd.concat([unfilled, missing[["sex", "age_band", "phase", "requested"]]], ignore_index=True)
     parts.append("<h3>Unfillable cells</h3>")
     parts.append(note)
-    parts.append(_table_html(unfilled) if len(unfilled) else "<p>none: every requested cell was filled.</p>")
-    parts.append("<h3>Examples per phase</h3>")
+    parts.append(_table_html(_cells(unfilled)) if len(unfilled) else "<p>none: every requested cell was filled.</p>")
+    parts.append("<h3>Real and synthetic tumors per phase</h3>")
     parts.append(_section_body(lambda: example_grid_html(study)))
+    parts.append("<h3>Quality summary</h3>")
+    parts.append(_section_body(lambda: quality_html(study)))
     return "".join(parts)
+
+
+def _cells(table: pd.DataFrame) -> pd.DataFrame:
+    """A per-cell table with labels: sex and age band as people say them, capitalized headers."""
+    from synthx.labels import group_label
+
+    table = table.copy()
+    for column, attribute in (("sex", "sex"), ("age_band", "age")):
+        if column in table.columns:
+            table[column] = [group_label(attribute, value) for value in table[column]]
+    return table.rename(columns={"age_band": "age"}).rename(columns=lambda c: str(c).capitalize())
 
 
 def _logged_table(path: Path) -> pd.DataFrame:
@@ -257,33 +461,125 @@ def _logged_table(path: Path) -> pd.DataFrame:
     return pd.DataFrame(content["data"], columns=content["columns"])
 
 
-def example_grid_html(study: StudyRuns) -> str:
-    """One axial slice through a synthetic tumor per phase, from the synthetic cohort on disk."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _case_volumes(case: Path):
+    """CT (HU), pancreatic lesion mask and pancreas mask of a case folder."""
     import nibabel as nib
     import numpy as np
 
+    ct = np.asarray(nib.load(str(case / "ct.nii.gz")).dataobj, dtype=np.float32)
+
+    def mask(name: str):
+        path = case / "segmentations" / f"{name}.nii.gz"
+        return np.asarray(nib.load(str(path)).dataobj) > 0 if path.exists() else np.zeros(ct.shape, bool)
+
+    lesion = mask("pancreatic_lesion")
+    if not lesion.any():
+        found = sorted((case / "segmentations").glob("*lesion*.nii.gz"))
+        lesion = np.asarray(nib.load(str(found[0])).dataobj) > 0 if found else lesion
+    return ct, lesion, mask("pancreas")
+
+
+def tumor_contrast_hu(ct, lesion, pancreas) -> float:
+    """Mean HU of the tumor minus the mean HU of the pancreas around it (NaN without both)."""
+    import numpy as np
+
+    gland = pancreas & ~lesion
+    return float(ct[lesion].mean() - ct[gland].mean()) if lesion.any() and gland.any() else float(np.nan)
+
+
+def _real_tumor_cases(study: StudyRuns, phases: list[str], per_phase: int) -> pd.DataFrame:
+    """Up to ``per_phase`` real training scans with a tumor per phase, from the study's cohort."""
+    root = Path(study.run("evaluate_baseline").data.tags.get("eval_cohort", ""))
+    if not (root / "metadata.csv").exists():
+        raise LookupError(f"the real cohort {root} is not on this machine")
+    metadata = pd.read_csv(root / "metadata.csv", keep_default_na=False)
+    split_path = study.run("baseline").data.params.get("data.split") if "baseline" in study.steps else None
+    if split_path and Path(split_path).exists():
+        split = pd.read_csv(split_path, keep_default_na=False)
+        metadata = metadata[metadata["case_id"].isin(split.loc[split["split"] == "train", "case_id"])]
+    cases = []
+    for phase in phases:
+        part = metadata[metadata["phase"].astype(str) == phase]
+        for case_id in part["case_id"]:
+            if (root / str(case_id) / "segmentations" / "pancreatic_lesion.nii.gz").exists():
+                _, lesion, _ = _case_volumes(root / str(case_id))
+                if lesion.any():
+                    cases.append({"phase": phase, "case": root / str(case_id)})
+            if sum(c["phase"] == phase for c in cases) >= per_phase:
+                break
+    return pd.DataFrame(cases, columns=["phase", "case"])
+
+
+def _synthetic_cases(study: StudyRuns) -> pd.DataFrame:
     outputs = json.loads(study.run("synthesize").data.tags.get("study_outputs", "{}"))
     root = Path(outputs.get("cohort", ""))
-    metadata = study.csv("synthesize", "synthx/metadata.csv") if not (root / "metadata.csv").exists() else pd.read_csv(root / "metadata.csv")
     if not root.is_dir():
         raise LookupError(f"the synthetic cohort folder {root} is not on this machine")
-    examples = metadata.drop_duplicates("phase")
-    figure, axes = plt.subplots(1, max(len(examples), 1), figsize=(3 * max(len(examples), 1), 3.2), squeeze=False)
-    for axis, row in zip(axes[0], examples.itertuples(index=False)):
-        case = root / str(row.case_id)
-        ct = np.asarray(nib.load(str(case / "ct.nii.gz")).dataobj, dtype=np.float32)
-        masks = sorted((case / "segmentations").glob("*lesion*.nii.gz"))
-        tumor = np.asarray(nib.load(str(masks[0])).dataobj) > 0 if masks else np.zeros(ct.shape, bool)
-        z = int(np.argmax(tumor.sum(axis=(0, 1)))) if tumor.any() else ct.shape[2] // 2
-        axis.imshow(np.rot90(np.clip(ct[:, :, z], -175, 250)), cmap="gray")
-        if tumor[:, :, z].any():
-            axis.contour(np.rot90(tumor[:, :, z]), levels=[0.5], colors="red", linewidths=1)
-        axis.set_title(f"{row.phase}\n{row.case_id} ({row.sex}, {getattr(row, 'age', '')})", fontsize=8)
-        axis.axis("off")
+    metadata = pd.read_csv(root / "metadata.csv", keep_default_na=False) if (root / "metadata.csv").exists() \
+        else study.csv("synthesize", "synthx/metadata.csv")
+    return pd.DataFrame({"phase": metadata["phase"].astype(str), "case": [root / str(c) for c in metadata["case_id"]]})
+
+
+def real_and_synthetic(study: StudyRuns, per_phase: int = 5) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Measured tumors of the synthetic cohort and of real training scans of the same phases:
+    (per case: source, phase, case, contrast in HU, tumor volume in ml) and its summary per phase."""
+    import nibabel as nib
+    import numpy as np
+
+    synthetic = _synthetic_cases(study)
+    phases = list(dict.fromkeys(synthetic["phase"]))
+    real = _real_tumor_cases(study, phases, per_phase)
+    rows = []
+    for source, cases in (("synthetic", synthetic), ("real", real)):
+        for row in cases.itertuples(index=False):
+            ct, lesion, pancreas = _case_volumes(Path(row.case))
+            voxel_ml = float(np.prod(nib.load(str(Path(row.case) / "ct.nii.gz")).header.get_zooms()[:3])) / 1000
+            rows.append({"source": source, "phase": row.phase, "case": Path(row.case).name,
+                         "contrast_hu": tumor_contrast_hu(ct, lesion, pancreas), "volume_ml": float(lesion.sum()) * voxel_ml,
+                         "path": str(row.case)})
+    measured = pd.DataFrame(rows)
+    summary = (measured.groupby(["phase", "source"], sort=False)
+               .agg(cases=("case", "size"), contrast=("contrast_hu", "mean"), contrast_sd=("contrast_hu", "std"),
+                    volume=("volume_ml", "median")).reset_index())
+    return measured, summary
+
+
+def quality_html(study: StudyRuns) -> str:
+    """The synthetic cohort's quality summary: tumor contrast against the pancreas and size, per
+    phase, beside real training tumors of the same phase."""
+    _, summary = real_and_synthetic(study)
+    table = pd.DataFrame({
+        "Phase": summary["phase"], "Tumors": summary["source"], "Cases": summary["cases"],
+        "Contrast to pancreas (HU, mean ± SD)": [f"{m:+.0f} ± {sd:.0f}" if sd == sd else f"{m:+.0f}"
+                                                 for m, sd in zip(summary["contrast"], summary["contrast_sd"])],
+        "Median volume (ml)": [f"{v:.2f}" for v in summary["volume"]],
+    })
+    return ("<p>Measured in the volumes: mean HU of the tumor minus mean HU of the pancreas around it. "
+            "Synthetic tumors of a phase should look like the real ones of that phase.</p>" + _table_html(table))
+
+
+def example_grid_html(study: StudyRuns) -> str:
+    """Per phase, a real and a synthetic tumor side by side (axial slice through the tumor, measured contrast)."""
+    import numpy as np
+
+    plt = _pyplot()
+    measured, _ = real_and_synthetic(study, per_phase=1)
+    phases = list(dict.fromkeys(measured.loc[measured["source"] == "synthetic", "phase"]))
+    figure, axes = plt.subplots(len(phases), 2, figsize=(5.2, 2.7 * len(phases)), squeeze=False)
+    for row_axes, phase in zip(axes, phases):
+        for axis, source in zip(row_axes, ("real", "synthetic")):
+            axis.axis("off")
+            hit = measured[(measured["phase"] == phase) & (measured["source"] == source)]
+            if hit.empty:
+                axis.set_title(f"{source} {phase}: none in training", fontsize=8)
+                continue
+            case = hit.iloc[0]
+            ct, lesion, _ = _case_volumes(Path(case["path"]))
+            z = int(np.argmax(lesion.sum(axis=(0, 1)))) if lesion.any() else ct.shape[2] // 2
+            axis.imshow(np.rot90(np.clip(ct[:, :, z], -175, 250)), cmap="gray")
+            if lesion[:, :, z].any():
+                axis.contour(np.rot90(lesion[:, :, z]), levels=[0.5], colors="red", linewidths=0.8)
+            axis.set_title(f"{source}, {phase}: {case['contrast_hu']:+.0f} HU\n{case['case']}", fontsize=8)
     return _figure_html(figure)
 
 
@@ -343,10 +639,13 @@ def _section_body(build: Callable[[], str]) -> str:
 
 
 STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
-table.data { border-collapse: collapse; font-size: 13px; margin: 0.5em 0; }
-table.data th, table.data td { padding: 3px 8px; border-bottom: 1px solid #ddd; text-align: right; }
+body { font-family: system-ui, sans-serif; margin: 1.2em auto; max-width: 1180px; padding: 0 12px; color: #222; }
+table.data { border-collapse: collapse; font-size: 12px; margin: 0.5em 0; max-width: 100%; }
+table.data th, table.data td { padding: 2px 6px; border-bottom: 1px solid #ddd; text-align: right; }
+table.data td:first-child, table.data th:first-child { text-align: left; }
 table.data th { background: #f3f3f3; }
+.scroll { overflow-x: auto; max-width: 100%; }
+ul.verdict { font-size: 15px; line-height: 1.45; background: #fdf6e3; border-left: 4px solid #c0392b; padding: 0.6em 1.6em; }
 .missing { color: #a33; font-style: italic; }
 .note { color: #555; font-size: 12px; }
 img { max-width: 100%; }
@@ -363,18 +662,45 @@ def report_sections(study: StudyRuns) -> list[tuple[str, Callable[[], str]]]:
     comparison = lambda: study_comparison(study)  # noqa: E731
 
     def baseline_table() -> str:
+        from synthx.labels import metric_label
+
         table = study.csv("evaluate_baseline", "evaluation/test_subgroups.csv")
         threshold = study.run("evaluate_baseline").data.metrics.get("test/threshold")
-        head = f"<p>Detection threshold {threshold:g} mm<sup>3</sup> (docs/design.md \"Scan-level detection\").</p>" if threshold is not None else ""
-        columns = [c for c in table.columns if c in ("attribute", "group", "n", "positives", "negatives") or
-                   c.split("_ci_")[0] in TABLE_METRICS or c == "auc"]
-        return head + _table_html(table[columns].round(3))
+        head = f"<p>Detection threshold m = {threshold:,.0f} mm³ (docs/design.md \"Scan-level detection\"). In %.</p>" if threshold is not None else ""
+        rows = []
+        for row in table.to_dict("records"):
+            out = {"Subgroup": _subgroup_name(row["attribute"], row["group"]),
+                   "Tumor / healthy": f"{int(row['positives'])} / {int(row['negatives'])}"}
+            for metric in ("sensitivity", "specificity", "auc", "f1"):
+                if metric in row:
+                    interval = (f" [{_pct(row[f'{metric}_ci_low'])}, {_pct(row[f'{metric}_ci_high'])}]"
+                                if f"{metric}_ci_low" in row else "")
+                    out[metric_label(metric)] = _pct(row[metric]) + interval
+            rows.append(out)
+        return head + baseline_subgroup_html(study) + _table_html(pd.DataFrame(rows))
+
+    def worst_groups() -> str:
+        from synthx.labels import arm_label, attribute_label, group_label, metric_label
+
+        table = headline(comparison())
+        return _table_html(pd.DataFrame({
+            "Attribute": [attribute_label(a) for a in table["attribute"]],
+            "Metric": [metric_label(m) for m in table["metric"]],
+            f"{arm_label('baseline')}: worst group": [f"{group_label(a, g)} ({_pct(v)}%)" for a, g, v in
+                                                     zip(table["attribute"], table["baseline_worst_group"], table["baseline"])],
+            f"{arm_label('synthx')}: worst group": [f"{group_label(a, g)} ({_pct(v)}%)" for a, g, v in
+                                                   zip(table["attribute"], table["synthx_worst_group"], table["synthx"])],
+            "Difference (points)": [_pct(d, True) for d in table["delta"]],
+        }))
 
     return [
-        ("Headline: worst group per attribute (test)", lambda: _table_html(headline(comparison()).round(3))),
-        ("Baseline vs SynthX (BenchX table 6)", lambda: comparison_html(comparison())),
-        ("Forest plots per attribute", lambda: forest_html(comparison())),
-        ("Baseline subgroup table (test)", baseline_table),
+        ("Baseline by subgroup (test)", baseline_table),
+        ("Tumors found per subgroup (test)", lambda: found_html(comparison())),
+        ("Arms compared (BenchX table 6)", lambda: comparison_html(comparison())),
+        ("Forest plots per operating point", lambda: forest_html(comparison())),
+        ("ROC curves per phase and arm (test)", lambda: roc_html(study)),
+        ("Worst group per attribute (test)", worst_groups),
+        ("Training curves", lambda: training_curves_html(study)),
         ("Synthetic cohort", lambda: synthetic_html(study)),
         ("Leakage audit", lambda: leakage_html(study)),
         ("Recipes", lambda: recipes_html(study)),

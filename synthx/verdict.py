@@ -200,15 +200,24 @@ def study_verdict(comparison: pd.DataFrame, point: str = "val_chosen", endpoint:
     endpoint = endpoint or Endpoint(group=designed_gap_subgroups()[0][2])
     lines = []
     gap_point = available_point(comparison, point)
-    for label, attribute, group in (designed_gap_subgroups() if subgroups is None else subgroups):
-        rows = _rows(comparison, attribute, group, "sensitivity", gap_point)
-        contrast = arm_contrast(rows, arms) if len(rows) else None
-        if contrast is not None:
-            lines.append(contrast_sentence(label, arm_results(rows, "sensitivity"), contrast, gap_point))
     end_point = available_point(comparison, endpoint.point)
-    rows = _rows(comparison, endpoint.attribute, endpoint.group, endpoint.metric, end_point)
-    contrast = arm_contrast(rows, arms) if len(rows) else None
-    if contrast is not None:
-        label = f"Primary endpoint ({endpoint.metric} in {group_label(endpoint.attribute, endpoint.group)})"
-        lines.append(contrast_sentence(label, arm_results(rows, endpoint.metric), contrast, end_point, endpoint.metric))
+    label = f"Primary endpoint ({endpoint.metric} in {group_label(endpoint.attribute, endpoint.group)})"
+    judged = [(*subgroup, "sensitivity", gap_point) for subgroup in (designed_gap_subgroups() if subgroups is None else subgroups)]
+    judged.append((label, endpoint.attribute, endpoint.group, endpoint.metric, end_point))
+    for label, attribute, group, metric, at in judged:
+        rows = _rows(comparison, attribute, group, metric, at)
+        contrast = arm_contrast(rows, arms) if len(rows) else None
+        if contrast is None:
+            continue
+        empty = "positives" if metric == "sensitivity" else "negatives" if metric == "specificity" else None
+        if empty and int(rows[empty].iloc[0]) == 0:
+            lines.append(empty_sentence(label, group_label(attribute, group), empty))
+        else:
+            lines.append(contrast_sentence(label, arm_results(rows, metric), contrast, at, metric))
     return lines
+
+
+def empty_sentence(label: str, group: str, missing: str) -> str:
+    """The sentence of a subgroup the test set holds no scan to judge in."""
+    kind = "tumor scan" if missing == "positives" else "healthy scan"
+    return f"{label}: the test set has no {kind} in {group} - undetermined."

@@ -15,9 +15,9 @@ order), ``tumor_volume_mm3`` (the scan-level score of docs/design.md "Scan-level
 Example::
 
     import mlflow, pandas as pd
-    model = mlflow.pyfunc.load_model("models:/benchx-unet@baseline")
+    model = mlflow.pyfunc.load_model("models:/benchx-unet@benchx-study-baseline")
     result = model.predict(pd.DataFrame({"ct_path": ["data/example_ct/TS_EXAMPLE/ct.nii.gz"]}))
-    mlflow models predict -m models:/benchx-unet@baseline -i scans.json -t json --env-manager local
+    mlflow models predict -m models:/benchx-unet@benchx-study-baseline -i scans.json -t json --env-manager local
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ the parent run, registry aliases on the right versions, a self-contained HTML re
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -78,10 +80,19 @@ def test_the_report_is_self_contained_and_rebuilt_by_benchx_report(finished_stud
 
     written = Path(settings.output_dir) / "study_report.html"
     text = written.read_text()
-    for title in ("Baseline vs SynthX (BenchX table 6)", "Forest plots per attribute", "Baseline subgroup table",
-                  "Synthetic cohort", "Unfillable cells", "Examples per phase", "Leakage audit", "Recipes", "Versions"):
+    for title in ("Baseline by subgroup (test)", "Tumors found per subgroup", "Arms compared (BenchX table 6)",
+                  "Forest plots per operating point", "ROC curves per phase and arm", "Training curves",
+                  "Synthetic cohort", "Unfillable cells", "Real and synthetic tumors per phase", "Quality summary",
+                  "Leakage audit", "Recipes", "Versions"):
         assert title in text, title
-    assert len(re.findall(r'src="data:image/png;base64,', text)) >= 3, "forest plots and the example grid are embedded"
+    # The baseline figure, a forest plot per operating point, ROC, training curves and real/synthetic examples.
+    assert len(re.findall(r'src="data:image/png;base64,', text)) >= 7
+    # Tables people read: labels, not keys; % not fractions; one forest plot per operating point.
+    assert "Age: 20 or younger" in text and "Phase: arterial" in text
+    assert not re.search(r"<td>le20</td>|<th>sensitivity_ci_low</th>", text)
+    assert text.count("<h3>SynthX minus baseline at ") == 3, "fixed, validation-chosen and matched specificity"
+    assert re.search(r"<td>real</td>\s*<td>\d+</td>\s*<td>[+-]\d+", text), "measured real tumor contrast"
+    assert re.search(r"<td>synthetic</td>\s*<td>\d+</td>\s*<td>[+-]\d+", text), "measured synthetic tumor contrast"
     assert not re.search(r'src="(?!data:)', text), "no external resources"
     assert "not available" not in text, re.findall(r"not available[^<]*", text)
 
@@ -90,7 +101,7 @@ def test_the_report_is_self_contained_and_rebuilt_by_benchx_report(finished_stud
     out = tmp_path / "again.html"
     assert main(["report", "--run-id", parent_id, "--out", str(out), "--tracking-uri", uri]) == 0
     rebuilt = out.read_text()
-    assert "Baseline vs SynthX" in rebuilt and rebuilt.count("data:image/png;base64,") == text.count("data:image/png;base64,")
+    assert "Arms compared" in rebuilt and rebuilt.count("data:image/png;base64,") == text.count("data:image/png;base64,")
     artifacts = {a.path for a in MlflowClient(uri).list_artifacts(parent_id, "report")}
     assert "report/study_report.html" in artifacts
 
@@ -110,7 +121,7 @@ def test_a_missing_item_is_reported_as_not_available(finished_study, tmp_path):
 
     text = build_report(partial, uri, tmp_path / "partial.html", log=False).read_text()
     assert "not available: the study has no &#x27;synthesize&#x27; step" in text or "no 'synthesize' step" in text
-    assert "comparison/test_comparison.csv" in text and "Baseline subgroup table" in text
+    assert "comparison/test_comparison.csv" in text and "Baseline by subgroup" in text
 
 
 def test_report_of_a_run_that_is_not_a_study_exits_2(finished_study, capsys):
@@ -162,12 +173,12 @@ def test_the_verdict_opens_the_report_and_is_the_parent_s_description(finished_s
     lines = study_verdict(_comparison(client, parent_id, tmp_path), "val_chosen")
     assert [line.split(",")[0] for line in lines] == ["Scarcity gap (arterial)", "Physics gap (non-contrast)",
                                                        "Primary endpoint (sensitivity in arterial)"]
-    assert all(re.search(r" - (closed|not closed|undetermined) \(SynthX - baseline ", line) for line in lines), lines
+    assert all(re.search(r" - (closed|not closed|undetermined)( \(SynthX - baseline |\.$)", line) for line in lines), lines
     assert client.get_run(parent_id).data.tags["mlflow.note.content"] == "\n\n".join(lines)
     text = (Path(settings.output_dir) / "study_report.html").read_text()
     first_section = text.index("<h2>")
     assert text[first_section:].startswith("<h2>Verdict (test)</h2>"), text[first_section:first_section + 80]
-    assert html.escape(lines[0]) in text[:text.index("Baseline vs SynthX")]
+    assert html.escape(lines[0]) in text[:text.index("Arms compared")]
 
 
 def test_benchx_report_markdown_writes_the_results_page(finished_study, tmp_path):
@@ -195,3 +206,23 @@ def test_benchx_report_markdown_writes_the_results_page(finished_study, tmp_path
     assert rows["Phase: arterial"][1:5] == [str(int(arterial["positives"])), str(int(arterial["negatives"])),
                                             _pct(arterial["a"]), _pct(arterial["b"])]
     assert "at the validation-chosen operating point" in page
+
+
+def test_evaluation_runs_log_headline_metrics_and_the_full_table(finished_study, tmp_path):
+    """A few hundred keys a person can plot, not thousands; the full table is an MLflow table."""
+    _, uri, parent_id = finished_study
+    client = MlflowClient(uri)
+    run_id = client.get_run(parent_id).data.tags["step.evaluate_baseline"]
+    metrics = client.get_run(run_id).data.metrics
+    assert 20 < len(metrics) < 500, len(metrics)
+    assert not [k for k in metrics if "_ci_" in k], "CIs live in the table, not in metrics"
+    for key in ("test_val_chosen/sensitivity/phase/venous", "test_val_chosen/auc/overall",
+                "test_val_chosen/specificity_worst/phase", "test_val_chosen/f1_gap/phase", "test_fixed/sensitivity/overall",
+                "operating_point/val_chosen", "test/threshold"):
+        assert key in metrics, key
+    assert "test_fixed/sensitivity/phase/venous" not in metrics, "per group only at the validation-chosen point"
+    table = json.loads(Path(client.download_artifacts(run_id, "evaluation/test_val_chosen_subgroups.json", str(tmp_path))).read_text())
+    columns = table["columns"]
+    assert {"attribute", "group", "sensitivity", "sensitivity_ci_low", "auc"} <= set(columns)
+    venous = dict(zip(columns, next(r for r in table["data"] if r[columns.index("group")] == "venous")))
+    assert metrics["test_val_chosen/sensitivity/phase/venous"] == pytest.approx(venous["sensitivity"])

@@ -100,3 +100,11 @@ def test_a_subgroup_the_table_lacks_gives_no_sentence():
 def test_the_gap_sentences_use_the_point_asked_for(point):
     lines = study_verdict(_comparison([("synthx", None)]), point=point)
     assert ("validation-chosen" in lines[0]) == (point == "val_chosen")
+
+
+def test_a_subgroup_without_tumor_scans_is_undetermined_and_says_why():
+    table = _comparison([("synthx", None)])
+    table.loc[table["group"] == "arterial", ["positives", "a", "b", "delta", "ci_low", "ci_high"]] = [0, *[math.nan] * 5]
+    lines = study_verdict(table)
+    assert lines[0] == "Scarcity gap (arterial): the test set has no tumor scan in arterial - undetermined."
+    assert lines[-1] == "Primary endpoint (sensitivity in arterial): the test set has no tumor scan in arterial - undetermined."
