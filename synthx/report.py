@@ -461,125 +461,73 @@ def _logged_table(path: Path) -> pd.DataFrame:
     return pd.DataFrame(content["data"], columns=content["columns"])
 
 
-def _case_volumes(case: Path):
-    """CT (HU), pancreatic lesion mask and pancreas mask of a case folder."""
-    import nibabel as nib
-    import numpy as np
+def _quality(study: StudyRuns):
+    """The synthetic cohort measured against the real training tumors (:func:`synthx.quality.quality_report`),
+    computed once per report."""
+    if "quality" not in study._cache:
+        from synthx.quality import QualityError, quality_report
 
-    ct = np.asarray(nib.load(str(case / "ct.nii.gz")).dataobj, dtype=np.float32)
-
-    def mask(name: str):
-        path = case / "segmentations" / f"{name}.nii.gz"
-        return np.asarray(nib.load(str(path)).dataobj) > 0 if path.exists() else np.zeros(ct.shape, bool)
-
-    lesion = mask("pancreatic_lesion")
-    if not lesion.any():
-        found = sorted((case / "segmentations").glob("*lesion*.nii.gz"))
-        lesion = np.asarray(nib.load(str(found[0])).dataobj) > 0 if found else lesion
-    return ct, lesion, mask("pancreas")
-
-
-def tumor_contrast_hu(ct, lesion, pancreas) -> float:
-    """Mean HU of the tumor minus the mean HU of the pancreas around it (NaN without both)."""
-    import numpy as np
-
-    gland = pancreas & ~lesion
-    return float(ct[lesion].mean() - ct[gland].mean()) if lesion.any() and gland.any() else float(np.nan)
-
-
-def _real_tumor_cases(study: StudyRuns, phases: list[str], per_phase: int) -> pd.DataFrame:
-    """Up to ``per_phase`` real training scans with a tumor per phase, from the study's cohort."""
-    root = Path(study.run("evaluate_baseline").data.tags.get("eval_cohort", ""))
-    if not (root / "metadata.csv").exists():
-        raise LookupError(f"the real cohort {root} is not on this machine")
-    metadata = pd.read_csv(root / "metadata.csv", keep_default_na=False)
-    split_path = study.run("baseline").data.params.get("data.split") if "baseline" in study.steps else None
-    if split_path and Path(split_path).exists():
-        split = pd.read_csv(split_path, keep_default_na=False)
-        metadata = metadata[metadata["case_id"].isin(split.loc[split["split"] == "train", "case_id"])]
-    cases = []
-    for phase in phases:
-        part = metadata[metadata["phase"].astype(str) == phase]
-        for case_id in part["case_id"]:
-            if (root / str(case_id) / "segmentations" / "pancreatic_lesion.nii.gz").exists():
-                _, lesion, _ = _case_volumes(root / str(case_id))
-                if lesion.any():
-                    cases.append({"phase": phase, "case": root / str(case_id)})
-            if sum(c["phase"] == phase for c in cases) >= per_phase:
-                break
-    return pd.DataFrame(cases, columns=["phase", "case"])
-
-
-def _synthetic_cases(study: StudyRuns) -> pd.DataFrame:
-    outputs = json.loads(study.run("synthesize").data.tags.get("study_outputs", "{}"))
-    root = Path(outputs.get("cohort", ""))
-    if not root.is_dir():
-        raise LookupError(f"the synthetic cohort folder {root} is not on this machine")
-    metadata = pd.read_csv(root / "metadata.csv", keep_default_na=False) if (root / "metadata.csv").exists() \
-        else study.csv("synthesize", "synthx/metadata.csv")
-    return pd.DataFrame({"phase": metadata["phase"].astype(str), "case": [root / str(c) for c in metadata["case_id"]]})
-
-
-def real_and_synthetic(study: StudyRuns, per_phase: int = 5) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Measured tumors of the synthetic cohort and of real training scans of the same phases:
-    (per case: source, phase, case, contrast in HU, tumor volume in ml) and its summary per phase."""
-    import nibabel as nib
-    import numpy as np
-
-    synthetic = _synthetic_cases(study)
-    phases = list(dict.fromkeys(synthetic["phase"]))
-    real = _real_tumor_cases(study, phases, per_phase)
-    rows = []
-    for source, cases in (("synthetic", synthetic), ("real", real)):
-        for row in cases.itertuples(index=False):
-            ct, lesion, pancreas = _case_volumes(Path(row.case))
-            voxel_ml = float(np.prod(nib.load(str(Path(row.case) / "ct.nii.gz")).header.get_zooms()[:3])) / 1000
-            rows.append({"source": source, "phase": row.phase, "case": Path(row.case).name,
-                         "contrast_hu": tumor_contrast_hu(ct, lesion, pancreas), "volume_ml": float(lesion.sum()) * voxel_ml,
-                         "path": str(row.case)})
-    measured = pd.DataFrame(rows)
-    summary = (measured.groupby(["phase", "source"], sort=False)
-               .agg(cases=("case", "size"), contrast=("contrast_hu", "mean"), contrast_sd=("contrast_hu", "std"),
-                    volume=("volume_ml", "median")).reset_index())
-    return measured, summary
+        outputs = json.loads(study.run("synthesize").data.tags.get("study_outputs", "{}"))
+        synthetic = Path(outputs.get("cohort", ""))
+        real = Path(study.run("evaluate_baseline").data.tags.get("eval_cohort", ""))
+        split = study.run("baseline").data.params.get("data.split", "") if "baseline" in study.steps else ""
+        for what, path in (("synthetic cohort", synthetic), ("real cohort", real), ("split", Path(split))):
+            if not str(path) or not path.exists():
+                raise LookupError(f"the {what} {path} is not on this machine")
+        try:
+            study._cache["quality"] = quality_report(real, split, synthetic)
+        except QualityError as error:
+            raise LookupError(str(error)) from error
+    return study._cache["quality"]
 
 
 def quality_html(study: StudyRuns) -> str:
-    """The synthetic cohort's quality summary: tumor contrast against the pancreas and size, per
-    phase, beside real training tumors of the same phase."""
-    _, summary = real_and_synthetic(study)
-    table = pd.DataFrame({
-        "Phase": summary["phase"], "Tumors": summary["source"], "Cases": summary["cases"],
-        "Contrast to pancreas (HU, mean ± SD)": [f"{m:+.0f} ± {sd:.0f}" if sd == sd else f"{m:+.0f}"
-                                                 for m, sd in zip(summary["contrast"], summary["contrast_sd"])],
-        "Median volume (ml)": [f"{v:.2f}" for v in summary["volume"]],
-    })
-    return ("<p>Measured in the volumes: mean HU of the tumor minus mean HU of the pancreas around it. "
-            "Synthetic tumors of a phase should look like the real ones of that phase.</p>" + _table_html(table))
+    """The synthetic cohort's quality summary per phase: tumor contrast against the surrounding
+    pancreas and HU inside the tumor, real against synthetic, and whether a phase classifier trained
+    on real tumors recognises the phase each synthetic tumor was made for."""
+    report = _quality(study)
+    intensity = report.intensity[report.intensity["attribute"].isin(["overall", "phase"])]
+    faithful = report.faithfulness.set_index("phase") if len(report.faithfulness) else None
+
+    def hu(value) -> str:
+        return "-" if value != value else f"{value:+.0f}"
+
+    rows = []
+    for row in intensity.to_dict("records"):
+        phase = str(row["group"])
+        accuracy = faithful["accuracy"].get(phase, float("nan")) if faithful is not None else float("nan")
+        rows.append({
+            "Phase": "all phases" if row["attribute"] == "overall" else phase,
+            "Tumors real / synthetic": f"{int(row['n_real'])} / {int(row['n_synthetic'])}",
+            "Contrast to pancreas, real (HU)": hu(row["contrast_real"]),
+            "Contrast, synthetic (HU)": hu(row["contrast_synthetic"]),
+            "Tumor HU SD, real / synthetic": f"{hu(row['tumor_sd_real'])} / {hu(row['tumor_sd_synthetic'])}".replace("+", ""),
+            "Phase recognised (%)": _pct(accuracy),
+        })
+    return ("<p>Measured in the volumes (synthx/quality.py): contrast is the tumor's mean HU minus that of a "
+            "5 mm rim of pancreas around it; real tumors are the training split's.</p>" + _table_html(pd.DataFrame(rows)))
 
 
 def example_grid_html(study: StudyRuns) -> str:
-    """Per phase, a real and a synthetic tumor side by side (axial slice through the tumor, measured contrast)."""
-    import numpy as np
+    """Per phase, a real and a synthetic tumor side by side (axial slice through the tumor) with their measured contrast."""
+    from lightning_modules.data.metadata import PHASES
+    from synthx.quality import DISPLAY_WINDOW
 
     plt = _pyplot()
-    measured, _ = real_and_synthetic(study, per_phase=1)
-    phases = list(dict.fromkeys(measured.loc[measured["source"] == "synthetic", "phase"]))
-    figure, axes = plt.subplots(len(phases), 2, figsize=(5.2, 2.7 * len(phases)), squeeze=False)
+    records = _quality(study).records
+    phases = [p for p in PHASES if any(r.phase == p and r.synthetic for r in records)]
+    figure, axes = plt.subplots(len(phases), 2, figsize=(5.0, 2.6 * len(phases)), squeeze=False)
     for row_axes, phase in zip(axes, phases):
-        for axis, source in zip(row_axes, ("real", "synthetic")):
+        for axis, (kind, flag) in zip(row_axes, (("real", 0), ("synthetic", 1))):
             axis.axis("off")
-            hit = measured[(measured["phase"] == phase) & (measured["source"] == source)]
-            if hit.empty:
-                axis.set_title(f"{source} {phase}: none in training", fontsize=8)
+            record = next((r for r in records if r.phase == phase and r.synthetic == flag), None)
+            if record is None:
+                axis.set_title(f"{kind}, {phase}: none in training", fontsize=8)
                 continue
-            case = hit.iloc[0]
-            ct, lesion, _ = _case_volumes(Path(case["path"]))
-            z = int(np.argmax(lesion.sum(axis=(0, 1)))) if lesion.any() else ct.shape[2] // 2
-            axis.imshow(np.rot90(np.clip(ct[:, :, z], -175, 250)), cmap="gray")
-            if lesion[:, :, z].any():
-                axis.contour(np.rot90(lesion[:, :, z]), levels=[0.5], colors="red", linewidths=0.8)
-            axis.set_title(f"{source}, {phase}: {case['contrast_hu']:+.0f} HU\n{case['case']}", fontsize=8)
+            axis.imshow(record.slice_image.T, cmap="gray", vmin=DISPLAY_WINDOW[0], vmax=DISPLAY_WINDOW[1], origin="lower")
+            axis.contour(record.slice_mask.T, levels=[0.5], colors="tab:red", linewidths=0.8, origin="lower")
+            axis.set_title(f"{kind}, {phase}: {record.stats.get('contrast', float('nan')):+.0f} HU\n{record.case_id}", fontsize=8)
+    figure.tight_layout()
     return _figure_html(figure)
 
 
