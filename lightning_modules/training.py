@@ -230,7 +230,8 @@ def claim_run(
     for name in CHECKPOINT_NAMES:
         (checkpoint_dir / name).unlink(missing_ok=True)
     tags = {**run_tags(recipe, split_sha256(recipe.data.split), settings.variant), **(settings.extra_tags or {})}
-    run_name = recipe.tracking.run_name or f"train-{recipe.name}-{tags['variant']}"
+    # The arm first: the UI cuts long names at the end, and arms differ in their first word.
+    run_name = recipe.tracking.run_name or f"{tags['variant']}-train-{recipe.name}"
     run_id = settings.run_id or start_run(uri, str(recipe.tracking.experiment), run_name, tags)
     if settings.run_id:
         for key, value in tags.items():

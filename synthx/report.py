@@ -1,19 +1,25 @@
 """The study report: one self-contained HTML page built from what a study's runs logged in MLflow.
 
-Sections: the headline (per attribute, the worst group's sensitivity and F1 for the baseline and the
-SynthX-augmented model and their difference), the BenchX table-6 comparison with paired bootstrap
-CIs at each operating point, forest plots per attribute, the baseline's subgroup table, the synthetic
-cohort (cells requested and filled, cells that could not be filled, one example per phase), the
-leakage checks, the recipes and the code and library versions. Figures are embedded as base64 PNG,
-so the file opens anywhere (the MLflow UI previews it among the parent run's artifacts). An item a
-study did not log is shown as "not available", with the reason.
+It opens with the verdict (:mod:`synthx.verdict`), then: the baseline by subgroup (sensitivity,
+specificity and AUC with CIs, the designed gaps marked), tumors found per subgroup and arm, the
+BenchX table-6 comparison per arm and operating point, a forest plot per operating point
+(significance marked, axis scaled to the data), ROC curves per phase and arm, the worst group per
+attribute, the training curves of every run, the synthetic cohort (cells, real and synthetic
+tumors side by side with their measured contrast, a quality summary), the leakage checks, the
+recipes and the versions. Values are in %, groups carry labels (:mod:`synthx.labels`), and tables
+fit a 1,280 px screen. Figures are embedded as base64 PNG, so the file opens anywhere (the MLflow
+UI previews it among the parent run's artifacts). An item a study did not log is shown as "not
+available", with the reason. :func:`results_markdown` writes the short results page
+(docs/results.md) from the same run.
 
 :func:`publish_study` is what the study calls when it finishes: headline metrics on the parent run
-(so the experiment table sorts studies by them), registry aliases, and the report.
+(so the experiment table sorts studies by them), the verdict as its description, registry aliases
+scoped by experiment with a description on each version, and the report.
 
 Example::
 
     benchx report --run-id <study parent run> --out outputs/study/report.html
+    benchx report --run-id <study parent run> --markdown docs/results.md
 """
 
 from __future__ import annotations
@@ -31,9 +37,12 @@ from typing import Callable
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
+from synthx.labels import arm_label
 from synthx.painters import PHANTOM_PAINTER
 
 REPORT_ARTIFACT = "report/study_report.html"
+COMPARISON_ARTIFACT = "comparison/test_comparison.csv"
+NOTE_TAG = "mlflow.note.content"
 HEADLINE_METRICS = ("sensitivity", "f1")
 TABLE_METRICS = ("sensitivity", "specificity", "f1")
 STEP_TAG_PREFIX = "step."
@@ -160,74 +169,259 @@ def _pct(value, sign: bool = False) -> str:
 
 
 def _table_html(frame: pd.DataFrame) -> str:
-    return frame.to_html(index=False, escape=True, na_rep="-", border=0, classes="data")
+    return f"<div class='scroll'>{frame.to_html(index=False, escape=True, na_rep='-', border=0, classes='data')}</div>"
+
+
+def _subgroup_name(attribute, group) -> str:
+    from synthx.labels import attribute_label, group_label
+
+    return "All scans" if str(attribute) == "overall" else f"{attribute_label(attribute)}: {group_label(attribute, group)}"
+
+
+def _mark(row) -> str:
+    from lightning_modules.evaluation.runs import significance_mark
+
+    try:
+        return significance_mark(row).strip()
+    except (KeyError, TypeError, ValueError):
+        return ""
 
 
 def comparison_html(comparison: pd.DataFrame) -> str:
-    """Table 6: one row per subgroup; per metric base, SynthX and the difference with its paired CI."""
-    by_point = "operating_point" if "operating_point" in comparison.columns else None
+    """Table 6, one table per compared arm and operating point: per subgroup its scans and, per
+    metric, reference -> arm and the difference with its paired CI, in %; fits a 1,280 px screen."""
+    from synthx.labels import arm_label, metric_label, point_label
+
+    keys = [k for k in ("run", "operating_point") if k in comparison.columns]
+    metrics = [m for m in (*TABLE_METRICS, "auc") if m in set(comparison["metric"])]
     parts = []
-    for point, table in comparison.groupby(by_point, sort=False) if by_point else [(None, comparison)]:
+    for key, table in comparison.groupby(keys, sort=False) if keys else [((), comparison)]:
+        key = key if isinstance(key, tuple) else (key,)
+        named = dict(zip(keys, key))
         rows = []
         for (attribute, group), part in table.groupby(["attribute", "group"], sort=False):
-            row = {"attribute": attribute, "group": group, "n": int(part["n"].iloc[0])}
-            for metric in TABLE_METRICS:
+            first = part.iloc[0]
+            row = {"Subgroup": _subgroup_name(attribute, group), "Tumor / healthy": f"{int(first['positives'])} / {int(first['negatives'])}"}
+            for metric in metrics:
                 hit = part[part["metric"] == metric]
                 if hit.empty:
                     continue
                 r = hit.iloc[0]
-                star = " **" if bool(r.get("significant_holm", False)) else " *" if bool(r["significant"]) else ""
-                row[f"{metric} base"] = _pct(r["a"])
-                row[f"{metric} SynthX"] = _pct(r["b"])
-                row[f"{metric} delta [95% CI]"] = f"{_pct(r['delta'], True)} [{_pct(r['ci_low'], True)}, {_pct(r['ci_high'], True)}]{star}"
+                row[metric_label(metric)] = ("-" if _pct(r["a"]) == _pct(r["b"]) == "-" else
+                                             f"{_pct(r['a'])} → {_pct(r['b'])}: {_pct(r['delta'], True)} "
+                                             f"[{_pct(r['ci_low'], True)}, {_pct(r['ci_high'], True)}] {_mark(r)}")
             rows.append(row)
-        title = ""
-        if point is not None:
-            # The two thresholds (compare writes them with every operating point), so a moved
-            # operating point is visible beside the differences.
-            thresholds = f" (m baseline {table['threshold_a'].iloc[0]:,.4g}, SynthX {table['threshold_b'].iloc[0]:,.4g})"
-            title = f"<h3>Operating point: {html.escape(str(point) + thresholds)}</h3>"
-        parts.append(title + _table_html(pd.DataFrame(rows)))
-    note = ("<p class='note'>In %. * significant: the paired 95% bootstrap CI of the difference excludes 0 and the "
-            "subgroup is large enough; ** also after Holm's correction over the groups of its attribute; "
-            "- undefined.</p>")
+        reference = str(table["reference"].iloc[0]) if "reference" in table.columns else "baseline"
+        title = f"{arm_label(named.get('run', 'SynthX'))} against {arm_label(reference)}"
+        if "operating_point" in named:
+            title += f" at {point_label(named['operating_point'])}"
+            if {"threshold_a", "threshold_b"} <= set(table.columns):
+                title += f" (m {table['threshold_a'].iloc[0]:,.0f} and {table['threshold_b'].iloc[0]:,.0f} mm³)"
+        parts.append(f"<h3>{html.escape(title)}</h3>" + _table_html(pd.DataFrame(rows)))
+    note = ("<p class='note'>In %: reference → arm: difference [paired 95% bootstrap CI]. * significant: the CI "
+            "excludes 0 and the subgroup is large enough; ** also after Holm's correction; ~ the CI excludes 0 "
+            "but the subgroup is below the support rule; - undefined.</p>")
     return "".join(parts) + note
 
 
-def forest_html(comparison: pd.DataFrame) -> str:
-    """One forest plot per attribute: SynthX minus baseline with the paired CI, per group and metric."""
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    comparison, point = primary_point(comparison)
-    parts = [f"<p>Operating point: {html.escape(point)}.</p>" if point else ""]
-    for attribute, table in comparison[comparison["attribute"] != "overall"].groupby("attribute", sort=False):
-        groups = list(dict.fromkeys(table["group"]))
-        figure, axes = plt.subplots(1, len(HEADLINE_METRICS), figsize=(9, 0.45 * len(groups) + 1.4), sharey=True)
-        for axis, metric in zip(axes, HEADLINE_METRICS):
-            rows = table[table["metric"] == metric].set_index("group").reindex(groups)
-            delta = rows["delta"].astype(float)
-            low = (delta - rows["ci_low"].astype(float)).clip(lower=0).fillna(0)
-            high = (rows["ci_high"].astype(float) - delta).clip(lower=0).fillna(0)
-            axis.errorbar(delta, range(len(groups)), xerr=[low, high], fmt="o", capsize=3)
-            axis.axvline(0.0, color="black", linewidth=1)
-            axis.set_xlim(-1.02, 1.02)
-            axis.set_xlabel(f"{metric}: SynthX minus baseline")
+    return plt
+
+
+def forest_html(comparison: pd.DataFrame) -> str:
+    """One forest plot per operating point (and compared arm): the paired difference with its CI per
+    subgroup and metric; significant differences filled and marked, the axis scaled to the data."""
+    import numpy as np
+
+    from synthx.labels import arm_label, metric_label, point_label
+
+    plt = _pyplot()
+    keys = [k for k in ("run", "operating_point") if k in comparison.columns]
+    metrics = [m for m in (*HEADLINE_METRICS, "specificity", "auc") if m in set(comparison["metric"])]
+    parts = []
+    for key, table in comparison.groupby(keys, sort=False) if keys else [((), comparison)]:
+        key = key if isinstance(key, tuple) else (key,)
+        named = dict(zip(keys, key))
+        subgroups = list(dict.fromkeys(zip(table["attribute"], table["group"])))
+        figure, axes = plt.subplots(1, len(metrics), figsize=(2.9 * len(metrics) + 1.5, 0.26 * len(subgroups) + 1.3),
+                                    sharey=True, squeeze=False)
+        for axis, metric in zip(axes[0], metrics):
+            rows = table[table["metric"] == metric].set_index(["attribute", "group"]).reindex(subgroups)
+            delta, low, high = (100 * rows[c].astype(float) for c in ("delta", "ci_low", "ci_high"))
+            marks = [_mark(r) if r.notna().any() else "" for _, r in rows.reset_index().iterrows()]
+            y = np.arange(len(subgroups))
+            for i, mark in enumerate(marks):
+                if np.isnan(delta.iloc[i]):
+                    continue
+                significant = mark in ("*", "**")
+                axis.errorbar(delta.iloc[i], y[i], xerr=[[max(delta.iloc[i] - low.iloc[i], 0)], [max(high.iloc[i] - delta.iloc[i], 0)]],
+                              fmt="o", capsize=2, color="#c0392b" if significant else "#34495e",
+                              markerfacecolor="#c0392b" if significant else "white", markersize=4)
+                if mark:
+                    axis.annotate(mark, (high.iloc[i], y[i]), xytext=(3, -3), textcoords="offset points", fontsize=8)
+            finite = pd.concat([low, high]).replace([np.inf, -np.inf], np.nan).dropna()
+            lo, hi = (min(finite.min(), 0.0), max(finite.max(), 0.0)) if len(finite) else (-1.0, 1.0)
+            pad = max((hi - lo) * 0.12, 1.0)
+            axis.set_xlim(lo - pad, hi + pad)
+            axis.axvline(0.0, color="black", linewidth=0.8)
+            axis.set_xlabel(f"{metric_label(metric)}: difference (points)", fontsize=8)
             axis.grid(axis="x", alpha=0.3)
-        axes[0].set_yticks(range(len(groups)))
-        axes[0].set_yticklabels([f"{g} (n={int(n)})" for g, n in zip(groups, table.groupby("group", sort=False)["n"].first())])
-        axes[0].invert_yaxis()
-        figure.suptitle(f"{attribute}: paired 95% CI")
-        parts.append(f"<h3>{html.escape(str(attribute))}</h3>{_figure_html(figure)}")
+            axis.tick_params(labelsize=7)
+        axes[0][0].set_yticks(range(len(subgroups)))
+        axes[0][0].set_yticklabels([_subgroup_name(a, g) for a, g in subgroups], fontsize=7)
+        axes[0][0].invert_yaxis()
+        reference = str(table["reference"].iloc[0]) if "reference" in table.columns else "baseline"
+        title = f"{arm_label(named.get('run', 'synthx'))} minus {arm_label(reference)}"
+        if "operating_point" in named:
+            title += f" at {point_label(named['operating_point'])}"
+        figure.suptitle(title + " (paired 95% CI; filled red: significant)", fontsize=9)
+        parts.append(f"<h3>{html.escape(title)}</h3>{_figure_html(figure)}")
     return "".join(parts)
+
+
+def baseline_subgroup_html(study: StudyRuns) -> str:
+    """The baseline's sensitivity, specificity and AUC per subgroup with CIs (test, validation-chosen
+    point), the designed gaps marked."""
+    import numpy as np
+
+    from synthx.labels import metric_label
+    from synthx.verdict import designed_gap_subgroups
+
+    table = None
+    for path in ("evaluation/test_val_chosen_subgroups.csv", "evaluation/test_subgroups.csv"):
+        try:
+            table = study.csv("evaluate_baseline", path)
+            break
+        except LookupError:
+            continue
+    if table is None:
+        raise LookupError("the baseline evaluation logged no test subgroup table")
+    plt = _pyplot()
+    designed = {(a, g): label.split(" (")[0] for label, a, g in designed_gap_subgroups()}
+    subgroups = list(zip(table["attribute"].astype(str), table["group"].astype(str)))
+    metrics = [m for m in ("sensitivity", "specificity", "auc") if m in table.columns]
+    figure, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics) + 1.6, 0.26 * len(subgroups) + 1.3), sharey=True, squeeze=False)
+    y = np.arange(len(subgroups))
+    for axis, metric in zip(axes[0], metrics):
+        value = 100 * table[metric].astype(float)
+        low = 100 * table.get(f"{metric}_ci_low", table[metric]).astype(float)
+        high = 100 * table.get(f"{metric}_ci_high", table[metric]).astype(float)
+        colors = ["#c0392b" if key in designed else "#34495e" for key in subgroups]
+        for i in range(len(subgroups)):
+            if not np.isnan(value.iloc[i]):
+                axis.errorbar(value.iloc[i], y[i], xerr=[[max(value.iloc[i] - low.iloc[i], 0)], [max(high.iloc[i] - value.iloc[i], 0)]],
+                              fmt="o", capsize=2, color=colors[i], markersize=4)
+        axis.set_xlim(-3, 103)
+        axis.set_xlabel(f"{metric_label(metric)} (%)", fontsize=8)
+        axis.grid(axis="x", alpha=0.3)
+        axis.tick_params(labelsize=7)
+    labels = [_subgroup_name(a, g) + (f"  ◀ {designed[(a, g)]}" if (a, g) in designed else "") for a, g in subgroups]
+    axes[0][0].set_yticks(y)
+    axes[0][0].set_yticklabels(labels, fontsize=7)
+    for tick, key in zip(axes[0][0].get_yticklabels(), subgroups):
+        if key in designed:
+            tick.set_color("#c0392b")
+    axes[0][0].invert_yaxis()
+    figure.suptitle("Baseline on test, 95% CIs; designed gaps in red", fontsize=9)
+    return _figure_html(figure)
+
+
+def found_html(comparison: pd.DataFrame) -> str:
+    """Tumors found per subgroup and arm at the primary operating point."""
+    from synthx.labels import arm_label
+    from synthx.verdict import arm_results
+
+    comparison, point = primary_point(comparison)
+    part = comparison[(comparison["metric"] == "sensitivity") & (comparison["positives"] > 0)]
+    rows = []
+    for (attribute, group), rows_ in part.groupby(["attribute", "group"], sort=False):
+        row = {"Subgroup": _subgroup_name(attribute, group)}
+        for result in arm_results(rows_, "sensitivity"):
+            row[arm_label(result.arm)] = (f"{result.found} of {result.of} ({_pct(result.value)}%)"
+                                          if result.found is not None else "-")
+        rows.append(row)
+    from synthx.labels import point_label
+
+    return f"<p>At {html.escape(point_label(point))}.</p>" + _table_html(pd.DataFrame(rows))
+
+
+def roc_html(study: StudyRuns) -> str:
+    """ROC curves on test per phase, one curve per evaluated arm (scan score: predicted tumor volume)."""
+    import numpy as np
+    from sklearn.metrics import roc_auc_score, roc_curve
+
+    from lightning_modules.evaluation.artifacts import download_records
+    from synthx.labels import arm_label
+
+    arms = {}
+    for step in study.steps:
+        if step.startswith("evaluate_"):
+            records = download_records(study.client, study.steps[step], "test", study.folder / step)
+            if records is not None:
+                arms[study.run(step).data.tags.get("variant", step[len("evaluate_"):])] = records
+    if not arms:
+        raise LookupError("no evaluation run logged test records")
+    plt = _pyplot()
+    phases = [p for p in ("non-contrast", "arterial", "venous", "delayed")
+              if any((r["phase"].astype(str) == p).any() for r in arms.values())]
+    figure, axes = plt.subplots(1, len(phases) + 1, figsize=(2.7 * (len(phases) + 1), 2.9), squeeze=False)
+    for axis, phase in zip(axes[0], ["all", *phases]):
+        for arm, records in arms.items():
+            part = records if phase == "all" else records[records["phase"].astype(str) == phase]
+            labels = part["label"].astype(int).to_numpy()
+            score = part["volume_mm3"].astype(float).to_numpy() if "volume_mm3" in part else part["max_prob"].astype(float).to_numpy()
+            if len(np.unique(labels)) < 2:
+                continue
+            fpr, tpr, _ = roc_curve(labels, score)
+            axis.plot(100 * fpr, 100 * tpr, label=f"{arm_label(arm)} AUC {100 * roc_auc_score(labels, score):.0f}%")
+        axis.plot([0, 100], [0, 100], color="grey", linewidth=0.6, linestyle=":")
+        axis.set_title("all phases" if phase == "all" else phase, fontsize=9)
+        axis.set_xlabel("1 - specificity (%)", fontsize=8)
+        axis.tick_params(labelsize=7)
+        if axis.lines[:-1]:
+            axis.legend(fontsize=6, loc="lower right")
+    axes[0][0].set_ylabel("sensitivity (%)", fontsize=8)
+    return _figure_html(figure)
+
+
+def training_curves_html(study: StudyRuns) -> str:
+    """train/loss of every training run of the study (arms and generator), from MLflow's metric history."""
+    from synthx.labels import arm_label
+
+    curves = {}
+    for step in study.steps:
+        if step.startswith("evaluate") or step in ("data", "targeting", "synthesize", "compare"):
+            continue
+        history = study.client.get_metric_history(study.steps[step], "train/loss")
+        if history:
+            name = "SynthX generator" if step == "synthx_train" else arm_label(study.run(step).data.tags.get("variant", step))
+            curves[name] = sorted((m.step, m.value) for m in history)
+    if not curves:
+        raise LookupError("no training run logged train/loss")
+    plt = _pyplot()
+    figure, axes = plt.subplots(1, 2, figsize=(10, 2.9), squeeze=False)
+    for name, points in curves.items():
+        axis = axes[0][1] if name == "SynthX generator" else axes[0][0]
+        axis.plot([p[0] for p in points], [p[1] for p in points], label=name, linewidth=1)
+    for axis, title in zip(axes[0], ("segmentation arms", "generator")):
+        axis.set_title(title, fontsize=9)
+        axis.set_xlabel("step", fontsize=8)
+        axis.set_ylabel("train/loss", fontsize=8)
+        axis.tick_params(labelsize=7)
+        if axis.lines:
+            axis.legend(fontsize=7)
+    return _figure_html(figure)
 
 
 def synthetic_html(study: StudyRuns) -> str:
     """Cells requested and filled by the synthesis step, the cells left unfilled, and examples."""
     per_cell = study.csv("synthesize", "synthx/per_cell.csv")
-    parts = ["<h3>Cells</h3>", _table_html(per_cell)]
+    parts = ["<h3>Cells</h3>", _table_html(_cells(per_cell))]
     filled = per_cell["generated"] + per_cell.get("skipped", 0)
     unfilled = per_cell[filled < per_cell["requested"]]
     note = ""
@@ -242,10 +436,23 @@ def synthetic_html(study: StudyRuns) -> str:
         unfilled = pd.concat([unfilled, missing[["sex", "age_band", "phase", "requested"]]], ignore_index=True)
     parts.append("<h3>Unfillable cells</h3>")
     parts.append(note)
-    parts.append(_table_html(unfilled) if len(unfilled) else "<p>none: every requested cell was filled.</p>")
-    parts.append("<h3>Examples per phase</h3>")
+    parts.append(_table_html(_cells(unfilled)) if len(unfilled) else "<p>none: every requested cell was filled.</p>")
+    parts.append("<h3>Real and synthetic tumors per phase</h3>")
     parts.append(_section_body(lambda: example_grid_html(study)))
+    parts.append("<h3>Quality summary</h3>")
+    parts.append(_section_body(lambda: quality_html(study)))
     return "".join(parts)
+
+
+def _cells(table: pd.DataFrame) -> pd.DataFrame:
+    """A per-cell table with labels: sex and age band as people say them, capitalized headers."""
+    from synthx.labels import group_label
+
+    table = table.copy()
+    for column, attribute in (("sex", "sex"), ("age_band", "age")):
+        if column in table.columns:
+            table[column] = [group_label(attribute, value) for value in table[column]]
+    return table.rename(columns={"age_band": "age"}).rename(columns=lambda c: str(c).capitalize())
 
 
 def _logged_table(path: Path) -> pd.DataFrame:
@@ -254,33 +461,73 @@ def _logged_table(path: Path) -> pd.DataFrame:
     return pd.DataFrame(content["data"], columns=content["columns"])
 
 
+def _quality(study: StudyRuns):
+    """The synthetic cohort measured against the real training tumors (:func:`synthx.quality.quality_report`),
+    computed once per report."""
+    if "quality" not in study._cache:
+        from synthx.quality import QualityError, quality_report
+
+        outputs = json.loads(study.run("synthesize").data.tags.get("study_outputs", "{}"))
+        synthetic = Path(outputs.get("cohort", ""))
+        real = Path(study.run("evaluate_baseline").data.tags.get("eval_cohort", ""))
+        split = study.run("baseline").data.params.get("data.split", "") if "baseline" in study.steps else ""
+        for what, path in (("synthetic cohort", synthetic), ("real cohort", real), ("split", Path(split))):
+            if not str(path) or not path.exists():
+                raise LookupError(f"the {what} {path} is not on this machine")
+        try:
+            study._cache["quality"] = quality_report(real, split, synthetic)
+        except QualityError as error:
+            raise LookupError(str(error)) from error
+    return study._cache["quality"]
+
+
+def quality_html(study: StudyRuns) -> str:
+    """The synthetic cohort's quality summary per phase: tumor contrast against the surrounding
+    pancreas and HU inside the tumor, real against synthetic, and whether a phase classifier trained
+    on real tumors recognises the phase each synthetic tumor was made for."""
+    report = _quality(study)
+    intensity = report.intensity[report.intensity["attribute"].isin(["overall", "phase"])]
+    faithful = report.faithfulness.set_index("phase") if len(report.faithfulness) else None
+
+    def hu(value) -> str:
+        return "-" if value != value else f"{value:+.0f}"
+
+    rows = []
+    for row in intensity.to_dict("records"):
+        phase = str(row["group"])
+        accuracy = faithful["accuracy"].get(phase, float("nan")) if faithful is not None else float("nan")
+        rows.append({
+            "Phase": "all phases" if row["attribute"] == "overall" else phase,
+            "Tumors real / synthetic": f"{int(row['n_real'])} / {int(row['n_synthetic'])}",
+            "Contrast to pancreas, real (HU)": hu(row["contrast_real"]),
+            "Contrast, synthetic (HU)": hu(row["contrast_synthetic"]),
+            "Tumor HU SD, real / synthetic": f"{hu(row['tumor_sd_real'])} / {hu(row['tumor_sd_synthetic'])}".replace("+", ""),
+            "Phase recognised (%)": _pct(accuracy),
+        })
+    return ("<p>Measured in the volumes (synthx/quality.py): contrast is the tumor's mean HU minus that of a "
+            "5 mm rim of pancreas around it; real tumors are the training split's.</p>" + _table_html(pd.DataFrame(rows)))
+
+
 def example_grid_html(study: StudyRuns) -> str:
-    """One axial slice through a synthetic tumor per phase, from the synthetic cohort on disk."""
-    import matplotlib
+    """Per phase, a real and a synthetic tumor side by side (axial slice through the tumor) with their measured contrast."""
+    from lightning_modules.data.metadata import PHASES
+    from synthx.quality import DISPLAY_WINDOW
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import nibabel as nib
-    import numpy as np
-
-    outputs = json.loads(study.run("synthesize").data.tags.get("study_outputs", "{}"))
-    root = Path(outputs.get("cohort", ""))
-    metadata = study.csv("synthesize", "synthx/metadata.csv") if not (root / "metadata.csv").exists() else pd.read_csv(root / "metadata.csv")
-    if not root.is_dir():
-        raise LookupError(f"the synthetic cohort folder {root} is not on this machine")
-    examples = metadata.drop_duplicates("phase")
-    figure, axes = plt.subplots(1, max(len(examples), 1), figsize=(3 * max(len(examples), 1), 3.2), squeeze=False)
-    for axis, row in zip(axes[0], examples.itertuples(index=False)):
-        case = root / str(row.case_id)
-        ct = np.asarray(nib.load(str(case / "ct.nii.gz")).dataobj, dtype=np.float32)
-        masks = sorted((case / "segmentations").glob("*lesion*.nii.gz"))
-        tumor = np.asarray(nib.load(str(masks[0])).dataobj) > 0 if masks else np.zeros(ct.shape, bool)
-        z = int(np.argmax(tumor.sum(axis=(0, 1)))) if tumor.any() else ct.shape[2] // 2
-        axis.imshow(np.rot90(np.clip(ct[:, :, z], -175, 250)), cmap="gray")
-        if tumor[:, :, z].any():
-            axis.contour(np.rot90(tumor[:, :, z]), levels=[0.5], colors="red", linewidths=1)
-        axis.set_title(f"{row.phase}\n{row.case_id} ({row.sex}, {getattr(row, 'age', '')})", fontsize=8)
-        axis.axis("off")
+    plt = _pyplot()
+    records = _quality(study).records
+    phases = [p for p in PHASES if any(r.phase == p and r.synthetic for r in records)]
+    figure, axes = plt.subplots(len(phases), 2, figsize=(5.0, 2.6 * len(phases)), squeeze=False)
+    for row_axes, phase in zip(axes, phases):
+        for axis, (kind, flag) in zip(row_axes, (("real", 0), ("synthetic", 1))):
+            axis.axis("off")
+            record = next((r for r in records if r.phase == phase and r.synthetic == flag), None)
+            if record is None:
+                axis.set_title(f"{kind}, {phase}: none in training", fontsize=8)
+                continue
+            axis.imshow(record.slice_image.T, cmap="gray", vmin=DISPLAY_WINDOW[0], vmax=DISPLAY_WINDOW[1], origin="lower")
+            axis.contour(record.slice_mask.T, levels=[0.5], colors="tab:red", linewidths=0.8, origin="lower")
+            axis.set_title(f"{kind}, {phase}: {record.stats.get('contrast', float('nan')):+.0f} HU\n{record.case_id}", fontsize=8)
+    figure.tight_layout()
     return _figure_html(figure)
 
 
@@ -340,10 +587,13 @@ def _section_body(build: Callable[[], str]) -> str:
 
 
 STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
-table.data { border-collapse: collapse; font-size: 13px; margin: 0.5em 0; }
-table.data th, table.data td { padding: 3px 8px; border-bottom: 1px solid #ddd; text-align: right; }
+body { font-family: system-ui, sans-serif; margin: 1.2em auto; max-width: 1180px; padding: 0 12px; color: #222; }
+table.data { border-collapse: collapse; font-size: 12px; margin: 0.5em 0; max-width: 100%; }
+table.data th, table.data td { padding: 2px 6px; border-bottom: 1px solid #ddd; text-align: right; }
+table.data td:first-child, table.data th:first-child { text-align: left; }
 table.data th { background: #f3f3f3; }
+.scroll { overflow-x: auto; max-width: 100%; }
+ul.verdict { font-size: 15px; line-height: 1.45; background: #fdf6e3; border-left: 4px solid #c0392b; padding: 0.6em 1.6em; }
 .missing { color: #a33; font-style: italic; }
 .note { color: #555; font-size: 12px; }
 img { max-width: 100%; }
@@ -357,21 +607,48 @@ pre { background: #f7f7f7; padding: 1em; font-size: 12px; overflow-x: auto; }
 
 def report_sections(study: StudyRuns) -> list[tuple[str, Callable[[], str]]]:
     """(title, builder) of every section; a builder raises LookupError when its item is absent."""
-    comparison = lambda: study.csv("compare", "comparison/test_comparison.csv")  # noqa: E731
+    comparison = lambda: study_comparison(study)  # noqa: E731
 
     def baseline_table() -> str:
+        from synthx.labels import metric_label
+
         table = study.csv("evaluate_baseline", "evaluation/test_subgroups.csv")
         threshold = study.run("evaluate_baseline").data.metrics.get("test/threshold")
-        head = f"<p>Detection threshold {threshold:g} mm<sup>3</sup> (docs/design.md \"Scan-level detection\").</p>" if threshold is not None else ""
-        columns = [c for c in table.columns if c in ("attribute", "group", "n", "positives", "negatives") or
-                   c.split("_ci_")[0] in TABLE_METRICS or c == "auc"]
-        return head + _table_html(table[columns].round(3))
+        head = f"<p>Detection threshold m = {threshold:,.0f} mm³ (docs/design.md \"Scan-level detection\"). In %.</p>" if threshold is not None else ""
+        rows = []
+        for row in table.to_dict("records"):
+            out = {"Subgroup": _subgroup_name(row["attribute"], row["group"]),
+                   "Tumor / healthy": f"{int(row['positives'])} / {int(row['negatives'])}"}
+            for metric in ("sensitivity", "specificity", "auc", "f1"):
+                if metric in row:
+                    interval = (f" [{_pct(row[f'{metric}_ci_low'])}, {_pct(row[f'{metric}_ci_high'])}]"
+                                if f"{metric}_ci_low" in row else "")
+                    out[metric_label(metric)] = _pct(row[metric]) + interval
+            rows.append(out)
+        return head + baseline_subgroup_html(study) + _table_html(pd.DataFrame(rows))
+
+    def worst_groups() -> str:
+        from synthx.labels import arm_label, attribute_label, group_label, metric_label
+
+        table = headline(comparison())
+        return _table_html(pd.DataFrame({
+            "Attribute": [attribute_label(a) for a in table["attribute"]],
+            "Metric": [metric_label(m) for m in table["metric"]],
+            f"{arm_label('baseline')}: worst group": [f"{group_label(a, g)} ({_pct(v)}%)" for a, g, v in
+                                                     zip(table["attribute"], table["baseline_worst_group"], table["baseline"])],
+            f"{arm_label('synthx')}: worst group": [f"{group_label(a, g)} ({_pct(v)}%)" for a, g, v in
+                                                   zip(table["attribute"], table["synthx_worst_group"], table["synthx"])],
+            "Difference (points)": [_pct(d, True) for d in table["delta"]],
+        }))
 
     return [
-        ("Headline: worst group per attribute (test)", lambda: _table_html(headline(comparison()).round(3))),
-        ("Baseline vs SynthX (BenchX table 6)", lambda: comparison_html(comparison())),
-        ("Forest plots per attribute", lambda: forest_html(comparison())),
-        ("Baseline subgroup table (test)", baseline_table),
+        ("Baseline by subgroup (test)", baseline_table),
+        ("Tumors found per subgroup (test)", lambda: found_html(comparison())),
+        ("Arms compared (BenchX table 6)", lambda: comparison_html(comparison())),
+        ("Forest plots per operating point", lambda: forest_html(comparison())),
+        ("ROC curves per phase and arm (test)", lambda: roc_html(study)),
+        ("Worst group per attribute (test)", worst_groups),
+        ("Training curves", lambda: training_curves_html(study)),
         ("Synthetic cohort", lambda: synthetic_html(study)),
         ("Leakage audit", lambda: leakage_html(study)),
         ("Recipes", lambda: recipes_html(study)),
@@ -379,12 +656,35 @@ def report_sections(study: StudyRuns) -> list[tuple[str, Callable[[], str]]]:
     ]
 
 
+def study_comparison(study: StudyRuns) -> pd.DataFrame:
+    """The compare step's table (LookupError when the study has none)."""
+    return study.csv("compare", COMPARISON_ARTIFACT)
+
+
+def verdict_lines(study: StudyRuns) -> list[str]:
+    """The study's verdict sentences (:func:`synthx.verdict.study_verdict`); LookupError without a comparison."""
+    from synthx.verdict import study_verdict
+
+    lines = study_verdict(study_comparison(study), PRIMARY_POINT)
+    if not lines:
+        raise LookupError("the comparison holds none of the designed subgroups")
+    return lines
+
+
+def verdict_html(study: StudyRuns) -> str:
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in verdict_lines(study))
+    return (f"<ul class='verdict'>{items}</ul><p class='note'>Closed: the paired 95% CI of the difference lies above 0; "
+            "not closed: at or below 0; undetermined: it spans 0 (docs/design.md \"Reading the verdict\").</p>")
+
+
 def render(study: StudyRuns) -> str:
     parent = study.parent
     name = parent.info.run_name or parent.info.run_id
     experiment = study.client.get_experiment(parent.info.experiment_id).name
     body = [f"<h1>Study report: {html.escape(name)}</h1>",
-            f"<p>Experiment <b>{html.escape(experiment)}</b>, parent run <code>{parent.info.run_id}</code>. "
+            f"<section id='verdict'><h2>Verdict (test)</h2>{_section_body(lambda: verdict_html(study))}</section>",
+            f"<p>Experiment <b>{html.escape(experiment)}</b>, parent run <code>{parent.info.run_id}</code>, "
+            f"commit <code>{html.escape(parent.data.tags.get('git_commit', 'not recorded'))}</code>. "
             f"Steps: {', '.join(html.escape(s) for s in study.steps)}.</p>"]
     if "synthesize" in study.steps and study.run("synthesize").data.tags.get("painter") == PHANTOM_PAINTER:
         body.append("<p><b>Positive control:</b> the synthetic tumors were painted by the phantom's own renderer "
@@ -410,26 +710,156 @@ def build_report(run_id: str, uri: str, out: str | Path | None = None, log: bool
     return out
 
 
+def study_arms(study: StudyRuns) -> list[tuple[str, str]]:
+    """(training step, arm) of every trained arm of the study, baseline first: the step's run tag
+    ``variant`` names the arm (``augmented`` trains ``synthx``)."""
+    arms = []
+    for step in study.steps:
+        if step.startswith(("evaluate", "synthx_train")) or step in ("data", "targeting", "synthesize", "compare"):
+            continue
+        variant = study.run(step).data.tags.get("variant")
+        if variant:
+            arms.append((step, variant))
+    return sorted(arms, key=lambda arm: arm[1] != "baseline")
+
+
+def model_version_description(study: StudyRuns, step: str, arm: str, experiment: str, evaluation: str | None) -> str:
+    """A registered version's description: arm, study, recipe, data and validation-chosen operating point."""
+    tags = study.run(step).data.tags
+    params = study.run(step).data.params
+    point = "not chosen (no evaluation run)"
+    if evaluation:
+        run = study.client.get_run(evaluation)
+        threshold = run.data.metrics.get("operating_point/val_chosen")
+        if threshold is not None:
+            rule = run.data.tags.get("operating_point.val_chosen.rule", "")
+            point = f"m = {threshold:,.0f} mm³ chosen on validation{f' by {rule}' if rule else ''} (evaluation run {evaluation})"
+    data = params.get("data.root") or tags.get("eval_cohort") or "see the training run"
+    return (f"{arm_label(arm)} arm of study {experiment} (parent run {study.parent.info.run_id}, "
+            f"training run {study.steps[step]}). Recipe: {tags.get('recipe', 'not recorded')} (profile {tags.get('profile', '-')}), synthetic ratio "
+            f"{tags.get('synthx_ratio', '0')}. Data: {data}, split sha256 {tags.get('split_sha256', 'not recorded')[:12]}. "
+            f"Operating point: {point}.")
+
+
 def publish_study(uri: str, parent_id: str, output_dir: str | Path) -> Path:
-    """What a finished study publishes on its parent run: registry aliases (``baseline``, ``synthx``
-    and ``<experiment>-baseline``/``-synthx`` on ``benchx-<backbone>``, ``<experiment>`` on
-    ``synthx-generator``), the headline metrics, and the HTML report (also written to ``output_dir``)."""
+    """What a finished study publishes on its parent run: registry aliases ``<experiment>-<arm>`` on
+    ``benchx-<backbone>`` (scoped by experiment) and ``<experiment>`` on ``synthx-generator``, a
+    description on each version, the headline metrics, the verdict as the run's description, and
+    the HTML report (also written to ``output_dir``)."""
     from lightning_modules.models.pyfunc import set_aliases
 
     with tempfile.TemporaryDirectory() as folder:
         study = load_study(parent_id, uri, Path(folder))
         experiment = study.client.get_experiment(study.parent.info.experiment_id).name
         aliases = {}
-        for step, variant in (("baseline", "baseline"), ("augmented", "synthx")):
-            if step in study.steps:
-                aliases[variant] = set_aliases(study.steps[step], uri, [variant, f"{experiment}-{variant}"])
+        for step, variant in study_arms(study):
+            # Scoped by experiment: one experiment's study never moves another's aliases.
+            aliases[variant] = set_aliases(study.steps[step], uri, [f"{experiment}-{variant}"])
+            evaluation = study.steps.get(f"evaluate_{variant}") or study.steps.get(f"evaluate_{step}")
+            if aliases[variant]:
+                name, _, version = aliases[variant].partition("/")
+                study.client.update_model_version(name, version, description=model_version_description(
+                    study, step, variant, experiment, evaluation))
         if "synthx_train" in study.steps:
             aliases["generator"] = set_aliases(study.steps["synthx_train"], uri, [experiment], prefix="synthx-")
         for variant, target in aliases.items():
             if target:
                 study.client.set_tag(parent_id, f"model.{variant}", target)
         try:
-            log_headline(study.client, parent_id, study.csv("compare", "comparison/test_comparison.csv"))
+            log_headline(study.client, parent_id, study_comparison(study))
+            # The parent run's description in the MLflow UI: the verdict.
+            study.client.set_tag(parent_id, NOTE_TAG, "\n\n".join(verdict_lines(study)))
         except LookupError as error:
-            print(f"[study] headline metrics not logged: {error}")
+            print(f"[study] headline metrics and verdict not logged: {error}")
     return build_report(parent_id, uri, Path(output_dir) / "study_report.html")
+
+
+# ------------------------------------------------------------------------------------------------
+# The results page (Markdown)
+
+
+def results_table(comparison: pd.DataFrame, point: str, metric: str = "sensitivity") -> pd.DataFrame:
+    """Overall and per phase: scans, each arm's ``metric`` in % and each compared arm's difference
+    from its reference with the paired 95% CI, at ``point``."""
+    from synthx.labels import arm_label, attribute_label, group_label
+    from synthx.verdict import comparison_arms
+
+    table = comparison[comparison["metric"] == metric]
+    if "operating_point" in table.columns:
+        table = table[table["operating_point"] == point]
+    table = table[table["attribute"].isin(["overall", "phase"])]
+    arms = comparison_arms(comparison)
+    rows = []
+    for (attribute, group), part in table.groupby(["attribute", "group"], sort=False):
+        first = part.iloc[0]
+        row = {"Subgroup": f"{attribute_label(attribute)}: {group_label(attribute, group)}" if attribute != "overall"
+               else "All scans", "Tumor scans": int(first["positives"]), "Healthy scans": int(first["negatives"])}
+        references = part["reference"].astype(str) if "reference" in part.columns else pd.Series("baseline", index=part.index)
+        values = {}
+        for reference, r in zip(references, part.itertuples(index=False)):
+            values.setdefault(reference, r.a)
+            values.setdefault(str(r.run), r.b)
+        for arm in arms:
+            row[arm_label(arm)] = _pct(values.get(arm))
+        for reference, r in zip(references, part.itertuples(index=False)):
+            row[f"{arm_label(r.run)} - {arm_label(reference)} [95% CI]"] = (
+                f"{_pct(r.delta, True)} [{_pct(r.ci_low, True)}, {_pct(r.ci_high, True)}]")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _markdown_table(frame: pd.DataFrame) -> str:
+    header = "| " + " | ".join(str(c) for c in frame.columns) + " |"
+    rule = "|" + "|".join("---" for _ in frame.columns) + "|"
+    lines = ["| " + " | ".join(str(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join([header, rule, *lines])
+
+
+def results_markdown(study: StudyRuns) -> str:
+    """docs/results.md: the verdict and a short table, naming the run and the commit that produced them."""
+    from synthx.labels import point_label
+
+    parent = study.parent
+    experiment = study.client.get_experiment(parent.info.experiment_id).name
+    comparison = study_comparison(study)
+    from synthx.verdict import available_point
+
+    point = available_point(comparison, PRIMARY_POINT)
+    thresholds = ""
+    if "threshold_a" in comparison.columns and "operating_point" in comparison.columns:
+        at = comparison[comparison["operating_point"] == point]
+        if len(at):
+            thresholds = f" (m = {float(at['threshold_a'].iloc[0]):,.0f} mm³ for the baseline)"
+    lines = [
+        "# Results",
+        "",
+        f"Generated by `benchx report --markdown` from the study run `{parent.info.run_id}` "
+        f"(experiment `{experiment}`, run name `{parent.info.run_name}`) at commit "
+        f"`{parent.data.tags.get('git_commit', 'not recorded')}`. Regenerate it rather than editing it.",
+        "",
+        "## Verdict (test set)",
+        "",
+        *[f"- {line}" for line in verdict_lines(study)],
+        "",
+        f"## Sensitivity in % at {point_label(point)}{thresholds}",
+        "",
+        _markdown_table(results_table(comparison, point)),
+        "",
+        "Differences are in percentage points with paired 95% bootstrap CIs over patients "
+        "(docs/design.md \"Confidence intervals and comparisons\"). The full tables are in the study's HTML report.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_results_markdown(run_id: str, uri: str, out: str | Path) -> Path:
+    """Write :func:`results_markdown` of a study's parent run to ``out``."""
+    out = Path(out)
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            text = results_markdown(load_study(run_id, uri, Path(folder)))
+        except LookupError as error:
+            raise ReportError(f"run {run_id}: no results page without a finished comparison: {error}") from error
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    return out

@@ -81,6 +81,7 @@ TARGETS_ARTIFACT = "synthx/targets.csv"
 LOCKED_CASES = 307
 LOCKED_SEED_OFFSET = 1000  # the locked phantom's seed: the development phantom's seed + this
 LOCKED_PREFIX = "L"  # the locked cases' and patients' ids in the evaluation view
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 
 
 @dataclass
@@ -161,6 +162,8 @@ class StudyRunner:
         self.client = MlflowClient(tracking_uri=uri)
         self.experiment = experiment
         self.experiment_id = experiment_id(experiment, uri)
+        # A model-training experiment, so the MLflow UI opens it on its runs rather than on GenAI pages.
+        self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         self.code_version = code_version
         self.parent_id = parent_run_id or self.client.create_run(
             self.experiment_id, run_name=parent_name, tags={"stage": "study", "git_commit": code_version, **(parent_tags or {})}
@@ -399,7 +402,7 @@ def evaluate_action(recipe, trained: dict, variant: str, test_set: str = "test")
         from lightning_modules.evaluation.runs import evaluate
 
         run_id, _ = evaluate(recipe, trained["checkpoint"], ("val", "test"), training_run_id=trained["run_id"],
-                             run_name=f"evaluate-{recipe.name}-{variant}-{test_set}",
+                             run_name=f"{variant}-evaluate-{recipe.name}-{test_set}",
                              extra_tags={**tags, "variant": variant, "test_set": test_set})
         return {"run_id": run_id}
 
@@ -728,4 +731,21 @@ def _run_study(settings: StudySettings, parent_tags: dict[str, str] | None = Non
         raise
     runner.finish()
     print(f"[study] parent run {runner.parent_id} in experiment '{settings.experiment}' ({runner.uri})")
+    print(f"[study] MLflow UI: {ui_command(runner.uri, runner.experiment_id)}")
+    print(verdict_text(table))
     return table
+
+
+def ui_command(uri: str, experiment_id: str, port: int = 5000) -> str:
+    """The command that opens the study's runs in the MLflow UI, and the page to open (the runs
+    view of the experiment, not MLflow 3's GenAI overview)."""
+    return (f"mlflow ui --backend-store-uri {uri} --port {port}, then open "
+            f"http://127.0.0.1:{port}/#/experiments/{experiment_id}/runs")
+
+
+def verdict_text(comparison: pd.DataFrame) -> str:
+    """The verdict sentences the study ends on (:func:`synthx.verdict.study_verdict`)."""
+    from synthx.verdict import study_verdict
+
+    lines = study_verdict(comparison)
+    return "Verdict (test):\n" + "\n".join(f"  {line}" for line in lines) if lines else "Verdict: no designed subgroup in the comparison"

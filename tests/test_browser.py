@@ -3,8 +3,8 @@ both training runs, the registered models, and the HTML report renders.
 
 Starts ``mlflow server`` on 127.0.0.1 (one worker, no job execution) against the tiny study's store and
 reads the rendered pages (iframes included) from headless Chromium over its DevTools protocol; screenshots
-of each page are saved to ``$BENCHX_TEST_ARTIFACTS/browser`` (default ``outputs/test-artifacts/browser``) for a person to look
-at. Needs Debian's ``chromium`` (installed by ``.ci/setup``); without it the test is skipped, loudly.
+of each page are saved to ``$BENCHX_TEST_ARTIFACTS/browser`` (default: a new temporary folder; its path is printed)
+for a person to look at, and kept by CI as artifacts. Needs Debian's ``chromium`` (installed by ``.ci/setup``); without it the test is skipped, loudly.
 
 Run: .venv/bin/python -m pytest -q tests/test_browser.py
 """
@@ -29,13 +29,11 @@ from typing import Callable
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import REPO_ROOT
-
 sys.path.insert(0, str(Path(__file__).resolve().parent / "synthx"))
 from tiny_study import finished_study  # noqa: E402,F401  (fixture)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-ARTIFACTS = Path(os.environ.get("BENCHX_TEST_ARTIFACTS", REPO_ROOT / "outputs" / "test-artifacts")) / "browser"
+ARTIFACTS = Path(os.environ.get("BENCHX_TEST_ARTIFACTS") or tempfile.mkdtemp(prefix="benchx-test-artifacts-")) / "browser"
 
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None,
@@ -105,18 +103,22 @@ class Chromium:
         shutil.rmtree(self.profile, ignore_errors=True)
 
     def render(self, url: str, name: str, expect: tuple[str, ...], timeout_s: float = 90.0,
-               ready: Callable[[str], bool] | None = None) -> tuple[str, Path]:
+               ready: Callable[[str], bool] | None = None, viewport: tuple[int, int] | None = None,
+               probe: str | None = None) -> tuple[str, Path]:
         """Open ``url``; once every string of ``expect`` is in the page (frames included) and ``ready``
         (if given) accepts its DOM, or ``timeout_s`` passed, save ``<name>.png`` and ``<name>.txt`` under
         ARTIFACTS; return the page's flattened DOM and the PNG.
 
         ``ready`` is for pages that are still being parsed when their text first shows: a long report
-        has its headings in the DOM before the images that follow them.
+        has its headings in the DOM before the images that follow them. ``viewport`` (width, height)
+        sets the screen size; ``probe``, a JavaScript expression, is evaluated after rendering and its
+        JSON value returned as the flattened DOM's first line.
         """
-        return asyncio.run(self._render(url, name, expect, timeout_s, ready))
+        return asyncio.run(self._render(url, name, expect, timeout_s, ready, viewport, probe))
 
     async def _render(self, url: str, name: str, expect: tuple[str, ...], timeout_s: float,
-                      ready: Callable[[str], bool] | None) -> tuple[str, Path]:
+                      ready: Callable[[str], bool] | None, viewport: tuple[int, int] | None = None,
+                      probe: str | None = None) -> tuple[str, Path]:
         import aiohttp
 
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -145,6 +147,9 @@ class Chromium:
                             return message["result"]
 
                 await call("Page.enable")
+                if viewport:
+                    await call("Emulation.setDeviceMetricsOverride", width=viewport[0], height=viewport[1],
+                               deviceScaleFactor=1, mobile=False)
                 await call("Page.navigate", url=url)
                 deadline, dom = time.time() + timeout_s, ""
                 while True:
@@ -158,6 +163,11 @@ class Chromium:
                     await asyncio.sleep(1.0)
                 await asyncio.sleep(1.0)  # let the last layout paint
                 shot = await call("Page.captureScreenshot", format="png")
+                if probe:
+                    value = await call("Runtime.evaluate", expression=f"JSON.stringify({probe})", returnByValue=True)
+                    dom = value["result"].get("value", "null") + "\n" + dom
+                if viewport:
+                    await call("Emulation.clearDeviceMetricsOverride")
         png = ARTIFACTS / f"{name}.png"
         png.write_bytes(base64.b64decode(shot["data"]))
         (ARTIFACTS / f"{name}.txt").write_text(dom)
@@ -194,12 +204,14 @@ def dark_pixels(png: Path, box: tuple[float, float, float, float]) -> int:
 
 
 @pytest.fixture
-def chromium():
+def chromium(capsys):
     browser = Chromium()
     try:
         yield browser
     finally:
         browser.close()
+        with capsys.disabled():
+            print(f"\nbrowser screenshots: {ARTIFACTS}")
 
 
 def test_mlflow_ui_shows_the_study_runs_models_and_report(finished_study, mlflow_ui, chromium):
@@ -212,21 +224,27 @@ def test_mlflow_ui_shows_the_study_runs_models_and_report(finished_study, mlflow
     runs_page, _ = chromium.render(f"{mlflow_ui}/#/experiments/{experiment}/runs", "experiment-runs", ("study-unet",))
     assert "study-unet" in runs_page, "the study's parent run is not listed"
 
-    for step, name in (("baseline", "train-unet-baseline"), ("augmented", "train-unet-synthx")):
+    # The parent run's description is the verdict.
+    page, _ = chromium.render(f"{mlflow_ui}/#/experiments/{experiment}/runs/{parent_id}", "parent-run",
+                              ("Scarcity gap (arterial)",))
+    assert "Scarcity gap (arterial)" in page, "the parent run's description does not show the verdict"
+
+    for step, name in (("baseline", "baseline-train-unet"), ("augmented", "synthx-train-unet")):
         page, _ = chromium.render(f"{mlflow_ui}/#/experiments/{experiment}/runs/{tags[f'step.{step}']}", f"run-{name}", (name,))
         assert name in page, f"{name} does not render"
 
     models, _ = chromium.render(f"{mlflow_ui}/#/models", "registered-models", ("benchx-unet", "synthx-generator"))
     assert "benchx-unet" in models and "synthx-generator" in models
     # An alias tag's attributes: "... title <alias> data-component-id ..._modelversionaliastag.tsx_...".
-    tags = tuple(f"title {alias} data-component-id codegen_mlflow_app_src_model-registry_components_aliases_modelversionaliastag" for alias in ("baseline", "synthx"))
+    aliases = {f"{settings.experiment}-{arm}" for arm in ("baseline", "synthx")}
+    tags = tuple(f"title {alias} data-component-id codegen_mlflow_app_src_model-registry_components_aliases_modelversionaliastag" for alias in aliases)
     model, _ = chromium.render(f"{mlflow_ui}/#/models/benchx-unet", "registered-model-benchx-unet", tags)
     shown = set(re.findall(r"title (\S+) data-component-id \S*modelversionaliastag", model))
-    assert {"baseline", "synthx"} <= shown, f"the aliases are not shown on the model page: {sorted(shown)}"
+    assert aliases <= shown, f"the aliases are not shown on the model page: {sorted(shown)}"
 
     # The report: the UI previews it in the parent run's artifact view (an iframe of a blob of the
     # file); the preview's document holds the report and paints (the preview area is not blank).
-    expected = ("Baseline vs SynthX (BenchX table 6)", "Forest plots per attribute")
+    expected = ("Arms compared (BenchX table 6)", "Forest plots per operating point")
     # The report's headings are in the DOM before the images after them are parsed: wait for the images.
     def figures(dom: str) -> bool:
         return dom.count("data:image/png;base64,") >= 3
@@ -239,6 +257,16 @@ def test_mlflow_ui_shows_the_study_runs_models_and_report(finished_study, mlflow
     assert dark_pixels(shot, (0.30, 0.25, 0.70, 0.85)) > 2000, f"the report preview paints nothing: see {shot}"
     # And the file itself, opened in the browser.
     downloaded = Path(client.download_artifacts(parent_id, "report/study_report.html", str(ARTIFACTS)))
-    report, _ = chromium.render(downloaded.resolve().as_uri(), "study-report", expected, ready=figures)
+    # On a 1,280 x 800 screen: the verdict is in the first screen, and nothing is wider than the screen.
+    probe = ("{verdict: document.querySelector('ul.verdict').getBoundingClientRect().bottom, "
+             "height: window.innerHeight, width: document.documentElement.scrollWidth, screen: window.innerWidth}")
+    report, shot = chromium.render(downloaded.resolve().as_uri(), "study-report", expected, ready=figures,
+                                   viewport=(1280, 800), probe=probe)
     assert all(text in report for text in expected)
     assert report.count("data:image/png;base64,") >= 3 and "not available" not in report
+    import json
+
+    layout = json.loads(report.splitlines()[0])
+    assert 0 < layout["verdict"] <= layout["height"], f"the verdict is not in the first screen: {layout}; see {shot}"
+    assert layout["width"] <= layout["screen"] == 1280, f"the report is wider than a 1,280 px screen: {layout}; see {shot}"
+    assert "Scarcity gap (arterial)" in report and "Primary endpoint" in report

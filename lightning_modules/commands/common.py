@@ -154,7 +154,7 @@ def add_model_source_arguments(parser: argparse.ArgumentParser, recipe_help: str
         "--run-id",
         type=run_id,
         help="MLflow training run (its recipe.yaml and best checkpoint are used), or a registered model "
-        "URI such as models:/benchx-unet@baseline",
+        "URI such as models:/benchx-unet@benchx-study-baseline",
     )
     source.add_argument("--model-uri", dest="run_id", type=run_id, metavar="URI", help="same as --run-id, e.g. models:/benchx-unet/3")
     source.add_argument("--checkpoint", help="a checkpoint file (needs --recipe)")

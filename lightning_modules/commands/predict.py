@@ -8,7 +8,7 @@ be read or hold NaN or infinite voxels (they are listed at the end; the others w
 
 Example::
 
-    benchx predict --model-uri models:/benchx-unet@baseline --input data/example_ct --out predictions/
+    benchx predict --model-uri models:/benchx-unet@benchx-study-baseline --input data/example_ct --out predictions/
     benchx predict --run-id <training run> --input data/example_ct --out predictions/
     benchx predict --checkpoint best.ckpt --recipe recipes/unet.yaml --input scan.nii.gz --out predictions/
 """

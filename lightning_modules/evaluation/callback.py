@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_modules.evaluation.artifacts import log_evaluation_artifacts
 from lightning_modules.evaluation.bootstrap import bootstrap_subgroup_metrics
 from lightning_modules.evaluation.detection import subgroup_metrics
-from lightning_modules.evaluation.metric_keys import mlflow_metric_keys
+from lightning_modules.evaluation.metric_keys import headline_metric_keys, mlflow_metric_keys
 from lightning_modules.evaluation.records import fixed_rule_score
 from lightning_modules.evaluation.thresholds import OperatingPoint, choose_operating_point
 
@@ -50,6 +50,8 @@ class SubgroupEvaluation(Callback):
         confidence: CI level.
         val_resamples: resamples on validation (0: point estimates only, keeps training fast).
         tables_on_val: also log tables and the figure at every validation.
+        headline_only: log the overall headline keys only (``metric_keys.headline_metric_keys``):
+            an evaluation run logs its per-group keys at the validation-chosen point itself.
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class SubgroupEvaluation(Callback):
         confidence: float = 0.95,
         val_resamples: int = 0,
         tables_on_val: bool = False,
+        headline_only: bool = False,
     ):
         self.fixed_threshold = float(threshold_mm3)
         self.threshold = float(threshold_mm3)
@@ -72,6 +75,7 @@ class SubgroupEvaluation(Callback):
         self.confidence = float(confidence)
         self.val_resamples = int(val_resamples)
         self.tables_on_val = tables_on_val
+        self.headline_only = headline_only
         self.operating_point = OperatingPoint("fixed", self.threshold, "fixed")
         self.results: dict[str, pd.DataFrame] = {}
         self.records: dict[str, pd.DataFrame] = {}
@@ -133,7 +137,8 @@ class SubgroupEvaluation(Callback):
         else:
             table = subgroup_metrics(records, self.threshold, score=score)
         self.results[stage], self.records[stage] = table, records
-        metrics = mlflow_metric_keys(table, stage, ci=resamples > 0)
+        metrics = (headline_metric_keys(table, stage, groups=False) if self.headline_only
+                   else mlflow_metric_keys(table, stage, ci=resamples > 0))
         metrics[f"{stage}/threshold"] = self.threshold
         # The headline values go through Lightning, so checkpointing and pruning callbacks see them.
         for key in (f"{stage}/{metric}/overall" for metric in HEADLINE_METRICS):

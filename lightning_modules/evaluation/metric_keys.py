@@ -87,3 +87,21 @@ def mlflow_metric_keys(table: pd.DataFrame, stage: str, ci: bool = True) -> dict
                 metrics[f"{stage}/{metric}_gap/{attribute}"] = float(gap.gap)
                 metrics[f"{stage}/{metric}_worst/{attribute}"] = float(gap.worst)
     return metrics
+
+
+HEADLINE_RATES = ("sensitivity", "specificity", "auc", "f1")
+HEADLINE_COUNTS = ("n_patients", "n", "positives", "negatives")
+
+
+def headline_metric_keys(table: pd.DataFrame, stage: str, groups: bool = True) -> dict[str, float]:
+    """The few keys a person plots in the MLflow UI: overall counts, sensitivity, specificity, AUC
+    and F1 overall and (``groups``) per group, and per attribute the worst group and the gap.
+
+    The full table (CIs, counts per group) goes in as an MLflow table beside them, not as metrics.
+    """
+    full = mlflow_metric_keys(table, stage, ci=False)
+    keep = {f"{stage}/{name}/overall" for name in (*HEADLINE_COUNTS, *HEADLINE_RATES)}
+    rates = tuple(f"{stage}/{name}/" for name in HEADLINE_RATES)
+    summaries = tuple(f"{stage}/{name}_{kind}/" for name in HEADLINE_RATES for kind in ("gap", "worst"))
+    return {key: value for key, value in full.items()
+            if key in keep or (groups and (key.startswith(rates) or key.startswith(summaries)))}

@@ -45,7 +45,7 @@ from lightning_modules.evaluation.artifacts import download_records, log_evaluat
 from lightning_modules.evaluation.bootstrap import bootstrap_subgroup_metrics, evaluation_set_hash, paired_differences
 from lightning_modules.evaluation.callback import FALLBACK_TAG, SubgroupEvaluation
 from lightning_modules.evaluation.figures import close, comparison_figure
-from lightning_modules.evaluation.metric_keys import mlflow_metric_keys
+from lightning_modules.evaluation.metric_keys import headline_metric_keys
 from lightning_modules.evaluation.provenance import GENERATOR_CASES_ARTIFACT, generator_overlap, training_cases, training_overlap
 from lightning_modules.evaluation.records import fixed_rule_score, score_column
 from lightning_modules.evaluation.subgroups import support_rule_text
@@ -200,7 +200,9 @@ def _log_operating_points(client, run_id: str, recipe: DictConfig, callback, sta
             table = bootstrap_subgroup_metrics(records, point.threshold, n_resamples=int(detection.bootstrap_resamples),
                                                confidence=float(detection.confidence), score=score,
                                                resample_thresholds=nested)
-            metrics = mlflow_metric_keys(table, name)
+            # A few hundred keys a person can plot: per group only at the validation-chosen point
+            # (its full table, CIs included, is logged as an MLflow table below).
+            metrics = headline_metric_keys(table, name, groups=point.name == "val_chosen")
             metrics[f"{name}/threshold"] = point.threshold
             log_metrics(client, run_id, metrics)
             log_evaluation_artifacts(client, run_id, name, None, table)
@@ -279,7 +281,7 @@ def evaluate(
     with ended_run(uri, run_id, writer=writer):
         module = load_module_from_checkpoint(recipe, checkpoint)
         logger = RunLogger(experiment_name=str(recipe.tracking.experiment), tracking_uri=uri, run_id=run_id)
-        callback = SubgroupEvaluation.from_recipe(recipe, tables_on_val=True)
+        callback = SubgroupEvaluation.from_recipe(recipe, tables_on_val=True, headline_only=True)
         trainer = build_trainer(recipe.trainer, None, logger=logger, callbacks=[callback, FailWithLaunchedProcesses(uri, run_id)],
                                 enable_model_summary=False, enable_progress_bar=sys.stderr.isatty())
         if datamodule.case_ids("val"):

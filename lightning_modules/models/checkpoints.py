@@ -86,7 +86,7 @@ def training_run_artifacts(run_id: str, uri: str, folder: Path) -> tuple[Path, P
 
 
 def registered_model_artifacts(model_uri: str, uri: str, folder: Path) -> tuple[Path, Path]:
-    """Download a registered model (``models:/benchx-unet@baseline``); its recipe and checkpoint artifacts."""
+    """Download a registered model (``models:/benchx-unet@benchx-study-baseline``); its recipe and checkpoint artifacts."""
     import mlflow
     from mlflow.models import Model
 
@@ -125,7 +125,7 @@ def resolve_model_source(
 
     Args:
         folder: where a run's artifacts are downloaded (the caller keeps it alive while it loads).
-        run_id: an MLflow training run, or a registered model URI (``models:/benchx-unet@baseline``);
+        run_id: an MLflow training run, or a registered model URI (``models:/benchx-unet@benchx-study-baseline``);
             its resolved recipe is used unless ``recipe`` replaces it.
         checkpoint: a checkpoint file (then ``recipe`` is required).
         recipe: the recipe YAML for ``checkpoint``, or one that replaces the run's recipe.

@@ -24,10 +24,10 @@ at load, or ``params={"threshold_mm3": m}`` per call, overrides it.
 Example::
 
     import mlflow, pandas as pd
-    model = mlflow.pyfunc.load_model("models:/benchx-unet@baseline")
+    model = mlflow.pyfunc.load_model("models:/benchx-unet@benchx-study-baseline")
     result = model.predict(pd.DataFrame({"ct_path": ["data/example_ct/TS_EXAMPLE/ct.nii.gz"]}))
-    strict = mlflow.pyfunc.load_model("models:/benchx-unet@baseline", model_config={"threshold_mm3": 200.0})
-    mlflow models predict -m models:/benchx-unet@baseline -i scans.json -t json --env-manager local
+    strict = mlflow.pyfunc.load_model("models:/benchx-unet@benchx-study-baseline", model_config={"threshold_mm3": 200.0})
+    mlflow models predict -m models:/benchx-unet@benchx-study-baseline -i scans.json -t json --env-manager local
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ the parent run, registry aliases on the right versions, a self-contained HTML re
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -20,11 +22,12 @@ def test_runs_are_named_and_the_parent_carries_the_headline(finished_study):
     assert parent.info.run_name == "study-unet"
     steps = {k[len("step."):]: v for k, v in parent.data.tags.items() if k.startswith("step.")}
     names = {step: client.get_run(run_id).info.run_name for step, run_id in steps.items()}
-    assert names["baseline"] == "train-unet-baseline" and names["augmented"] == "train-unet-synthx"
-    assert names["evaluate_baseline"] == "evaluate-unet-baseline-test"
-    # The arms are compared on the locked test cohort.
-    assert names["evaluate_synthx"] == "evaluate-unet-synthx-locked" and names["sham"] == "train-unet-sham"
-    assert names["evaluate_sham"] == "evaluate-unet-sham-locked"
+    # Short, the arm first (the UI cuts long names at their end); the arms are compared on the locked test cohort.
+    assert names["baseline"] == "baseline-train-unet" and names["augmented"] == "synthx-train-unet"
+    assert names["sham"] == "sham-train-unet"
+    assert names["evaluate_baseline"] == "baseline-evaluate-unet-test"
+    assert names["evaluate_synthx"] == "synthx-evaluate-unet-locked"
+    assert names["evaluate_sham"] == "sham-evaluate-unet-locked"
 
     from synthx.report import headline
 
@@ -52,12 +55,21 @@ def test_aliases_point_at_the_study_versions(finished_study):
     settings, uri, parent_id = finished_study
     client = MlflowClient(uri)
     tags = client.get_run(parent_id).data.tags
-    assert client.get_model_version_by_alias("benchx-unet", "baseline").run_id == tags["step.baseline"]
-    assert client.get_model_version_by_alias("benchx-unet", "synthx").run_id == tags["step.augmented"]
+    baseline = client.get_model_version_by_alias("benchx-unet", f"{settings.experiment}-baseline")
+    assert baseline.run_id == tags["step.baseline"]
     assert client.get_model_version_by_alias("benchx-unet", f"{settings.experiment}-synthx").run_id == tags["step.augmented"]
     assert client.get_model_version_by_alias("synthx-generator", settings.experiment).run_id == tags["step.synthx_train"]
+    # Scoped by experiment: no bare alias another experiment's study would move.
+    aliases = set(client.get_registered_model("benchx-unet").aliases)
+    assert not {"baseline", "synthx"} & aliases, aliases
+    # The version says what it is: arm, recipe, data and the validation-chosen operating point.
+    chosen = client.get_run(tags["step.evaluate_baseline"]).data.metrics["operating_point/val_chosen"]
+    description = client.get_model_version("benchx-unet", baseline.version).description
+    assert description.startswith(f"baseline arm of study {settings.experiment}"), description
+    assert "Recipe: unet" in description and "Data: " in description and "split sha256" in description
+    assert f"m = {chosen:,.0f} mm³ chosen on validation" in description, description
     evaluated = client.get_run(tags["step.evaluate_synthx"]).data.tags
-    version = client.get_model_version_by_alias("benchx-unet", "synthx").version
+    version = client.get_model_version_by_alias("benchx-unet", f"{settings.experiment}-synthx").version
     assert evaluated.get("model_version") == str(version) and evaluated.get("registered_model") == "benchx-unet"
     inputs = client.get_run(tags["step.evaluate_synthx"]).inputs.dataset_inputs
     contexts = {t.value for d in inputs for t in d.tags if t.key == "mlflow.data.context"}
@@ -70,10 +82,19 @@ def test_the_report_is_self_contained_and_rebuilt_by_benchx_report(finished_stud
 
     written = Path(settings.output_dir) / "study_report.html"
     text = written.read_text()
-    for title in ("Baseline vs SynthX (BenchX table 6)", "Forest plots per attribute", "Baseline subgroup table",
-                  "Synthetic cohort", "Unfillable cells", "Examples per phase", "Leakage audit", "Recipes", "Versions"):
+    for title in ("Baseline by subgroup (test)", "Tumors found per subgroup", "Arms compared (BenchX table 6)",
+                  "Forest plots per operating point", "ROC curves per phase and arm", "Training curves",
+                  "Synthetic cohort", "Unfillable cells", "Real and synthetic tumors per phase", "Quality summary",
+                  "Leakage audit", "Recipes", "Versions"):
         assert title in text, title
-    assert len(re.findall(r'src="data:image/png;base64,', text)) >= 3, "forest plots and the example grid are embedded"
+    # The baseline figure, a forest plot per operating point, ROC, training curves and real/synthetic examples.
+    assert len(re.findall(r'src="data:image/png;base64,', text)) >= 7
+    # Tables people read: labels, not keys; % not fractions; one forest plot per operating point.
+    assert "Age: 20 or younger" in text and "Phase: arterial" in text
+    assert not re.search(r"<td>le20</td>|<th>sensitivity_ci_low</th>", text)
+    assert text.count("<h3>SynthX minus baseline at ") == 3, "fixed, validation-chosen and matched specificity"
+    # The quality summary: measured contrast of real and synthetic tumors (HU) side by side.
+    assert re.search(r"<td>all phases</td>\s*<td>\d+ / \d+</td>\s*<td>[+-]\d+</td>\s*<td>[+-]\d+</td>", text)
     assert not re.search(r'src="(?!data:)', text), "no external resources"
     assert "not available" not in text, re.findall(r"not available[^<]*", text)
 
@@ -82,7 +103,7 @@ def test_the_report_is_self_contained_and_rebuilt_by_benchx_report(finished_stud
     out = tmp_path / "again.html"
     assert main(["report", "--run-id", parent_id, "--out", str(out), "--tracking-uri", uri]) == 0
     rebuilt = out.read_text()
-    assert "Baseline vs SynthX" in rebuilt and rebuilt.count("data:image/png;base64,") == text.count("data:image/png;base64,")
+    assert "Arms compared" in rebuilt and rebuilt.count("data:image/png;base64,") == text.count("data:image/png;base64,")
     artifacts = {a.path for a in MlflowClient(uri).list_artifacts(parent_id, "report")}
     assert "report/study_report.html" in artifacts
 
@@ -102,7 +123,7 @@ def test_a_missing_item_is_reported_as_not_available(finished_study, tmp_path):
 
     text = build_report(partial, uri, tmp_path / "partial.html", log=False).read_text()
     assert "not available: the study has no &#x27;synthesize&#x27; step" in text or "no 'synthesize' step" in text
-    assert "comparison/test_comparison.csv" in text and "Baseline subgroup table" in text
+    assert "comparison/test_comparison.csv" in text and "Baseline by subgroup" in text
 
 
 def test_report_of_a_run_that_is_not_a_study_exits_2(finished_study, capsys):
@@ -135,3 +156,75 @@ def test_versions_name_a_package_that_is_not_installed(monkeypatch):
     page = report.versions_html(study)
     assert re.search(r"diffusers \(report built with\)</td>\s*<td>not installed", page), page
     assert "torch (report built with)" in page and "abc123" in page
+
+
+def _comparison(client, parent_id, folder) -> pd.DataFrame:
+    compare = client.get_run(parent_id).data.tags["step.compare"]
+    path = client.download_artifacts(compare, "comparison/test_comparison.csv", str(folder))
+    return pd.read_csv(path, keep_default_na=False, na_values=[""])
+
+
+def test_the_verdict_opens_the_report_and_is_the_parent_s_description(finished_study, tmp_path):
+    import html
+    from pathlib import Path
+
+    from synthx.verdict import study_verdict
+
+    settings, uri, parent_id = finished_study
+    client = MlflowClient(uri)
+    lines = study_verdict(_comparison(client, parent_id, tmp_path), "val_chosen")
+    assert [re.split("[,:]", line)[0] for line in lines] == ["Scarcity gap (arterial)", "Physics gap (non-contrast)",
+                                                              "Primary endpoint (sensitivity in arterial)"]
+    assert all(re.search(r" - (closed|not closed|undetermined)( \(SynthX - baseline |\.$)", line) for line in lines), lines
+    assert client.get_run(parent_id).data.tags["mlflow.note.content"] == "\n\n".join(lines)
+    text = (Path(settings.output_dir) / "study_report.html").read_text()
+    first_section = text.index("<h2>")
+    assert text[first_section:].startswith("<h2>Verdict (test)</h2>"), text[first_section:first_section + 80]
+    assert html.escape(lines[0]) in text[:text.index("Arms compared")]
+
+
+def test_benchx_report_markdown_writes_the_results_page(finished_study, tmp_path):
+    from lightning_modules.cli import main
+    from synthx.report import _pct
+    from synthx.verdict import study_verdict
+
+    settings, uri, parent_id = finished_study
+    client = MlflowClient(uri)
+    out = tmp_path / "docs" / "results.md"
+    assert main(["report", "--run-id", parent_id, "--markdown", str(out), "--tracking-uri", uri]) == 0
+    page = out.read_text()
+    parent = client.get_run(parent_id)
+    assert page.startswith("# Results\n")
+    assert f"`{parent_id}`" in page and f"`{parent.data.tags['git_commit']}`" in page, "names the run and commit"
+    comparison = _comparison(client, parent_id, tmp_path)
+    verdict = page.split("## Verdict (test set)\n\n")[1].split("\n\n")[0].splitlines()
+    assert verdict == [f"- {line}" for line in study_verdict(comparison, "val_chosen")]
+    table = [line for line in page.splitlines() if line.startswith("|")]
+    assert table[0] == "| Subgroup | Tumor scans | Healthy scans | baseline | SynthX | SynthX - baseline [95% CI] |"
+    rows = {line.split(" | ")[0].lstrip("| "): line.strip("| ").split(" | ") for line in table[2:]}
+    assert "All scans" in rows and "Phase: arterial" in rows, rows
+    at = comparison[(comparison["operating_point"] == "val_chosen") & (comparison["metric"] == "sensitivity")]
+    arterial = at[at["group"] == "arterial"].iloc[0]
+    assert rows["Phase: arterial"][1:5] == [str(int(arterial["positives"])), str(int(arterial["negatives"])),
+                                            _pct(arterial["a"]), _pct(arterial["b"])]
+    assert "at the validation-chosen operating point" in page
+
+
+def test_evaluation_runs_log_headline_metrics_and_the_full_table(finished_study, tmp_path):
+    """A few hundred keys a person can plot, not thousands; the full table is an MLflow table."""
+    _, uri, parent_id = finished_study
+    client = MlflowClient(uri)
+    run_id = client.get_run(parent_id).data.tags["step.evaluate_baseline"]
+    metrics = client.get_run(run_id).data.metrics
+    assert 20 < len(metrics) < 500, len(metrics)
+    assert not [k for k in metrics if "_ci_" in k], "CIs live in the table, not in metrics"
+    for key in ("test_val_chosen/sensitivity/phase/venous", "test_val_chosen/auc/overall",
+                "test_val_chosen/specificity_worst/phase", "test_val_chosen/f1_gap/phase", "test_fixed/sensitivity/overall",
+                "operating_point/val_chosen", "test/threshold"):
+        assert key in metrics, key
+    assert "test_fixed/sensitivity/phase/venous" not in metrics, "per group only at the validation-chosen point"
+    table = json.loads(Path(client.download_artifacts(run_id, "evaluation/test_val_chosen_subgroups.json", str(tmp_path))).read_text())
+    columns = table["columns"]
+    assert {"attribute", "group", "sensitivity", "sensitivity_ci_low", "auc"} <= set(columns)
+    venous = dict(zip(columns, next(r for r in table["data"] if r[columns.index("group")] == "venous")))
+    assert metrics["test_val_chosen/sensitivity/phase/venous"] == pytest.approx(venous["sensitivity"])

@@ -215,6 +215,13 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     run_study(settings)
     third = capsys.readouterr().out
     assert third.count("identical finished run") == len(STEPS)
+    # The study ends on the command that opens its runs view (not MLflow's GenAI pages) and the verdict.
+    tail = [line.strip() for line in third.rstrip().splitlines()]
+    verdict_at = tail.index("Verdict (test):")
+    assert f"/#/experiments/{experiment.experiment_id}/runs" in tail[verdict_at - 1]
+    assert tail[verdict_at + 1].startswith("Scarcity gap (arterial)")
+    assert tail[-1].startswith("Primary endpoint (sensitivity in arterial)") and tail[-1].endswith(".")
+    assert client.get_experiment(experiment.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
 
     # Another target in the same output folder: its own synthetic folder, synthesis run and augmented
     # model; the first study's cohort is left as its augmented model saw it.
