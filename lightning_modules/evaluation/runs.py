@@ -424,12 +424,13 @@ def _compare_pair(baseline: EvaluatedRun, other: EvaluatedRun, settings: dict, n
     frames = []
     for (point, (threshold_a, threshold_b)), table in zip(pairs.items(), tables):
         table.insert(0, "run", other.name)
-        table.insert(1, "run_id", other.run_id)
-        table.insert(2, "operating_point", point)
-        table.insert(3, "threshold_a", threshold_a)
-        table.insert(4, "threshold_b", threshold_b)
-        table.insert(5, "score", fixed_score if point == "fixed" else score)
-        table.insert(6, "nested_threshold", bool(table.attrs.get("nested_threshold", False)))
+        table.insert(1, "reference", baseline.name)  # the first run: every difference is run minus reference
+        table.insert(2, "run_id", other.run_id)
+        table.insert(3, "operating_point", point)
+        table.insert(4, "threshold_a", threshold_a)
+        table.insert(5, "threshold_b", threshold_b)
+        table.insert(6, "score", fixed_score if point == "fixed" else score)
+        table.insert(7, "nested_threshold", bool(table.attrs.get("nested_threshold", False)))
         frames.append(table)
     return pd.concat(frames, ignore_index=True)
 
