@@ -852,14 +852,35 @@ def results_markdown(study: StudyRuns) -> str:
     return "\n".join(lines)
 
 
+RESULTS_BLOCK = ("<!-- benchx-results:start -->", "<!-- benchx-results:end -->")
+
+
+def fill_results_block(document: str, page: str) -> str:
+    """``document`` with the text between its :data:`RESULTS_BLOCK` markers replaced by ``page``
+    (the results page without its title, its sections as bold lines), so a README carries the same
+    generated figures as docs/results.md and no hand-copied ones."""
+    start, end = RESULTS_BLOCK
+    if document.count(start) != 1 or document.count(end) != 1 or document.index(start) > document.index(end):
+        raise ReportError(f"the document needs exactly one {start} ... {end} block")
+    body = [line for line in page.splitlines() if not line.startswith("# ")]
+    body = [f"**{line[3:]}**" if line.startswith("## ") else line for line in body]
+    text = "\n".join(body).strip("\n")
+    head, rest = document.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{text}\n{end}{tail}"
+
+
 def write_results_markdown(run_id: str, uri: str, out: str | Path) -> Path:
-    """Write :func:`results_markdown` of a study's parent run to ``out``."""
+    """Write :func:`results_markdown` of a study's parent run to ``out``; when ``out`` already holds a
+    results block (:data:`RESULTS_BLOCK`, as README.md does), only that block is rewritten."""
     out = Path(out)
     with tempfile.TemporaryDirectory() as folder:
         try:
             text = results_markdown(load_study(run_id, uri, Path(folder)))
         except LookupError as error:
             raise ReportError(f"run {run_id}: no results page without a finished comparison: {error}") from error
+    if out.is_file() and RESULTS_BLOCK[0] in out.read_text(encoding="utf-8"):
+        text = fill_results_block(out.read_text(encoding="utf-8"), text)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
     return out
