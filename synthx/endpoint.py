@@ -38,6 +38,12 @@ class PrimaryEndpoint:
     def params(self) -> dict[str, str]:
         return {f"endpoint.{key}": str(value) for key, value in asdict(self).items()}
 
+    @classmethod
+    def from_params(cls, params: dict[str, str]) -> "PrimaryEndpoint":
+        """The endpoint a study logged (:func:`log_endpoint`); the default one where it logged none."""
+        logged = {key: params[f"endpoint.{key}"] for key in asdict(cls()) if f"endpoint.{key}" in params}
+        return cls(**logged)
+
     def mask(self, table: pd.DataFrame) -> pd.Series:
         return ((table["run"] == self.arm) & (table["metric"] == self.metric) & (table["attribute"] == self.attribute)
                 & (table["group"].astype(str) == self.group) & (table["operating_point"] == self.operating_point))

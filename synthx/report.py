@@ -665,7 +665,10 @@ def verdict_lines(study: StudyRuns) -> list[str]:
     """The study's verdict sentences (:func:`synthx.verdict.study_verdict`); LookupError without a comparison."""
     from synthx.verdict import study_verdict
 
-    lines = study_verdict(study_comparison(study), PRIMARY_POINT)
+    from synthx.endpoint import PrimaryEndpoint
+
+    endpoint = PrimaryEndpoint.from_params(dict(study.parent.data.params))
+    lines = study_verdict(study_comparison(study), PRIMARY_POINT, endpoint=endpoint)
     if not lines:
         raise LookupError("the comparison holds none of the designed subgroups")
     return lines

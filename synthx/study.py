@@ -732,7 +732,7 @@ def _run_study(settings: StudySettings, parent_tags: dict[str, str] | None = Non
     runner.finish()
     print(f"[study] parent run {runner.parent_id} in experiment '{settings.experiment}' ({runner.uri})")
     print(f"[study] MLflow UI: {ui_command(runner.uri, runner.experiment_id)}")
-    print(verdict_text(table))
+    print(verdict_text(table, settings.endpoint))
     return table
 
 
@@ -743,9 +743,9 @@ def ui_command(uri: str, experiment_id: str, port: int = 5000) -> str:
             f"http://127.0.0.1:{port}/#/experiments/{experiment_id}/runs")
 
 
-def verdict_text(comparison: pd.DataFrame) -> str:
+def verdict_text(comparison: pd.DataFrame, endpoint: PrimaryEndpoint | None = None) -> str:
     """The verdict sentences the study ends on (:func:`synthx.verdict.study_verdict`)."""
     from synthx.verdict import study_verdict
 
-    lines = study_verdict(comparison)
+    lines = study_verdict(comparison, endpoint=endpoint)
     return "Verdict (test):\n" + "\n".join(f"  {line}" for line in lines) if lines else "Verdict: no designed subgroup in the comparison"

@@ -29,6 +29,7 @@ from typing import Sequence
 
 import pandas as pd
 
+from synthx.endpoint import PrimaryEndpoint
 from synthx.labels import arm_label, group_label, point_label
 
 CLOSED, OPEN, UNDETERMINED = "closed", "open", "undetermined"
@@ -56,16 +57,6 @@ class Contrast:
     delta: float
     ci_low: float
     ci_high: float
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """What the verdict's last sentence judges (the study's pre-specified primary endpoint)."""
-
-    metric: str = "sensitivity"
-    attribute: str = "phase"
-    group: str = "arterial"
-    point: str = "matched_specificity"
 
 
 def outcome(contrast: Contrast) -> str:
@@ -192,15 +183,15 @@ def available_point(comparison: pd.DataFrame, preferred: str) -> str:
     return preferred if preferred in points else points[0]
 
 
-def study_verdict(comparison: pd.DataFrame, point: str = "val_chosen", endpoint: Endpoint | None = None,
+def study_verdict(comparison: pd.DataFrame, point: str = "val_chosen", endpoint: PrimaryEndpoint | None = None,
                   subgroups: Sequence[tuple[str, str, str]] | None = None) -> list[str]:
     """The verdict sentences of a comparison table: one per designed gap at ``point``, then the
     primary endpoint. A subgroup the table lacks gives no sentence."""
     arms = comparison_arms(comparison)
-    endpoint = endpoint or Endpoint(group=designed_gap_subgroups()[0][2])
+    endpoint = endpoint or PrimaryEndpoint(group=designed_gap_subgroups()[0][2])
     lines = []
     gap_point = available_point(comparison, point)
-    end_point = available_point(comparison, endpoint.point)
+    end_point = available_point(comparison, endpoint.operating_point)
     label = f"Primary endpoint ({endpoint.metric} in {group_label(endpoint.attribute, endpoint.group)})"
     judged = [(*subgroup, "sensitivity", gap_point) for subgroup in (designed_gap_subgroups() if subgroups is None else subgroups)]
     judged.append((label, endpoint.attribute, endpoint.group, endpoint.metric, end_point))

@@ -56,3 +56,11 @@ def test_a_missing_endpoint_row_is_said_not_hidden():
     assert "not in the comparison" in endpoint_summary(table, PrimaryEndpoint())
     with pytest.raises(TypeError):
         PrimaryEndpoint(unknown="x")  # the endpoint's fields are fixed
+
+
+def test_the_logged_endpoint_reads_back_from_the_run_params():
+    from synthx.endpoint import PrimaryEndpoint
+
+    chosen = PrimaryEndpoint(group="non-contrast", operating_point="val_chosen")
+    assert PrimaryEndpoint.from_params({**chosen.params(), "other": "x"}) == chosen
+    assert PrimaryEndpoint.from_params({}) == PrimaryEndpoint()

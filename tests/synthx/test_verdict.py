@@ -8,13 +8,13 @@ import math
 import pandas as pd
 import pytest
 
+from synthx.endpoint import PrimaryEndpoint
 from synthx.verdict import (
     CLOSED,
     OPEN,
     UNDETERMINED,
     ArmResult,
     Contrast,
-    Endpoint,
     contrast_sentence,
     outcome,
     study_verdict,
@@ -84,7 +84,7 @@ def test_study_verdict_of_today_s_two_arm_comparison():
 
 def test_study_verdict_judges_synthx_against_sham_when_the_table_pairs_them():
     table = _comparison([("sham", "baseline"), ("synthx", "baseline"), ("synthx", "sham")])
-    lines = study_verdict(table, endpoint=Endpoint(point="val_chosen"))
+    lines = study_verdict(table, endpoint=PrimaryEndpoint(operating_point="val_chosen"))
     assert "baseline found 0 of 11 (0%), sham found 0 of 11 (0%), SynthX found 4 of 11 (36%)" in lines[0]
     assert "(SynthX - sham +36.4 percentage points" in lines[0]
     assert lines[-1].startswith("Primary endpoint (sensitivity in arterial), at the validation-chosen operating point")
