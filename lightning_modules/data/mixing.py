@@ -271,7 +271,6 @@ def matched_datamodule(recipe: DictConfig, synthetic_root: Path | None) -> Cohor
         real_items = case_items(datamodule.cohort, train_ids, classes)
         synth_items, substitutes, match = [], None, None
         if synthetic is not None:
-            check_synthetic_cohort(synthetic, datamodule.split, datamodule.cohort)
             if sham:
                 real = datamodule.cohort.subset(train_ids)
                 if (pd.to_numeric(real["tumor"], errors="coerce").fillna(-1) < 0).any():
@@ -287,6 +286,10 @@ def matched_datamodule(recipe: DictConfig, synthetic_root: Path | None) -> Cohor
         return MatchedTrainingSet(real_items + synth_items, seeded_compose(transforms, int(recipe.seed)), sampler, recipe, match)
 
     datamodule = CohortDataModule(recipe, train_dataset_factory=build)
+    if synthetic is not None:
+        # Checked before any run is opened, for the sham arm too: its slots follow the same cohort.
+        datamodule._load()
+        check_synthetic_cohort(synthetic, datamodule.split, datamodule.cohort, split_sha256(recipe.data.split))
     if synthetic is not None and not sham:
         datamodule.synthetic_cohort = synthetic
     return datamodule

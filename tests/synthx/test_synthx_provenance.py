@@ -71,9 +71,14 @@ def test_synthesize_records_the_generators_provenance_in_the_cohort(attack, tmp_
     assert datamodule.synthetic_cohort.root == synthetic
 
 
-def test_benchx_train_refuses_the_attack_before_any_run(attack, tmp_path, capsys):
+@pytest.mark.parametrize("schedule", [
+    [],                                                                    # additive mixing
+    ["synthx.real_steps=2", "trainer.max_steps=3"],                        # the study's exposure-matched SynthX arm
+    ["synthx.real_steps=2", "trainer.max_steps=3", "synthx.sham=true"],    # its sham arm
+], ids=["mixed", "matched", "sham"])
+def test_benchx_train_refuses_the_attack_before_any_run(attack, tmp_path, capsys, schedule):
     root, _, new_split, synthetic = attack
-    overrides = [*tiny_overrides(root, new_split, tmp_path), f"synthx.cohort={synthetic}", "synthx.ratio=0.5"]
+    overrides = [*tiny_overrides(root, new_split, tmp_path), f"synthx.cohort={synthetic}", "synthx.ratio=0.5", *schedule]
     assert benchx(["train", "--recipe", str(RECIPES / "unet.yaml"), *overrides]) == 2
     err = capsys.readouterr().err
     assert LEAK in err and "Traceback" not in err
