@@ -54,13 +54,13 @@ from omegaconf import OmegaConf
 from lightning_modules.config.recipe import check_recipe
 from lightning_modules.data.cohort import load_cohort
 from lightning_modules.models.backbones import get_backbone
+from lightning_modules.models.topology import MIN_FEATURE_MAP_EDGE, network_topology, shape_divisors  # noqa: F401 (re-exported)
 from lightning_modules.models.backbones.nnunet import (
     RESENC_PRESETS,
     TOPOLOGY_OPTIONS,
     build_nnunet,
     build_resenc,
     is_planned,
-    shape_divisors,
 )
 
 # nnU-Net's calibration of its feature-map estimate against GPU memory (batch size 2):
@@ -75,7 +75,6 @@ FEATURE_MAP_REFERENCE = {
 }
 # Voxels of the initial patch before it is fitted to the budget (nnU-Net: 256^3).
 INITIAL_PATCH_VOXELS = 256**3
-MIN_FEATURE_MAP_EDGE = 4
 ANISOTROPY_THRESHOLD = 3.0
 BASE_FEATURES = 32
 MAX_FEATURES = 320
@@ -87,51 +86,6 @@ PLANNED_BUILDERS = {
     "resenc_l": build_resenc,
     "resenc_xl": build_resenc,
 }
-
-
-
-
-def network_topology(
-    spacing: Sequence[float], patch_size: Sequence[int], min_edge: int = MIN_FEATURE_MAP_EDGE
-) -> dict:
-    """Strides, kernel sizes and the rounded-up patch for a patch at a spacing (rule 4 of the docstring).
-
-    Returns:
-        ``n_stages``, ``strides`` and ``kernel_sizes`` (one list per stage, one value per axis),
-        ``patch_size`` rounded up to a multiple of ``divisors`` (the total stride per axis).
-    """
-    dims = len(spacing)
-    spacing_now = [float(s) for s in spacing]
-    size_now = [int(p) for p in patch_size]
-    kernel = [1] * dims
-    strides: list[list[int]] = [[1] * dims]
-    kernels: list[list[int]] = []
-    while True:
-        # An axis can be pooled while the pooled map keeps at least `min_edge` voxels.
-        poolable = [a for a in range(dims) if size_now[a] >= 2 * min_edge]
-        if not poolable:
-            break
-        finest = min(spacing_now[a] for a in poolable)
-        # Pool only axes close to the finest spacing, so anisotropic voxels become isotropic first.
-        poolable = [a for a in poolable if spacing_now[a] / finest < 2]
-        # Pooling one axis alone only pays while it is still long.
-        if len(poolable) == 1 and size_now[poolable[0]] < 3 * min_edge:
-            break
-        overall_finest = min(spacing_now)
-        for axis in range(dims):
-            if kernel[axis] == 1 and spacing_now[axis] / overall_finest < 2:
-                kernel[axis] = 3
-        kernels.append(list(kernel))
-        stride = [2 if a in poolable else 1 for a in range(dims)]
-        for axis in poolable:
-            spacing_now[axis] *= 2
-            size_now[axis] = math.ceil(size_now[axis] / 2)
-        strides.append(stride)
-    # The bottleneck always gets full kernels.
-    kernels.append([3] * dims)
-    divisors = shape_divisors(strides)
-    rounded = [math.ceil(int(p) / d) * d for p, d in zip(patch_size, divisors)]
-    return dict(n_stages=len(strides), strides=strides, kernel_sizes=kernels, patch_size=rounded, divisors=divisors)
 
 
 def features_per_stage(n_stages: int, base: int = BASE_FEATURES, max_features: int = MAX_FEATURES) -> list[int]:

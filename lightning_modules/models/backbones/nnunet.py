@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from lightning_modules.models.backbones.deep_supervision import DeepSupervisionOutput
+from lightning_modules.models.topology import shape_divisors
 
 AUTO = "auto"
 TOPOLOGY_OPTIONS = ("n_stages", "strides", "kernel_sizes", "features_per_stage")
@@ -274,11 +275,6 @@ def normalize_topology(
     if len(features) != n_stages:
         raise ValueError(f"features_per_stage has {len(features)} entries but n_stages is {n_stages}: {features}")
     return dict(n_stages=n_stages, strides=strides, kernel_sizes=kernel_sizes, features_per_stage=features)
-
-
-def shape_divisors(strides: Sequence[Sequence[int]]) -> list[int]:
-    """Per axis, the product of the strides: each patch dimension must be a multiple of it."""
-    return [int(np.prod([stage[axis] for stage in strides])) for axis in range(len(strides[0]))]
 
 
 def _explicit_topology(name, spatial_dims, n_stages, strides, kernel_sizes, features_per_stage, patch_size) -> dict:

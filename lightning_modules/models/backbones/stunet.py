@@ -61,6 +61,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_modules.models.topology import network_topology
+
 AUTO = "auto"
 
 NEGATIVE_SLOPE = 0.01  # nnU-Net's LeakyReLU, and the slope its He initialization assumes
@@ -225,9 +227,6 @@ def stunet_strides(
     if isinstance(strides, str):
         if strides != AUTO:
             raise ValueError(f"STU-Net strides must be 'auto' or one stride per stage, got {strides!r}")
-        # Imported here: the planner imports the backbone registry, which imports this module.
-        from lightning_modules.models.planning import network_topology
-
         planned = network_topology(spacing, patch_size)["strides"][1:]
         planned = [list(s) for s in planned[: n_stages - 1]]
         return planned + [[1] * dims for _ in range(n_stages - 1 - len(planned))]
