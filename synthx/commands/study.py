@@ -88,6 +88,20 @@ def replicate_command(argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "lightning_modules.cli", "study", *command]
 
 
+def study_settings(args: argparse.Namespace) -> StudySettings:
+    """The study's settings from its parsed command line (every replicate parses the same ones)."""
+    # The profile, given as --profile NAME or profile=NAME, is the study's own setting (default cpu).
+    overrides = [item for item in args.overrides if item.split("=", 1)[0].strip() != "profile"]
+    return StudySettings(
+        recipe=args.recipe, profile=args.profile or StudySettings.profile, overrides=overrides,
+        synthx_recipe=args.synthx_recipe, synthx_overrides=args.synthx_override, cases=args.cases,
+        ratio=args.ratio, target=args.target, budget=args.budget, synthesis_steps=args.synthesis_steps,
+        experiment=args.experiment, output_dir=args.out, painter=args.painter,
+        locked_cases=args.locked_cases, locked_seed=args.locked_seed,
+        target_phases=[p.strip() for p in args.target_phases.split(",") if p.strip()] if args.target_phases else None,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the arguments and run the study; returns 0 when it finished."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -99,16 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--pool-only needs --seeds K")
     if args.seeds is not None and args.seeds < 2:
         parser.error("--seeds needs at least 2 replicates")
-    # The profile, given as --profile NAME or profile=NAME, is the study's own setting (default cpu).
-    overrides = [item for item in args.overrides if item.split("=", 1)[0].strip() != "profile"]
-    settings = StudySettings(
-        recipe=args.recipe, profile=args.profile or StudySettings.profile, overrides=overrides,
-        synthx_recipe=args.synthx_recipe, synthx_overrides=args.synthx_override, cases=args.cases,
-        ratio=args.ratio, target=args.target, budget=args.budget, synthesis_steps=args.synthesis_steps,
-        experiment=args.experiment, output_dir=args.out, painter=args.painter,
-        locked_cases=args.locked_cases, locked_seed=args.locked_seed,
-        target_phases=[p.strip() for p in args.target_phases.split(",") if p.strip()] if args.target_phases else None,
-    )
+    settings = study_settings(args)
     if args.seed is not None:
         from synthx.replicates import run_replicate
 

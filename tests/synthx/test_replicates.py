@@ -118,12 +118,35 @@ def test_a_finished_study_is_read_with_its_seed_and_ratio(finished_study, tmp_pa
 def study_arguments(settings) -> list[str]:
     """The ``benchx study`` command line of a study's settings (the tiny study of test_synthx_study.py)."""
     arguments = ["--recipe", settings.recipe, "--profile", settings.profile, "--synthx-recipe", settings.synthx_recipe,
-                 "--ratio", str(settings.ratio), "--target", settings.target, "--budget", str(settings.budget),
-                 "--synthesis-steps", str(settings.synthesis_steps), "--experiment", settings.experiment,
+                 "--ratio", str(settings.ratio), "--target", settings.target, "--painter", settings.painter,
+                 "--locked-cases", str(settings.locked_cases), "--experiment", settings.experiment,
                  "--out", settings.output_dir]
+    optional = {"--budget": settings.budget, "--synthesis-steps": settings.synthesis_steps, "--cases": settings.cases,
+                "--locked-seed": settings.locked_seed,
+                "--target-phases": ",".join(settings.target_phases) if settings.target_phases else None}
+    for option, value in optional.items():
+        if value is not None:
+            arguments += [option, str(value)]
     for override in settings.synthx_overrides:
         arguments += ["--synthx-override", override]
     return [*arguments, *settings.overrides]
+
+
+def test_a_replicate_s_command_line_carries_every_setting_of_its_study(tmp_path):
+    """A Slurm task parses the study from its command line: the same settings, so the same replicate set."""
+    from dataclasses import replace
+
+    from lightning_modules.commands.common import parse_command_line
+    from synthx.commands.study import build_parser, study_settings
+    from synthx.replicates import replicate_key
+    from test_synthx_study import _study_settings
+
+    settings = replace(_study_settings(tmp_path / "cohort", tmp_path / "split.csv", tmp_path),
+                       target_phases=["arterial"], locked_seed=77)
+    parsed = study_settings(parse_command_line(build_parser(), study_arguments(settings)))
+    assert parsed == settings
+    assert replicate_key(parsed, "c0de") == replicate_key(settings, "c0de")
+    assert replicate_key(replace(parsed, locked_cases=307), "c0de") != replicate_key(settings, "c0de")
 
 
 @pytest.mark.slow  # three or more minutes on 2 cores: the Slurm array test in tests/services covers the same in CI
