@@ -307,4 +307,4 @@ def test_tables_mark_a_difference_that_survives_holm_apart_from_one_that_does_no
     assert "** also after Holm's correction" in format_comparison(table)
     page = comparison_html(table)
     assert page.count("+30.0] **") == 3 and page.count("+30.0] *<") == 3
-    assert "Operating point: fixed (m baseline 50, SynthX 50)" in page
+    assert "SynthX against baseline at BenchX&#x27;s fixed m (m 50 and 50 mm³)" in page, "the heading names the operating point"

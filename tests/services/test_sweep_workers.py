@@ -90,7 +90,9 @@ def test_three_workers_one_killed_mid_trial(services, postgres_database, tiny_ph
 def test_pruned_trial_ends_its_run_killed(tiny_phantom, tmp_path):
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     arguments = _arguments(tiny_phantom, tmp_path, storage)
-    recipe = load_recipe(RECIPES / "unet.yaml", arguments[arguments.index("profile=cpu"):])
+    # A validation before the last step, the only kind a trial is pruned on (synthx.sweep.prunes).
+    overrides = [*arguments[arguments.index("profile=cpu"):], "trainer.max_steps=4", "trainer.val_every_n_steps=2"]
+    recipe = load_recipe(RECIPES / "unet.yaml", overrides)
     study = create_sweep(recipe, "pruned", storage, "f1", [0.0])
     study.pruner = optuna.pruners.ThresholdPruner(lower=2.0)  # F1 <= 1: every reported value is pruned
     objective = make_objective(recipe, "f1", study.user_attrs[PARENT_ATTR], "pruned", ["sex"], (0.0, 0.0))
