@@ -9,8 +9,12 @@ one, is the control SynthX is judged against (docs/design.md "Reading the verdic
 Outcome of a gap or endpoint, from the paired 95% CI of SynthX minus its control:
 
 - ``closed``: the CI lies above 0;
-- ``open`` (printed "not closed"): the CI lies at or below 0;
-- ``undetermined``: the CI spans 0, or no CI could be computed.
+- ``open`` (printed "not closed"): the difference is not positive (nothing more found: 0 of 11 in
+  every arm is not closed, whatever the width of its interval), or the CI lies at or below 0;
+- ``undetermined``: a positive difference whose CI spans 0, or no CI could be computed.
+
+The interval of a paired proportion is Newcombe's when the comparison carries it (it holds at
+small counts; the percentile bootstrap collapses to [0, 0] at 0 of 11), else the bootstrap's.
 
 :func:`contrast_sentence` is pure (values in, one sentence out); :func:`study_verdict` reads a
 comparison table.
@@ -66,7 +70,7 @@ def outcome(contrast: Contrast) -> str:
         return UNDETERMINED
     if low > 0:
         return CLOSED
-    if high <= 0:
+    if high <= 0 or float(contrast.delta) <= 0:
         return OPEN
     return UNDETERMINED
 
@@ -162,8 +166,18 @@ def arm_contrast(rows: pd.DataFrame, arms: Sequence[str]) -> Contrast | None:
         hit = rows[(rows["run"].astype(str) == treatment) & (references == control)]
         if len(hit):
             row = hit.iloc[0]
-            return Contrast(treatment, control, float(row["delta"]), float(row["ci_low"]), float(row["ci_high"]))
+            return Contrast(treatment, control, float(row["delta"]), *_interval(row))
     return None
+
+
+def _interval(row) -> tuple[float, float]:
+    """The difference's interval: Newcombe's for a paired proportion (it holds at small counts, where
+    the percentile bootstrap collapses to [0, 0] at 0 of 11), else the paired bootstrap's
+    (docs/design.md "Confidence intervals and comparisons")."""
+    low, high = row.get("newcombe_low"), row.get("newcombe_high")
+    if low is not None and high is not None and not (pd.isna(low) or pd.isna(high)):
+        return float(low), float(high)
+    return float(row["ci_low"]), float(row["ci_high"])
 
 
 def designed_gap_subgroups() -> list[tuple[str, str, str]]:

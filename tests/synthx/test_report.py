@@ -92,7 +92,8 @@ def test_the_report_is_self_contained_and_rebuilt_by_benchx_report(finished_stud
     # Tables people read: labels, not keys; % not fractions; one forest plot per operating point.
     assert "Age: 20 or younger" in text and "Phase: arterial" in text
     assert not re.search(r"<td>le20</td>|<th>sensitivity_ci_low</th>", text)
-    assert text.count("<h3>SynthX minus baseline at ") == 3, "fixed, validation-chosen and matched specificity"
+    # The primary comparison is SynthX against sham; baseline against sham shows the schedule alone.
+    assert text.count("<h3>SynthX minus sham at ") == 3, "fixed, validation-chosen and matched specificity"
     # The quality summary: measured contrast of real and synthetic tumors (HU) side by side.
     assert re.search(r"<td>all phases</td>\s*<td>\d+ / \d+</td>\s*<td>[+-]\d+</td>\s*<td>[+-]\d+</td>", text)
     assert not re.search(r'src="(?!data:)', text), "no external resources"
@@ -175,7 +176,7 @@ def test_the_verdict_opens_the_report_and_is_the_parent_s_description(finished_s
     lines = study_verdict(_comparison(client, parent_id, tmp_path), "val_chosen")
     assert [re.split("[,:]", line)[0] for line in lines] == ["Scarcity gap (arterial)", "Physics gap (non-contrast)",
                                                               "Primary endpoint (sensitivity in arterial)"]
-    assert all(re.search(r" - (closed|not closed|undetermined)( \(SynthX - baseline |\.$)", line) for line in lines), lines
+    assert all(re.search(r" - (closed|not closed|undetermined)( \(SynthX - sham |\.$)", line) for line in lines), lines
     assert client.get_run(parent_id).data.tags["mlflow.note.content"] == "\n\n".join(lines)
     text = (Path(settings.output_dir) / "study_report.html").read_text()
     first_section = text.index("<h2>")
@@ -200,11 +201,12 @@ def test_benchx_report_markdown_writes_the_results_page(finished_study, tmp_path
     verdict = page.split("## Verdict (test set)\n\n")[1].split("\n\n")[0].splitlines()
     assert verdict == [f"- {line}" for line in study_verdict(comparison, "val_chosen")]
     table = [line for line in page.splitlines() if line.startswith("|")]
-    assert table[0] == "| Subgroup | Tumor scans | Healthy scans | baseline | SynthX | SynthX - baseline [95% CI] |"
+    assert table[0] == ("| Subgroup | Tumor scans | Healthy scans | sham | SynthX | baseline "
+                        "| SynthX - sham [95% CI] | baseline - sham [95% CI] |")
     rows = {line.split(" | ")[0].lstrip("| "): line.strip("| ").split(" | ") for line in table[2:]}
     assert "All scans" in rows and "Phase: arterial" in rows, rows
     at = comparison[(comparison["operating_point"] == "val_chosen") & (comparison["metric"] == "sensitivity")]
-    arterial = at[at["group"] == "arterial"].iloc[0]
+    arterial = at[(at["group"] == "arterial") & (at["run"] == "synthx")].iloc[0]
     assert rows["Phase: arterial"][1:5] == [str(int(arterial["positives"])), str(int(arterial["negatives"])),
                                             _pct(arterial["a"]), _pct(arterial["b"])]
     assert "at the validation-chosen operating point" in page

@@ -33,14 +33,25 @@ def test_a_closed_gap():
 
 
 def test_an_open_gap_also_when_nothing_is_found():
-    """0 of 11 in every arm: the difference is exactly 0 with a degenerate CI: not closed."""
-    contrast = Contrast("synthx", "sham", 0.0, 0.0, 0.0)
+    """0 of 11 in every arm: the difference is exactly 0 (Newcombe's interval -25.9 to +25.9 points): not closed."""
+    contrast = Contrast("synthx", "sham", 0.0, -0.2588, 0.2588)
     sentence = contrast_sentence("Scarcity gap (arterial)", [*ARMS, ArmResult("synthx", 0.0, 0, 11)], contrast, "fixed")
     assert outcome(contrast) == OPEN
     assert sentence.startswith("Scarcity gap (arterial), at BenchX's fixed m: baseline found 0 of 11 (0%)")
-    assert sentence.endswith("SynthX found 0 of 11 (0%) - not closed (SynthX - sham 0 percentage points, 95% CI 0 to 0).")
+    assert sentence.endswith("SynthX found 0 of 11 (0%) - not closed (SynthX - sham 0 percentage points, 95% CI -25.9 to +25.9).")
     worse = Contrast("synthx", "baseline", -0.3, -0.5, -0.1)
     assert outcome(worse) == OPEN
+    assert outcome(Contrast("synthx", "sham", -1 / 11, -0.35, 0.2)) == OPEN, "fewer found is not closed"
+
+
+def test_the_verdict_reads_newcombe_s_interval_where_the_bootstrap_collapses():
+    """0 of 11 against 0 of 11: the bootstrap gives [0, 0]; the sentence shows Newcombe's interval."""
+    from synthx.verdict import _interval
+
+    row = pd.Series({"delta": 0.0, "ci_low": 0.0, "ci_high": 0.0, "newcombe_low": -0.2588, "newcombe_high": 0.2588})
+    assert _interval(row) == (-0.2588, 0.2588)
+    assert _interval(row.drop(["newcombe_low", "newcombe_high"])) == (0.0, 0.0)
+    assert _interval(pd.Series({**row.to_dict(), "newcombe_low": float("nan")})) == (0.0, 0.0)  # AUC rows have none
 
 
 def test_an_undetermined_gap_spans_zero():
@@ -79,7 +90,7 @@ def test_study_verdict_of_today_s_two_arm_comparison():
                                                        "Primary endpoint (sensitivity in arterial)"]
     assert "baseline found 0 of 11 (0%), SynthX found 4 of 11 (36%) - closed (SynthX - baseline" in lines[0]
     assert "validation-chosen" in lines[0] and "matched specificity" in lines[2]
-    assert "- undetermined" in lines[1]
+    assert "- not closed" in lines[1], "2 of 8 in both arms: nothing more found"
 
 
 def test_study_verdict_judges_synthx_against_sham_when_the_table_pairs_them():
