@@ -53,7 +53,7 @@ from lightning_modules.data.datamodule import (  # noqa: E402
     seeded_compose,
     training_transforms,
 )
-from lightning_modules.data.phantom import generate_phantom_cohort  # noqa: E402
+from lightning_modules.cohorts.phantom import generate_phantom_cohort  # noqa: E402
 from lightning_modules.data.splits import make_splits, write_split  # noqa: E402
 from lightning_modules.models.checkpoints import build_module  # noqa: E402
 

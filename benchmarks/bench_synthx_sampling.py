@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_modules.data.cohort import load_cohort  # noqa: E402
-from lightning_modules.data.phantom import generate_phantom_cohort  # noqa: E402
+from lightning_modules.cohorts.phantom import generate_phantom_cohort  # noqa: E402
 from lightning_modules.data.splits import make_splits, write_split  # noqa: E402
 from synthx.config import load_synthx_recipe  # noqa: E402
 from synthx.generation import SynthesisSettings, synthesize  # noqa: E402

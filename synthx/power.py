@@ -29,7 +29,7 @@ POWER = 0.8
 
 def arterial_positive_share(seed: int, cases: int) -> float:
     """The share of scans that are arterial-phase tumor scans in a phantom cohort of that seed and size."""
-    from lightning_modules.data.phantom import sample_phantom_metadata
+    from lightning_modules.cohorts.phantom import sample_phantom_metadata
 
     table = sample_phantom_metadata(cases, seed)
     return float(((table["phase"] == "arterial") & (table["tumor"] == 1)).mean())

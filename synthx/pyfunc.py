@@ -110,7 +110,7 @@ def log_generator_model(run_id: str, uri: str, pipeline_dir: str | Path) -> str 
 
     Returns the registered version (as a string), or None when registration did not happen.
     """
-    from lightning_modules.models.pyfunc import logging_into, package_dir, pip_requirements
+    from lightning_modules.tracking.pyfunc import logging_into, package_dir, pip_requirements
 
     with logging_into(run_id, uri), warnings.catch_warnings():
         # No input example: it would be a CT patch stored with every model version.

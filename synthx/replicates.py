@@ -28,7 +28,7 @@ from typing import Sequence
 
 import pandas as pd
 
-from lightning_modules.evaluation.runs import is_flagged, significance_mark
+from lightning_modules.workflows.evaluate import is_flagged, significance_mark
 from synthx.report import load_study
 
 OPERATING_POINTS = ("fixed", "val_chosen", "matched_specificity")
@@ -286,7 +286,7 @@ def run_replicates(settings, seeds: Sequence[int], workers: int, command: Sequen
 def replicate_arms(client, parent, stage: str, operating_point: str, folder: str) -> dict:
     """A replicate's arms: ``evaluate_<arm>`` step -> :class:`ArmRecords` (its ``stage`` records, its m)."""
     from lightning_modules.evaluation.artifacts import download_records
-    from lightning_modules.evaluation.runs import OPERATING_POINT_METRIC
+    from lightning_modules.workflows.evaluate import OPERATING_POINT_METRIC
     from lightning_modules.evaluation.seed_pooling import ArmRecords
 
     arms = {}

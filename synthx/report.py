@@ -179,7 +179,7 @@ def _subgroup_name(attribute, group) -> str:
 
 
 def _mark(row) -> str:
-    from lightning_modules.evaluation.runs import significance_mark
+    from lightning_modules.workflows.evaluate import significance_mark
 
     try:
         return significance_mark(row).strip()
@@ -749,7 +749,7 @@ def publish_study(uri: str, parent_id: str, output_dir: str | Path) -> Path:
     ``benchx-<backbone>`` (scoped by experiment) and ``<experiment>`` on ``synthx-generator``, a
     description on each version, the headline metrics, the verdict as the run's description, and
     the HTML report (also written to ``output_dir``)."""
-    from lightning_modules.models.pyfunc import set_aliases
+    from lightning_modules.tracking.pyfunc import set_aliases
 
     with tempfile.TemporaryDirectory() as folder:
         study = load_study(parent_id, uri, Path(folder))

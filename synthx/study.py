@@ -291,7 +291,7 @@ def data_step(client: MlflowClient, experiment: str, tags: dict, root: Path, spl
     run_id = client.create_run(experiment, run_name="data", tags=tags).info.run_id
     with cohort_lock(root):  # replicates started together (benchx study --seeds) make the cohort once
         if not (root / "metadata.csv").exists():
-            from lightning_modules.data.phantom import DEFAULT_CASES, generate_phantom_cohort
+            from lightning_modules.cohorts.phantom import DEFAULT_CASES, generate_phantom_cohort
 
             generate_phantom_cohort(root, n_cases=settings.cases or DEFAULT_CASES, seed=settings.phantom_seed)
             client.set_tag(run_id, "phantom_generated", "true")
@@ -354,7 +354,7 @@ def locked_view(development_root: Path, development_split: Path, locked_root: Pa
 def locked_cohort_step(client: MlflowClient, experiment: str, tags: dict, root: Path, split: Path,
                        settings: StudySettings) -> dict:
     """Generate the locked phantom (another seed, the development phantom's shape and spacing) and its view."""
-    from lightning_modules.data.phantom import PARAMS_FILE, generate_phantom_cohort
+    from lightning_modules.cohorts.phantom import PARAMS_FILE, generate_phantom_cohort
     from lightning_modules.data.splits import split_sha256
 
     run_id = client.create_run(experiment, run_name="locked_cohort", tags=tags).info.run_id
@@ -382,7 +382,7 @@ def train_action(recipe, variant: str, output_dir: Path) -> Callable[[dict], dic
     """The action of a training step: train ``recipe`` into ``output_dir/<variant>/<fingerprint>``."""
 
     def action(tags: dict) -> dict:
-        from lightning_modules.training import recipe_fingerprint, train
+        from lightning_modules.workflows.train import recipe_fingerprint, train
 
         folder = output_dir / variant / recipe_fingerprint(recipe)
         result = train(recipe, output_dir=folder, variant=variant, extra_tags=tags)
@@ -399,7 +399,7 @@ def evaluate_action(recipe, trained: dict, variant: str, test_set: str = "test")
     """
 
     def action(tags: dict) -> dict:
-        from lightning_modules.evaluation.runs import evaluate
+        from lightning_modules.workflows.evaluate import evaluate
 
         run_id, _ = evaluate(recipe, trained["checkpoint"], ("val", "test"), training_run_id=trained["run_id"],
                              run_name=f"{variant}-evaluate-{recipe.name}-{test_set}",
@@ -417,7 +417,7 @@ def validation_records(client: MlflowClient, evaluation_run_id: str) -> tuple[pd
     uses the fixed m).
     """
     from lightning_modules.evaluation.artifacts import download_records
-    from lightning_modules.evaluation.runs import OPERATING_POINT_METRIC
+    from lightning_modules.workflows.evaluate import OPERATING_POINT_METRIC
 
     with tempfile.TemporaryDirectory() as folder:
         records = download_records(client, evaluation_run_id, "val", folder)
@@ -528,7 +528,7 @@ def compare_action(evaluations: dict[str, dict], uri: str, experiment: str, resa
     """
 
     def action(tags: dict) -> dict:
-        from lightning_modules.evaluation.runs import compare
+        from lightning_modules.workflows.evaluate import compare
 
         _, run_id = compare([evaluations[arm]["run_id"] for arm in COMPARED_ARMS], "test", uri=uri,
                             experiment=experiment, n_resamples=resamples)
@@ -575,7 +575,7 @@ def _baseline_steps(runner: StudyRunner, settings: StudySettings, root: Path, sp
     runner.step("data", {"root": str(root), "split": str(split), "cases": settings.cases, "seed": settings.phantom_seed},
                 lambda tags: data_step(runner.client, runner.experiment_id, tags, root, split, settings))
     locked = None
-    from lightning_modules.data.phantom import PARAMS_FILE
+    from lightning_modules.cohorts.phantom import PARAMS_FILE
 
     if settings.locked_cases and (root / PARAMS_FILE).is_file():
         locked = runner.step(

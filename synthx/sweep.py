@@ -69,7 +69,7 @@ from lightning_modules.tracking import (
     tracking_client,
     tracking_uri,
 )
-from lightning_modules.training import train
+from lightning_modules.workflows.train import train
 
 log = logging.getLogger(__name__)
 PARENT_ATTR = "mlflow_parent_run_id"

@@ -182,7 +182,7 @@ def _interval(row) -> tuple[float, float]:
 
 def designed_gap_subgroups() -> list[tuple[str, str, str]]:
     """(label, attribute, group) of the phantom's designed gaps (docs/design.md "The phantom cohort")."""
-    from lightning_modules.data.phantom import designed_gaps
+    from lightning_modules.cohorts.phantom import designed_gaps
 
     gaps = designed_gaps()
     return [(f"Scarcity gap ({gaps['scarcity']['phase']})", "phase", str(gaps["scarcity"]["phase"])),

@@ -70,7 +70,7 @@ def new_sqlite_store(path: Path) -> str:
 
     MLflow takes a new SQLite file through its whole schema history, about 3 s on 2 cores; the
     suite makes dozens of stores, so each is a copy of one store migrated once per session. The
-    tests of a store's first use (tests/test_tracking.py) make theirs from nothing.
+    tests of a store's first use (tests/tracking/test_tracking.py) make theirs from nothing.
     """
     path = Path(path)
     if not path.exists():
@@ -110,7 +110,7 @@ TINY_CASES = 24
 def tiny_phantom(tmp_path_factory):
     """(cohort root, split path) of a 24-case phantom at 48x48x32, split by patient with seed 0."""
     from lightning_modules.data.cohort import load_cohort
-    from lightning_modules.data.phantom import generate_phantom_cohort
+    from lightning_modules.cohorts.phantom import generate_phantom_cohort
     from lightning_modules.data.splits import make_splits, write_split
 
     root = tmp_path_factory.mktemp("tiny_phantom")

@@ -14,7 +14,7 @@ from lightning_modules.commands.predict import main as predict_main
 from lightning_modules.inference import PredictionInputError, input_cases, predict_scan
 from lightning_modules.config.recipe import load_recipe
 from lightning_modules.models.checkpoints import load_module_from_checkpoint
-from lightning_modules.training import train
+from lightning_modules.workflows.train import train
 
 
 def test_prediction_is_on_the_scan_grid_after_reorientation_and_resampling(tiny_phantom, tmp_path):
@@ -45,7 +45,7 @@ def test_prediction_is_on_the_scan_grid_after_reorientation_and_resampling(tiny_
 
 def test_real_ct_validate_train_step_and_prediction_on_its_own_grid(tiny_phantom, tmp_path):
     """The TotalSegmentator example CT (fetched from the package registry): validate, train, predict."""
-    from lightning_modules.data.example_ct import EXAMPLE_CASE_ID, example_case_dir, fetch_example
+    from lightning_modules.cohorts.example_ct import EXAMPLE_CASE_ID, example_case_dir, fetch_example
     from lightning_modules.data.validation import validate_cohort
 
     phantom_root, phantom_split = tiny_phantom

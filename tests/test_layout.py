@@ -163,3 +163,88 @@ def test_two_tables_naming_one_command_are_refused():
     second = SimpleNamespace(__name__="b", COMMANDS={"train": ("b", "main", "")}, EXPECTED_ERRORS=frozenset())
     with pytest.raises(RuntimeError, match="b redefines the benchx command"):
         cli.merged_tables([first, second])
+
+
+# The libraries and what each may import of the project. Workflows (lightning_modules.workflows,
+# the commands, synthx's study, sweep, replicates, report and runs) sit above them and reach MLflow
+# only through the tracking adapter (lightning_modules.tracking).
+LIBRARY_IMPORTS = {
+    "lightning_modules.data": {"lightning_modules.data"},
+    "lightning_modules.cohorts": {"lightning_modules.cohorts", "lightning_modules.data", "lightning_modules.run_folder"},
+    "lightning_modules.evaluation": {"lightning_modules.evaluation", "lightning_modules.data"},
+    # config validates a recipe's backbone options and exposure schedule where the recipe is loaded.
+    "lightning_modules.config": {"lightning_modules.config", "lightning_modules.data", "lightning_modules.models"},
+    "lightning_modules.models": {"lightning_modules.models", "lightning_modules.config", "lightning_modules.data",
+                                 "lightning_modules.evaluation"},
+    "lightning_modules.inference": {"lightning_modules.inference", "lightning_modules.data", "lightning_modules.models"},
+}
+# synthx's libraries: the generator, its pipeline and training pieces, painting and the verdict.
+SYNTHX_LIBRARIES = (
+    "synthx.model", "synthx.pipeline", "synthx.schedulers", "synthx.labels", "synthx.mask_prior", "synthx.painters",
+    "synthx.config", "synthx.endpoint", "synthx.verdict", "synthx.power", "synthx.provenance",
+    "synthx.training.dataset", "synthx.training.modules", "synthx.generation.canvases",
+    "synthx.generation.painting", "synthx.generation.phantom_painter", "synthx.generation.writing",
+)
+SERVICE_CLIENTS = ("mlflow", "optuna")
+ABOVE_LIBRARIES = ("lightning_modules.tracking", "lightning_modules.workflows", "lightning_modules.commands",
+                   "lightning_modules.cli", "lightning_modules.trainer", "synthx.study", "synthx.sweep",
+                   "synthx.replicates", "synthx.report", "synthx.commands")
+
+
+def all_imports() -> dict[str, set[str]]:
+    """module -> every module name it imports anywhere in its body (functions included), third-party too."""
+    found: dict[str, set[str]] = {}
+    for name, path in _sources().items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets.update([node.module] + [f"{node.module}.{alias.name}" for alias in node.names])
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+        found[name] = targets
+    return found
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def library_violations(imports: dict[str, set[str]]) -> list[str]:
+    """Imports of the libraries that break the table: MLflow or Optuna, a workflow, or a package not allowed."""
+    sources = set(_sources())
+    problems = []
+    for module, targets in sorted(imports.items()):
+        package = next((p for p in LIBRARY_IMPORTS if _within(module, p)), None)
+        is_synthx_library = any(_within(module, library) for library in SYNTHX_LIBRARIES)
+        if package is None and not is_synthx_library:
+            continue
+        for target in sorted(targets):
+            if target.split(".")[0] in SERVICE_CLIENTS or any(_within(target, above) for above in ABOVE_LIBRARIES):
+                problems.append(f"{module} imports {target}")
+            elif package and target in sources and target.startswith("lightning_modules") and not any(
+                _within(target, allowed) for allowed in LIBRARY_IMPORTS[package]
+            ):
+                problems.append(f"{module} imports {target}, outside {sorted(LIBRARY_IMPORTS[package])}")
+    return problems
+
+
+def test_libraries_import_neither_mlflow_nor_a_workflow_nor_a_layer_above():
+    violations = library_violations(all_imports())
+    assert not violations, violations
+
+
+def test_the_library_table_catches_mlflow_a_workflow_and_an_upward_import():
+    planted = {
+        "lightning_modules.data.mixing": {"mlflow.tracking"},
+        "lightning_modules.models.checkpoints": {"lightning_modules.tracking"},
+        "lightning_modules.evaluation.records": {"lightning_modules.models.checkpoints"},
+        "synthx.pipeline": {"lightning_modules.workflows.train"},
+        "lightning_modules.workflows.train": {"mlflow"},  # a workflow may
+    }
+    assert library_violations(planted) == [
+        "lightning_modules.data.mixing imports mlflow.tracking",
+        "lightning_modules.evaluation.records imports lightning_modules.models.checkpoints, outside "
+        "['lightning_modules.data', 'lightning_modules.evaluation']",
+        "lightning_modules.models.checkpoints imports lightning_modules.tracking",
+        "synthx.pipeline imports lightning_modules.workflows.train",
+    ]

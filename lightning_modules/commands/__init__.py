@@ -41,11 +41,11 @@ EXPECTED_ERRORS: frozenset[str] = frozenset(
         "lightning_modules.data.splits.SplitError",
         "lightning_modules.data.splits.SplitSettingError",
         "lightning_modules.data.splits.SplitExistsError",
-        "lightning_modules.data.importers.core.ImportSourceError",
-        "lightning_modules.data.importers.core.ImportCaseError",
-        "lightning_modules.data.example_ct.ExampleFetchError",
+        "lightning_modules.cohorts.importers.core.ImportSourceError",
+        "lightning_modules.cohorts.importers.core.ImportCaseError",
+        "lightning_modules.cohorts.example_ct.ExampleFetchError",
         "lightning_modules.models.checkpoints.ModelSourceError",
-        "lightning_modules.evaluation.runs.EvaluationError",
+        "lightning_modules.workflows.evaluate.EvaluationError",
         "lightning_modules.evaluation.thresholds.ThresholdError",
     }
 )

@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_modules.data.audit import DEFAULT_THRESHOLD, AuditSettings, audit
+from lightning_modules.cohorts.audit import DEFAULT_THRESHOLD, AuditSettings, audit
 from lightning_modules.data.cohort import CohortError
 from lightning_modules.data.splits import SplitError
+from lightning_modules.tracking.audit import log_audit
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,13 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         threshold=args.threshold, lesion_class=args.lesion_class, seed=args.seed, workers=args.workers
     )
     try:
-        report = audit(
-            args.root, args.split, args.out, settings, synthetic_cohorts=args.synthetic_root,
-            tracking_uri=args.tracking_uri, experiment=args.experiment,
-        )  # fmt: skip
+        report = audit(args.root, args.split, args.out, settings, synthetic_cohorts=args.synthetic_root)
     except (CohortError, SplitError, ValueError) as error:
         print(f"benchx audit: {error}", file=sys.stderr)
         return 2
+    log_audit(report, args.tracking_uri, args.experiment)
     for finding in report.findings:
         print(finding)
     warnings = sum(f.severity == "warning" for f in report.findings)

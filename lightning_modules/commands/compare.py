@@ -1,6 +1,6 @@
 """``benchx compare``: paired comparison of evaluation runs (BenchX table 6) at three operating points.
 
-Parses the runs and settings and calls :func:`lightning_modules.evaluation.runs.compare`; prints the
+Parses the runs and settings and calls :func:`lightning_modules.workflows.evaluate.compare`; prints the
 table (and any operating-point fallback) and the comparison run.
 
 Example::
@@ -38,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     # Heavy imports after parsing, so --help answers at once.
-    from lightning_modules.evaluation.runs import compare, format_comparison
+    from lightning_modules.workflows.evaluate import compare, format_comparison
 
     # A refused comparison (EvaluationError) is a short message with exit 2 from the benchx dispatcher.
     table, run_id = compare(args.run_ids, args.stage, experiment=args.experiment or None, n_resamples=args.resamples,

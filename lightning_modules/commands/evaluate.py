@@ -1,7 +1,7 @@
 """``benchx evaluate``: subgroup evaluation of a trained model into a new MLflow run.
 
 Parses the model source (``--run-id`` or ``--checkpoint --recipe``), the stages and recipe overrides,
-and calls :func:`lightning_modules.evaluation.runs.evaluate`.
+and calls :func:`lightning_modules.workflows.evaluate.evaluate`.
 
 Example::
 
@@ -48,8 +48,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_command_line(parser(), sys.argv[1:] if argv is None else argv)
     # Heavy imports after parsing, so --help answers at once.
-    from lightning_modules.evaluation.runs import evaluate
-    from lightning_modules.models.checkpoints import resolve_model_source
+    from lightning_modules.workflows.evaluate import evaluate
+    from lightning_modules.tracking.artifacts import resolve_model_source
 
     # A refusal the user can fix (training cases in the evaluation set, a run that is no segmentation
     # model, a broken cohort or split) is a short message with exit 2 from the benchx dispatcher.

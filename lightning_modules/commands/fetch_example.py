@@ -5,7 +5,7 @@ Run::
     benchx fetch-example --out data/example_ct
     benchx fetch-example --out data/example_ct --dicom --cache /tmp/benchx-cache
 
-See :mod:`lightning_modules.data.example_ct` for what is fetched and how it is checked.
+See :mod:`lightning_modules.cohorts.example_ct` for what is fetched and how it is checked.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import argparse
 import logging
 import sys
 
-from lightning_modules.data.example_ct import (
+from lightning_modules.cohorts.example_ct import (
     CACHE_ENVIRONMENT_VARIABLE,
     DEFAULT_OUT,
     EXAMPLE_CASE_ID,

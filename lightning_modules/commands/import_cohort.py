@@ -8,7 +8,7 @@ Run::
     benchx import dicom exports/ct --out data/site_a --cohort site-a --salt "$SECRET" --metadata ids.csv
 
 The exit status is 0 when every case is in the cohort, 1 when some are quarantined, 2 when the
-source is refused (nothing is written then). See :mod:`lightning_modules.data.importers`.
+source is refused (nothing is written then). See :mod:`lightning_modules.cohorts.importers`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import argparse
 import logging
 import sys
 
-from lightning_modules.data.importers import SOURCE_KINDS, ImportSourceError, import_source
+from lightning_modules.cohorts.importers import SOURCE_KINDS, ImportSourceError, import_source
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,6 @@
 """``benchx phantom``: write the embedded phantom cohort (layout A + metadata.csv) and print a summary.
 
-The cohort and its designed gaps are described in :mod:`lightning_modules.data.phantom`.
+The cohort and its designed gaps are described in :mod:`lightning_modules.cohorts.phantom`.
 
 Run::
 
@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from lightning_modules.data.cohort import METADATA_FILE
-from lightning_modules.data.phantom import DEFAULT_CASES, generate_phantom_cohort, summarize
-from lightning_modules.data.phantom.writer import folder_size_bytes
+from lightning_modules.cohorts.phantom import DEFAULT_CASES, generate_phantom_cohort, summarize
+from lightning_modules.cohorts.phantom.writer import folder_size_bytes
 
 
 def main(argv: list[str] | None = None) -> int:

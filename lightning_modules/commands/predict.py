@@ -44,7 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_command_line(parser(), sys.argv[1:] if argv is None else argv)
     # Heavy imports after parsing, so --help answers at once.
     from lightning_modules.inference import check_output_folder, input_cases, predict_cases
-    from lightning_modules.models.checkpoints import load_module_from_checkpoint, resolve_model_source
+    from lightning_modules.models.checkpoints import load_module_from_checkpoint
+    from lightning_modules.tracking.artifacts import resolve_model_source
 
     # A bad model source or input goes to the dispatcher (lightning_modules.cli): a short message, exit 2.
     # The input and output are checked first, so a mistake there costs no model download.

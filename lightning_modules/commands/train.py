@@ -1,4 +1,4 @@
-"""``benchx train``: parse the recipe, the overrides and the run folder, and call :func:`lightning_modules.training.train`.
+"""``benchx train``: parse the recipe, the overrides and the run folder, and call :func:`lightning_modules.workflows.train.train`.
 
 Example::
 
@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     from lightning_modules.process import Terminated
     from lightning_modules.trainer import global_rank
-    from lightning_modules.training import TrainSettings, train
+    from lightning_modules.workflows.train import TrainSettings, train
 
     try:
         # Under `mlflow run`, log into the run it opened (Lightning would otherwise start another).

@@ -19,10 +19,9 @@ test split, a synthetic case whose canvas (``source_case_id``) is not a real tra
 current split, a "synthetic" cohort with real rows, and a cohort whose generator learned from a
 case that is not a real training case of the current split (its ``synthx_provenance.json``, naming
 the first such case; a cohort without the file is refused too:
-:mod:`lightning_modules.data.synthetic_provenance`). The synthetic cohort is logged as an MLflow
-dataset input of the training run (lineage back to the generator run through ``generator_run_id``),
-and the cases its generator learned from as ``generator_training_cases.csv``, which evaluation
-checks against the cases it scores.
+:mod:`lightning_modules.data.synthetic_provenance`). The training workflow logs the synthetic cohort
+as an MLflow dataset input of its run and the cases its generator learned from
+(:mod:`lightning_modules.tracking.datasets`), which evaluation checks against the cases it scores.
 
 Example::
 
@@ -34,13 +33,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlflow
 import pandas as pd
 import torch
 from monai.data import Dataset
 from monai.transforms import Compose
-from mlflow.entities import DatasetInput, InputTag
-from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig
 from torch.utils.data import Sampler
 
@@ -49,16 +45,10 @@ from lightning_modules.data.splits import split_sha256
 from lightning_modules.data.synthetic_provenance import (
     PROVENANCE_FILE,
     cohort_provenance_problem,
-    generator_training_cases,
     read_provenance,
 )
-from lightning_modules.evaluation.provenance import log_generator_training_cases
-from lightning_modules.data.exposure import EXPOSURE_ARTIFACT, ExposureMatchedSampler, sham_substitutes
-from lightning_modules.tracking import log_inputs
+from lightning_modules.data.exposure import ExposureMatchedSampler, sham_substitutes
 from lightning_modules.data.datamodule import CohortDataModule, cached_dataset, case_items, seeded_compose
-
-SYNTHETIC_COHORT_TAG = "synthetic_cohort"
-
 
 MIXING_MODES = ("add", "displace")
 
@@ -119,21 +109,6 @@ class MixingSampler(Sampler[int]):
         real_draws = torch.randperm(self.n_real, generator=generator)
         synth_draws = torch.randint(0, max(self.n_synthetic, 1), (self.n_real,), generator=generator) + self.n_real
         return torch.where(synthetic, synth_draws, real_draws)
-
-
-def resolve_synthetic_cohort(recipe: DictConfig) -> Path | None:
-    """The synthetic cohort folder from ``synthx.cohort`` or from a generator run's ``synthetic_cohort`` tag."""
-    if recipe.synthx.cohort:
-        return Path(recipe.synthx.cohort)
-    if recipe.synthx.generator_run:
-        from lightning_modules.tracking import tracking_client, tracking_uri
-
-        run = tracking_client(tracking_uri(recipe.tracking.uri)).get_run(str(recipe.synthx.generator_run))
-        path = run.data.tags.get(SYNTHETIC_COHORT_TAG) or run.data.params.get("out")
-        if not path:
-            raise CohortError([f"MLflow run {recipe.synthx.generator_run} has no '{SYNTHETIC_COHORT_TAG}' tag"])
-        return Path(path)
-    return None
 
 
 def check_synthetic_cohort(synthetic: Cohort, split: pd.DataFrame, real: Cohort, split_sha256: str) -> None:
@@ -200,9 +175,19 @@ class MixedTrainingSet(Dataset):
         return self.inner[index]
 
 
-def mixing_datamodule(recipe: DictConfig) -> CohortDataModule:
-    """The recipe's datamodule; with ``synthx.ratio > 0`` its training set mixes in the synthetic cohort."""
-    synthetic_root = resolve_synthetic_cohort(recipe)
+def mixing_datamodule(recipe: DictConfig, synthetic_root: Path | None = None) -> CohortDataModule:
+    """The recipe's datamodule; with ``synthx.ratio > 0`` its training set mixes in the synthetic cohort.
+
+    ``synthetic_root``: the synthetic cohort's folder (default: ``synthx.cohort``). A cohort named by
+    its generator run (``synthx.generator_run``) is found in the tracking store by the training
+    workflow (:func:`lightning_modules.tracking.datasets.resolve_synthetic_cohort`), not here.
+    """
+    if synthetic_root is None and recipe.synthx.cohort:
+        synthetic_root = Path(recipe.synthx.cohort)
+    if synthetic_root is None and recipe.synthx.generator_run and float(recipe.synthx.ratio) > 0:
+        raise CohortError([f"synthx.generator_run={recipe.synthx.generator_run}: its cohort is found in the tracking "
+                           "store; pass lightning_modules.tracking.datasets.resolve_synthetic_cohort(recipe) "
+                           "(benchx train does)"])
     ratio = float(recipe.synthx.ratio)
     if recipe.synthx.real_steps is not None:
         return matched_datamodule(recipe, synthetic_root if ratio > 0 else None)
@@ -295,33 +280,6 @@ def matched_datamodule(recipe: DictConfig, synthetic_root: Path | None) -> Cohor
     return datamodule
 
 
-def log_exposures(client: MlflowClient, run_id: str, datamodule: CohortDataModule, steps: int) -> pd.DataFrame | None:
-    """Log an exposure-matched training's per-case draws (artifact) and their totals (metrics).
-
-    Returns the per-case table, or None for a training without an exposure-matched schedule.
-    """
-    dataset = datamodule.datasets.get("train")
-    if not isinstance(dataset, MatchedTrainingSet):
-        return None
-    table = dataset.exposure_table(steps)
-    client.log_text(run_id, table.to_csv(index=False), EXPOSURE_ARTIFACT)
-    real_cases = table["synthetic"] == 0
-    sham = dataset.sham_match is not None
-    totals = {
-        "exposure/real_draws": table.loc[real_cases, "real_draws"].sum(),
-        "exposure/synthetic_draws": table.loc[~real_cases, "slot_draws"].sum(),
-        "exposure/sham_draws": table.loc[real_cases, "slot_draws"].sum(),
-        "exposure/steps": steps,
-    }
-    if sham:
-        for match, count in dataset.sham_match.value_counts().items():
-            totals[f"exposure/sham_match_{match}"] = count
-    for key, value in totals.items():
-        client.log_metric(run_id, key, float(value))
-    client.set_tag(run_id, "exposure_schedule", "sham" if sham else ("synthetic" if (~real_cases).any() else "real"))
-    return table
-
-
 def exposure_logger(datamodule: CohortDataModule):
     """``report(epoch, real, synthetic)`` that logs an epoch's exposures to the training run (rank 0)."""
 
@@ -333,26 +291,3 @@ def exposure_logger(datamodule: CohortDataModule):
         trainer.logger.log_metrics(metrics, step=trainer.global_step)
 
     return report
-
-
-def log_dataset_inputs(client: MlflowClient, run_id: str, datamodule: CohortDataModule, split_path: str) -> None:
-    """Log the real training split and (when mixing) the synthetic cohort as MLflow dataset inputs."""
-    datamodule._load()
-    inputs = []
-    train_ids = datamodule.case_ids("train")
-    real = mlflow.data.from_pandas(
-        datamodule.cohort.subset(train_ids).astype(str), source=str(Path(datamodule.cohort.root).resolve()), name=f"train:{Path(split_path).name}"
-    )
-    inputs.append(DatasetInput(real._to_mlflow_entity(), [InputTag("mlflow.data.context", "training")]))
-    synthetic = getattr(datamodule, "synthetic_cohort", None)
-    if synthetic is not None:
-        dataset = mlflow.data.from_pandas(
-            synthetic.metadata.astype(str), source=str(Path(synthetic.root).resolve()), name=f"synthetic:{Path(synthetic.root).name}"
-        )
-        inputs.append(DatasetInput(dataset._to_mlflow_entity(), [InputTag("mlflow.data.context", "training-synthetic")]))
-        generators = sorted(set(synthetic.metadata["generator_run_id"]) - {""})
-        if generators:
-            client.set_tag(run_id, "generator_run_ids", ",".join(generators))
-        client.set_tag(run_id, SYNTHETIC_COHORT_TAG, str(synthetic.root))
-        log_generator_training_cases(client, run_id, generator_training_cases(synthetic.root, datamodule.cohort.metadata))
-    log_inputs(client, run_id, inputs)  # concurrent workers may log the same dataset

@@ -35,7 +35,7 @@ from threadpoolctl import threadpool_limits
 
 from lightning_modules.data.cohort import CT_FILE
 from lightning_modules.data.lesions import pancreas_location
-from lightning_modules.data.phantom import (
+from lightning_modules.cohorts.phantom import (
     PARAMS_FILE,
     PHANTOM_VERSION,
     LesionPlan,
@@ -43,7 +43,7 @@ from lightning_modules.data.phantom import (
     plan_phantom_cohort,
     render_scan,
 )
-from lightning_modules.data.phantom.plan import CASE_ID_PREFIX, draw_pancreatic_tumor
+from lightning_modules.cohorts.phantom.plan import CASE_ID_PREFIX, draw_pancreatic_tumor
 from synthx.generation.canvases import LESION_CLASS, ORGAN_CLASS, GenerationError, SynthesisRequest
 from synthx.generation.painting import GeneratedCase, synthetic_row
 from synthx.painters import PHANTOM_PAINTER

@@ -91,7 +91,7 @@ def test_trainings_log_equal_real_exposures_per_case(tiny_phantom, tmp_path):
     from lightning_modules.data.exposure import EXPOSURE_ARTIFACT
     import sys
 
-    from lightning_modules.training import train
+    from lightning_modules.workflows.train import train
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "synthx"))
     from test_synthx_study import fake_synthetic_cohort

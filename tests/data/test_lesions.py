@@ -12,7 +12,7 @@ import pytest
 from scipy.spatial.distance import pdist
 from scipy.spatial.transform import Rotation
 
-from lightning_modules.data import phantom
+from lightning_modules.cohorts import phantom
 from lightning_modules.data.lesions import (
     largest_extent_mm,
     largest_lesion_extent_mm,

@@ -70,7 +70,7 @@ def test_training_with_additive_mixing_logs_each_epochs_exposures(tiny_phantom, 
     from lightning_modules.data.cohort import load_cohort, write_metadata
     from lightning_modules.data.splits import split_sha256
     from lightning_modules.data.synthetic_provenance import GeneratorProvenance
-    from lightning_modules.training import train
+    from lightning_modules.workflows.train import train
 
     root, split = tiny_phantom
     table = pd.read_csv(split)

@@ -16,8 +16,8 @@ from mlflow.tracking import MlflowClient
 from conftest import RECIPES, tiny_overrides
 from service_fixtures import postgres_database, services  # noqa: F401 (pytest fixtures)
 from lightning_modules.config.recipe import load_recipe
-from lightning_modules.evaluation.runs import compare, evaluate
-from lightning_modules.training import train
+from lightning_modules.workflows.evaluate import compare, evaluate
+from lightning_modules.workflows.train import train
 
 
 def test_train_evaluate_compare_through_the_server(services, tiny_phantom, tmp_path, monkeypatch):

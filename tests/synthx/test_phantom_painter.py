@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from lightning_modules.data.cohort import CT_FILE, load_cohort
-from lightning_modules.data.phantom import lesion_contrast_hu
+from lightning_modules.cohorts.phantom import lesion_contrast_hu
 from lightning_modules.data.splits import load_split
 from synthx.generation import GenerationError, PhantomPainter, SynthesisRequest, SynthesisSettings, canvas_table, synthesize
 from synthx.generation.writing import MANIFEST_FILE

@@ -448,7 +448,7 @@ def test_trained_generator_follows_the_phase_contrast_of_real_phantom_tumors(tmp
     """Train the generator (recipe profile cpu: 500 steps of 24^3 patches) on the phantom, paint tumors into canvases of
     each phase, and check that the synthetic tumors' contrast against the pancreas orders the phases
     as the real tumors' does: arterial (hyper-attenuating) above non-contrast (iso) and venous (hypo)."""
-    from lightning_modules.data.phantom import generate_phantom_cohort
+    from lightning_modules.cohorts.phantom import generate_phantom_cohort
     from lightning_modules.data.splits import make_splits, write_split
     from synthx.config import load_synthx_recipe
     from synthx.quality import quality_report

@@ -20,9 +20,10 @@ from test_synthx_generation import cohort, run, tiny_pipeline  # noqa: E402,F401
 
 from lightning_modules.cli import main as benchx  # noqa: E402
 from lightning_modules.config.recipe import load_recipe  # noqa: E402
-from lightning_modules.data.audit import check_split_leakage  # noqa: E402
+from lightning_modules.cohorts.audit import check_split_leakage  # noqa: E402
 from lightning_modules.data.cohort import CohortError, load_cohort, write_metadata  # noqa: E402
-from lightning_modules.data.mixing import SYNTHETIC_COHORT_TAG, log_dataset_inputs, mixing_datamodule  # noqa: E402
+from lightning_modules.data.mixing import mixing_datamodule  # noqa: E402
+from lightning_modules.tracking.datasets import SYNTHETIC_COHORT_TAG, log_dataset_inputs  # noqa: E402
 from lightning_modules.data.synthetic_provenance import (  # noqa: E402
     PROVENANCE_FILE,
     GeneratorProvenance,
@@ -30,12 +31,12 @@ from lightning_modules.data.synthetic_provenance import (  # noqa: E402
     provenance_problem,
     read_provenance,
 )
-from lightning_modules.evaluation.provenance import (  # noqa: E402
+from lightning_modules.tracking.provenance import (  # noqa: E402
     GENERATOR_CASES_ARTIFACT,
     log_generator_training_cases,
     log_training_cases,
 )
-from lightning_modules.evaluation.runs import OVERLAP_CHECK_TAG, OVERLAP_OVERRIDE_TAG, EvaluationError, check_training_overlap  # noqa: E402
+from lightning_modules.workflows.evaluate import OVERLAP_CHECK_TAG, OVERLAP_OVERRIDE_TAG, EvaluationError, check_training_overlap  # noqa: E402
 
 LEAK = "learned from case T1, which is in the 'test' split"
 

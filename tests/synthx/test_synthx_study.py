@@ -23,7 +23,7 @@ from lightning_modules.config.recipe import load_recipe
 from lightning_modules.data.mixing import MixingSampler, mixing_datamodule
 from lightning_modules.data.splits import split_sha256
 from lightning_modules.data.synthetic_provenance import GeneratorProvenance
-from lightning_modules.training import train
+from lightning_modules.workflows.train import train
 
 
 def fake_synthetic_cohort(root, split, out, canvas_split: str = "train", n: int = 3):

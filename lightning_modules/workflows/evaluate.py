@@ -1,0 +1,593 @@
+"""Evaluation runs and comparisons: the library behind ``benchx evaluate`` and ``benchx compare``.
+
+``evaluate`` takes a trained model (checkpoint + recipe, and its training run when known), a cohort
+and a split (including an external cohort never trained on), and writes a new MLflow run linked to
+the training run (tag ``training_run_id``) with the subgroup metrics, the per-case records, the
+subgroup tables with CIs and the figures, at three operating points
+(docs/design.md "Scan-level detection"): the recipe's (``val/...``, ``test/...``), BenchX's fixed m (``test_fixed/...``) and the
+one chosen on validation (``test_val_chosen/...``; metrics ``operating_point/<name>`` hold the
+thresholds, ``operating_point/val_chosen_low`` and ``_high`` the spread of a bagged choice). It
+refuses an evaluation set holding a training case or patient of the model unless
+``allow_training_overlap`` is set (then tagged ``training_overlap_override``).
+
+``compare`` takes two or more evaluation runs on the same evaluation set (same case-id hash),
+refuses any of them evaluated with ``allow_training_overlap`` (its numbers are contaminated), and
+writes the table of BenchX table 6 at each operating point (fixed m, validation-chosen, matched
+specificity): for each subgroup its patients, positives and negatives, baseline and augmented
+with their Wilson intervals, the difference with its paired bootstrap CI (at the chosen points
+including the threshold's uncertainty) and Newcombe's interval, the exact McNemar p (sensitivity,
+specificity) or DeLong's p (AUC), the share of resamples where it was defined, and whether it is
+significant (the metric's deciding test rejects and the subgroup supports it:
+docs/design.md "Confidence intervals and comparisons"). The fixed m reads the raw predicted tumor
+volume (BenchX's rule); ``score="localized_volume"`` compares the localization-aware score.
+
+Example::
+
+    run_id, tables = evaluate(recipe, "best.ckpt", ("val", "test"), training_run_id=run)
+    table, compare_run = compare([baseline_eval_run, synthx_eval_run], "test", experiment="benchx")
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import pandas as pd
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig
+
+from lightning_modules.evaluation.artifacts import download_records, log_evaluation_artifacts
+from lightning_modules.evaluation.bootstrap import bootstrap_subgroup_metrics, evaluation_set_hash, paired_differences
+from lightning_modules.evaluation.callback import FALLBACK_TAG, SubgroupEvaluation
+from lightning_modules.evaluation.figures import close, comparison_figure
+from lightning_modules.evaluation.metric_keys import headline_metric_keys
+from lightning_modules.tracking.provenance import GENERATOR_CASES_ARTIFACT, generator_overlap, training_cases, training_overlap
+from lightning_modules.evaluation.records import fixed_rule_score, score_column
+from lightning_modules.evaluation.subgroups import support_rule_text
+from lightning_modules.evaluation.thresholds import (
+    RULES,
+    OperatingPoint,
+    choose_operating_point,
+    matched_specificity_point,
+    resampled_choices,
+    resampled_matched_thresholds,
+    specificity_at,
+)
+from lightning_modules.trainer import FailWithLaunchedProcesses, RunLogger, build_trainer, global_rank, share_from_rank_zero
+from lightning_modules.tracking import (
+    check_run_id,
+    ended_run,
+    experiment_id,
+    log_evaluation_inputs,
+    log_metrics,
+    run_tags,
+    start_run,
+    tracking_uri,
+)
+
+log = logging.getLogger(__name__)
+OVERLAP_OVERRIDE_TAG = "training_overlap_override"
+OVERLAP_CHECK_TAG = "training_overlap_check"
+OPERATING_POINT_METRIC = "operating_point/{name}"
+
+
+class EvaluationError(ValueError):
+    """An evaluation or comparison that cannot be done as asked."""
+
+
+# ------------------------------------------------------------------------------------------------
+# evaluate
+
+
+def validation_rule(recipe: DictConfig) -> str:
+    """The rule of the validation-chosen operating point: the recipe's ``detection.threshold_rule``
+    when it is ``f1`` or ``youden``, else Youden's J."""
+    rule = str(recipe.detection.threshold_rule)
+    return rule if rule in ("f1", "youden") else "youden"
+
+
+def training_run_of_checkpoint(checkpoint: str | Path) -> str | None:
+    """The MLflow run of a checkpoint written by ``benchx train`` (``<run folder>/checkpoints/*.ckpt``),
+    from the run folder's record (``run.json``)."""
+    from lightning_modules.run_folder import RunRecord
+
+    record = RunRecord.read(Path(checkpoint).resolve().parent.parent)
+    return record.run_id if record is not None else None
+
+
+def check_training_overlap(
+    client: MlflowClient, training_run_id: str | None, evaluated: pd.DataFrame, allow: bool
+) -> dict[str, str]:
+    """Refuse (EvaluationError) an evaluation set sharing a case or patient with the model's training
+    cases or with the cases its synthetic data's generator learned from, unless ``allow``; returns
+    the tags that record what was checked."""
+    if training_run_id is None:
+        log.warning("evaluate: no training run known for this checkpoint, so its training cases are not checked")
+        return {OVERLAP_CHECK_TAG: "unavailable: no training run"}
+    try:
+        client.get_run(training_run_id)
+    except Exception as error:  # MLflow raises its own exception for an unknown run
+        raise EvaluationError(f"training run {training_run_id}: not found in the tracking store ({error})") from error
+    with tempfile.TemporaryDirectory() as folder:
+        training = training_cases(client, training_run_id, folder)
+        generator = training_cases(client, training_run_id, folder, GENERATOR_CASES_ARTIFACT)
+    if training is None:
+        log.warning("evaluate: training run %s records no training cases; overlap not checked", training_run_id)
+        return {OVERLAP_CHECK_TAG: "unavailable: the training run records no training_cases.csv"}
+    # A model trained on synthetic data also learned from the cases its generator learned from.
+    problems = training_overlap(evaluated, training) + (generator_overlap(evaluated, generator) if generator is not None else [])
+    if not problems:
+        from lightning_modules.tracking.datasets import SYNTHETIC_COHORT_TAG
+
+        if generator is None and client.get_run(training_run_id).data.tags.get(SYNTHETIC_COHORT_TAG):
+            log.warning("evaluate: training run %s mixed in synthetic data but records no %s; the generator's training "
+                        "cases are not checked", training_run_id, GENERATOR_CASES_ARTIFACT)
+            return {OVERLAP_CHECK_TAG: f"passed for the real training cases; the generator's are unknown (no {GENERATOR_CASES_ARTIFACT})"}
+        return {OVERLAP_CHECK_TAG: "passed"}
+    listing = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
+    if not allow:
+        raise EvaluationError(
+            f"{len(problems)} evaluated case(s) overlap the training cases of run {training_run_id}:\n  {listing}\n"
+            "evaluation refused: use a split whose val/test cases the model never saw, or pass "
+            "--allow-training-overlap to evaluate anyway (recorded in the run)"
+        )
+    log.warning("evaluate: %d evaluated case(s) overlap the training cases (override given):\n  %s", len(problems), listing)
+    return {OVERLAP_CHECK_TAG: f"failed: {len(problems)} case(s)", OVERLAP_OVERRIDE_TAG: "true"}
+
+
+def point_score(point: str, score: str, records: pd.DataFrame | None) -> str:
+    """The score an operating point reads: BenchX's fixed m counts the raw predicted tumor voxels
+    (``records.fixed_rule_score``); records without that column keep ``score``."""
+    return fixed_rule_score(score, records) if point == "fixed" else score
+
+
+def nested_choices(val_records: pd.DataFrame | None, rule: str, score: str, n_resamples: int):
+    """The validation rule's choice on each patient resample of the validation records, for the
+    nested threshold bootstrap of the test CIs (None without validation records)."""
+    if val_records is None or len(val_records) == 0 or rule not in RULES:
+        return None
+    return resampled_choices(val_records, rule, score, n_resamples)
+
+
+def _operating_points(recipe: DictConfig, callback: SubgroupEvaluation) -> list[OperatingPoint]:
+    detection = recipe.detection
+    fixed = float(detection.threshold_mm3)
+    chosen = callback.operating_point
+    if chosen.name != "val_chosen":
+        # The callback chose on validation only when the recipe's rule is f1 or youden (the same
+        # rule, records and bagging as here); otherwise the validation point is chosen by Youden.
+        chosen = choose_operating_point(
+            callback.records.get("val"), validation_rule(recipe), fixed, str(detection.score),
+            int(detection.threshold_bootstrap), float(detection.confidence),
+        )
+    if chosen.fallback:
+        log.warning("evaluate: validation operating point (%s): %s; using the fixed m = %g", chosen.rule, chosen.fallback, fixed)
+    elif chosen.interval is not None:
+        log.info("evaluate: validation operating point m = %g by %s; the resamples chose %g to %g (%g%% interval)",
+                 chosen.threshold, chosen.rule, chosen.interval[0], chosen.interval[1], 100 * float(detection.confidence))
+    return [OperatingPoint("fixed", fixed, "fixed"), chosen]
+
+
+def _log_operating_points(client, run_id: str, recipe: DictConfig, callback, stages, points) -> dict[str, pd.DataFrame]:
+    """Tables, metrics and artifacts of every evaluated stage at the fixed and the validation-chosen m."""
+    detection = recipe.detection
+    tables = {}
+    for point in points:
+        client.log_metric(run_id, OPERATING_POINT_METRIC.format(name=point.name), point.threshold)
+        client.set_tag(run_id, f"operating_point.{point.name}.rule", point.rule)
+        if point.interval is not None:
+            # How far the choice moves between patient resamples of validation: its uncertainty.
+            low_key, high_key = (OPERATING_POINT_METRIC.format(name=f"{point.name}_{end}") for end in ("low", "high"))
+            client.log_metric(run_id, low_key, point.interval[0])
+            client.log_metric(run_id, high_key, point.interval[1])
+        if point.fallback:
+            client.set_tag(run_id, f"{FALLBACK_TAG}.{point.name}", f"{point.fallback}; the fixed m is used"[:5000])
+        for stage in stages:
+            records = callback.records.get(stage)
+            if records is None:
+                continue
+            name = f"{stage}_{point.name}"
+            score = point_score(point.name, str(detection.score), records)
+            nested = None
+            if stage == "test" and point.name == "val_chosen" and not point.fallback:
+                nested = nested_choices(callback.records.get("val"), validation_rule(recipe), score,
+                                        int(detection.bootstrap_resamples))
+            table = bootstrap_subgroup_metrics(records, point.threshold, n_resamples=int(detection.bootstrap_resamples),
+                                               confidence=float(detection.confidence), score=score,
+                                               resample_thresholds=nested)
+            # A few hundred keys a person can plot: per group only at the validation-chosen point
+            # (its full table, CIs included, is logged as an MLflow table below).
+            metrics = headline_metric_keys(table, name, groups=point.name == "val_chosen")
+            metrics[f"{name}/threshold"] = point.threshold
+            log_metrics(client, run_id, metrics)
+            log_evaluation_artifacts(client, run_id, name, None, table)
+            tables[name] = table
+    return tables
+
+
+def evaluate(
+    recipe: DictConfig,
+    checkpoint: str | Path,
+    stages: Sequence[str] = ("val", "test"),
+    training_run_id: str | None = None,
+    run_name: str | None = None,
+    extra_tags: dict[str, str] | None = None,
+    allow_training_overlap: bool = False,
+) -> tuple[str, dict[str, pd.DataFrame]]:
+    """Evaluate a checkpoint on the recipe's cohort + split into a new MLflow run.
+
+    Validation always runs (it chooses the validation operating point); ``stages`` says which
+    stages get tables at every operating point.
+
+    Args:
+        recipe: the model's recipe, with the cohort and split to evaluate on.
+        checkpoint: the checkpoint file.
+        stages: ``val`` and/or ``test``.
+        training_run_id: the model's training run (default: the run recorded beside the checkpoint).
+        run_name: the evaluation run's name.
+        extra_tags: more tags for the evaluation run.
+        allow_training_overlap: evaluate even when evaluated cases overlap the training cases
+            (recorded as a tag and warned about).
+
+    Returns:
+        The evaluation run id and the subgroup tables: ``val``/``test`` at the recipe's operating
+        point and ``<stage>_fixed``, ``<stage>_val_chosen``.
+
+    Raises:
+        EvaluationError: a malformed run id, or an evaluation set that overlaps the training cases.
+    """
+    from lightning_modules.data.datamodule import CohortDataModule
+    from lightning_modules.data.splits import split_sha256
+    from lightning_modules.models.checkpoints import load_module_from_checkpoint
+
+    from lightning_modules.tracking.pyfunc import is_model_uri, model_version_tags, record_operating_point
+
+    # A registered model (models:/NAME@ALIAS) stands for its version's training run.
+    version_tags = model_version_tags(training_run_id, tracking_uri(recipe.tracking.uri)) if is_model_uri(training_run_id) else {}
+    training_run_id = version_tags.get("training_run_id", training_run_id)
+    training_run_id = training_run_id or training_run_of_checkpoint(checkpoint)
+    try:
+        training_run_id = check_run_id(training_run_id) if training_run_id else None
+    except ValueError as error:
+        raise EvaluationError(str(error)) from error
+    uri = tracking_uri(recipe.tracking.uri)
+    datamodule = CohortDataModule(recipe)
+    datamodule._load()
+    evaluated = datamodule.split[datamodule.split["split"].isin({"val", *stages})]
+
+    def start_evaluation_run() -> str:
+        """On rank 0: check the evaluation set against the model's training cases and open the run."""
+        experiment_id(str(recipe.tracking.experiment), uri)
+        tags = run_tags(recipe, split_sha256(recipe.data.split))
+        tags.update(check_training_overlap(MlflowClient(tracking_uri=uri), training_run_id, evaluated, allow_training_overlap))
+        tags.update({"stage": "evaluation", "eval_cohort": str(recipe.data.root), "checkpoint": Path(checkpoint).name})
+        if training_run_id:
+            tags["training_run_id"] = training_run_id
+        tags.update(extra_tags or {})
+        tags.update(version_tags or model_version_tags(training_run_id, uri))
+        return start_run(uri, str(recipe.tracking.experiment), run_name or f"evaluate-{recipe.name}", tags)
+
+    # Under DDP (trainer.devices/strategy/num_nodes, torchrun, srun) rank 0 opens the run and every
+    # process gets its id; each rank evaluates its share of the cases, the records are gathered
+    # (padding de-duplicated) and only rank 0 writes. A failure on any rank ends the run FAILED.
+    run_id = share_from_rank_zero(start_evaluation_run, str(recipe.trainer.get("accelerator", "auto")))
+    writer = global_rank() == 0
+    tables: dict[str, pd.DataFrame] = {}
+    with ended_run(uri, run_id, writer=writer):
+        module = load_module_from_checkpoint(recipe, checkpoint)
+        logger = RunLogger(experiment_name=str(recipe.tracking.experiment), tracking_uri=uri, run_id=run_id)
+        callback = SubgroupEvaluation.from_recipe(recipe, tables_on_val=True, headline_only=True)
+        trainer = build_trainer(recipe.trainer, None, logger=logger, callbacks=[callback, FailWithLaunchedProcesses(uri, run_id)],
+                                enable_model_summary=False, enable_progress_bar=sys.stderr.isatty())
+        if datamodule.case_ids("val"):
+            trainer.validate(module, datamodule=datamodule)
+        if "test" in stages:
+            trainer.test(module, datamodule=datamodule)
+        tables = dict(callback.results)
+        if trainer.is_global_zero:
+            points = _operating_points(recipe, callback)
+            tables.update(_log_operating_points(logger.experiment, run_id, recipe, callback, list(stages), points))
+            log_evaluation_inputs(logger.experiment, run_id, datamodule, list(dict.fromkeys(["val", *stages])))
+            record_operating_point(run_id, uri)  # on the registered version, for its pyfunc's tumor_detected
+    return run_id, tables
+
+
+# ------------------------------------------------------------------------------------------------
+# compare
+
+
+@dataclass
+class EvaluatedRun:
+    """What compare needs of one evaluation run."""
+
+    run_id: str
+    name: str
+    records: pd.DataFrame
+    val_records: pd.DataFrame | None
+    thresholds: dict[str, float] = field(default_factory=dict)
+    fallback: str = ""
+    rule: str = "youden"
+
+
+def _check_run_ids(run_ids: Sequence[str]) -> list[str]:
+    if len(run_ids) < 2:
+        raise EvaluationError("compare needs at least two evaluation runs (baseline first)")
+    try:
+        ids = [check_run_id(run_id) for run_id in run_ids]
+    except ValueError as error:
+        raise EvaluationError(str(error)) from error
+    repeated = sorted({run_id for run_id in ids if ids.count(run_id) > 1})
+    if repeated:
+        raise EvaluationError(f"run {repeated[0]} is named more than once: compare needs different runs")
+    return ids
+
+
+def _load_run(client: MlflowClient, run_id: str, stage: str, folder: str) -> EvaluatedRun:
+    try:
+        run = client.get_run(run_id)
+    except Exception as error:  # MLflow raises its own exception for an unknown run
+        raise EvaluationError(f"run {run_id}: not found in the tracking store ({error})") from error
+    if run.data.tags.get(OVERLAP_OVERRIDE_TAG) == "true":
+        check = run.data.tags.get(OVERLAP_CHECK_TAG, "failed")
+        raise EvaluationError(
+            f"run {run_id} was evaluated with --allow-training-overlap ({OVERLAP_CHECK_TAG}: {check}): its evaluation "
+            "set holds cases the model learned from, so a difference to it says nothing; evaluate the model on a "
+            "split whose val/test cases it never saw"
+        )
+    records = download_records(client, run_id, stage, folder)
+    if records is None:
+        raise EvaluationError(f"run {run_id} has no {stage} records: evaluate it first")
+    thresholds = {}
+    for name in ("fixed", "val_chosen"):
+        value = run.data.metrics.get(OPERATING_POINT_METRIC.format(name=name))
+        if value is None:
+            raise EvaluationError(
+                f"run {run_id} has no {OPERATING_POINT_METRIC.format(name=name)} metric: it was evaluated before "
+                "operating points were recorded; evaluate the model again"
+            )
+        thresholds[name] = float(value)
+    name = run.data.tags.get("variant") or run.info.run_name or run_id[:8]
+    fallback = run.data.tags.get(f"{FALLBACK_TAG}.val_chosen", "")
+    # The tag reads e.g. "youden (mean of 1998 of 2000 resamples)".
+    rule = (run.data.tags.get("operating_point.val_chosen.rule", "youden").split() or ["youden"])[0]
+    return EvaluatedRun(run_id, name, records, download_records(client, run_id, "val", folder), thresholds, fallback,
+                        rule if rule in RULES else "youden")
+
+
+def _rechoose_on_score(run: EvaluatedRun, score: str, n_resamples: int, confidence: float) -> None:
+    """Choose a run's validation point on another score than the one it was evaluated with (the
+    localization-aware score): the run's rule, bagged over ``n_resamples`` validation resamples."""
+    if run.val_records is None or score_column(score) not in run.val_records.columns:
+        raise EvaluationError(f"run {run.run_id} has no validation records with {score_column(score)}: evaluate it again")
+    point = choose_operating_point(run.val_records, run.rule, run.thresholds["fixed"], score, n_resamples, confidence)
+    run.thresholds["val_chosen"], run.fallback = point.threshold, point.fallback
+
+
+def _matched_point(baseline: EvaluatedRun, other: EvaluatedRun, score: str) -> OperatingPoint:
+    target = math.nan
+    if baseline.val_records is not None:
+        target = specificity_at(baseline.val_records, baseline.thresholds["val_chosen"], score)
+    return matched_specificity_point(other.val_records, target, other.thresholds["fixed"], score)
+
+
+def _nested_thresholds(baseline: EvaluatedRun, other: EvaluatedRun, matched: OperatingPoint, score: str, n_resamples: int):
+    """Per chosen operating point, (baseline's, other's) threshold on each validation resample, or None.
+
+    A run whose validation point fell back to the fixed m keeps it in every resample (None).
+    """
+    base = None if baseline.fallback else nested_choices(baseline.val_records, baseline.rule, score, n_resamples)
+    chosen = None if other.fallback else nested_choices(other.val_records, other.rule, score, n_resamples)
+    matched_choices = None
+    if base is not None and not matched.fallback and other.val_records is not None:
+        matched_choices = resampled_matched_thresholds(baseline.val_records, base, other.val_records, score)
+    return {
+        "val_chosen": None if base is None and chosen is None else (base, chosen),
+        "matched_specificity": None if base is None and matched_choices is None else (base, matched_choices),
+    }
+
+
+def _compare_pair(baseline: EvaluatedRun, other: EvaluatedRun, settings: dict, notes: list[str]) -> pd.DataFrame:
+    """The paired comparison of one run with the baseline at the three operating points.
+
+    The fixed m reads the raw predicted tumor volume (BenchX's rule); at the validation-chosen and
+    matched-specificity points the test CIs include the threshold's uncertainty (each validation
+    resample's choice applied to the paired test resample).
+    """
+    score = settings["score"]
+    matched = _matched_point(baseline, other, score)
+    if matched.fallback:
+        notes.append(f"{other.name} ({other.run_id}): matched specificity: {matched.fallback}; the fixed m is used")
+    pairs = {
+        "fixed": (baseline.thresholds["fixed"], other.thresholds["fixed"]),
+        "val_chosen": (baseline.thresholds["val_chosen"], other.thresholds["val_chosen"]),
+        "matched_specificity": (baseline.thresholds["val_chosen"], matched.threshold),
+    }
+    nested = _nested_thresholds(baseline, other, matched, score, int(settings["n_resamples"]))
+    fixed_score = point_score("fixed", score, baseline.records)
+    if fixed_score != point_score("fixed", score, other.records):
+        fixed_score = score
+    if fixed_score == score and fixed_rule_score(score) != score:
+        notes.append(f"{other.name} ({other.run_id}): records without raw_volume_mm3; the fixed m reads {score_column(score)}")
+    fixed_settings = {**settings, "score": fixed_score}
+    (fixed_table,) = paired_differences(baseline.records, [(other.records, *pairs["fixed"])], **fixed_settings)
+    # One pass over the resamples for the chosen points (the baseline evaluated once per threshold).
+    chosen = ("val_chosen", "matched_specificity")
+    tables = [fixed_table] + paired_differences(
+        baseline.records, [(other.records, *pairs[point]) for point in chosen], **settings,
+        resample_thresholds=[nested[point] for point in chosen],
+    )
+    frames = []
+    for (point, (threshold_a, threshold_b)), table in zip(pairs.items(), tables):
+        table.insert(0, "run", other.name)
+        table.insert(1, "reference", baseline.name)  # the first run: every difference is run minus reference
+        table.insert(2, "run_id", other.run_id)
+        table.insert(3, "operating_point", point)
+        table.insert(4, "threshold_a", threshold_a)
+        table.insert(5, "threshold_b", threshold_b)
+        table.insert(6, "score", fixed_score if point == "fixed" else score)
+        table.insert(7, "nested_threshold", bool(table.attrs.get("nested_threshold", False)))
+        frames.append(table)
+    return pd.concat(frames, ignore_index=True)
+
+
+def _log_comparison(client: MlflowClient, experiment: str, uri: str, stage: str, comparison: pd.DataFrame,
+                    run_ids: Sequence[str], set_hash: str) -> str:
+    # The client, not mlflow.start_run: under `mlflow run`, start_run would resume the run in
+    # MLFLOW_RUN_ID (the caller's) instead of creating the comparison's own run.
+    run_id = client.create_run(
+        experiment_id(experiment, uri),
+        run_name="compare",
+        tags={"stage": "compare", "compared_runs": ",".join(run_ids), f"{stage}_set_sha256": set_hash},
+    ).info.run_id
+    for i, note in enumerate(comparison.attrs.get("notes", [])):
+        client.set_tag(run_id, f"{FALLBACK_TAG}.{i}", note[:5000])
+    client.log_table(run_id, data=comparison, artifact_file=f"comparison/{stage}_comparison.json")
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / f"{stage}_comparison.csv"
+        comparison.to_csv(path, index=False)
+        client.log_artifact(run_id, str(path), "comparison")
+        (Path(folder) / f"{stage}_comparison.txt").write_text(format_comparison(comparison))
+        client.log_artifact(run_id, str(Path(folder) / f"{stage}_comparison.txt"), "comparison")
+    for point in dict.fromkeys(comparison["operating_point"]):
+        figure = comparison_figure(comparison, operating_point=point)
+        client.log_figure(run_id, figure, f"comparison/{stage}_comparison_{point}.png")
+        close(figure)
+    client.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
+def compare(
+    run_ids: Sequence[str],
+    stage: str = "test",
+    uri: str | None = None,
+    experiment: str | None = None,
+    n_resamples: int = 2000,
+    confidence: float = 0.95,
+    score: str = "volume",
+) -> tuple[pd.DataFrame, str | None]:
+    """Paired comparison of evaluation runs against the first (the baseline), BenchX table 6 shape,
+    at the fixed m, the validation-chosen m and matched specificity.
+
+    Returns the comparison table (``attrs["notes"]`` lists operating-point fallbacks, each also
+    logged) and the MLflow run id it was logged to (None without an experiment).
+
+    Raises:
+        EvaluationError: fewer than two runs, a malformed or repeated run id, a run without
+            records, a run evaluated with the training overlap allowed (tag
+            ``training_overlap_override``), or runs evaluated on different sets.
+    """
+    run_ids = _check_run_ids(run_ids)
+    uri = tracking_uri(uri)
+    client = MlflowClient(tracking_uri=uri)
+    with tempfile.TemporaryDirectory() as folder:
+        runs = [_load_run(client, run_id, stage, folder) for run_id in run_ids]
+    hashes = [evaluation_set_hash(run.records["case_id"]) for run in runs]
+    if len(set(hashes)) != 1:
+        listing = ", ".join(f"{run.run_id}: {h[:12]} ({len(run.records)} cases)" for run, h in zip(runs, hashes))
+        raise EvaluationError(f"runs were evaluated on different sets (case-id sha256 differs): {listing}")
+    if score not in ("volume", "max_prob"):
+        for run in runs:
+            _rechoose_on_score(run, score, n_resamples, confidence)
+    notes = [f"{run.name} ({run.run_id}): validation operating point: {run.fallback}" for run in runs if run.fallback]
+    settings = {"n_resamples": n_resamples, "confidence": confidence, "score": score}
+    comparison = pd.concat([_compare_pair(runs[0], other, settings, notes) for other in runs[1:]], ignore_index=True)
+    for note in notes:
+        log.warning("compare: %s", note)
+    comparison.attrs.update({"baseline": runs[0].name, "notes": notes})
+    logged_run = _log_comparison(client, experiment, uri, stage, comparison, run_ids, hashes[0]) if experiment else None
+    return comparison, logged_run
+
+
+TEST_NAMES = {"mcnemar_exact": "McNemar", "delong": "DeLong", "bootstrap": "bootstrap",
+              "bootstrap+mcnemar": "boot+McNemar"}
+
+
+def format_comparison(
+    comparison: pd.DataFrame, metrics: Sequence[str] = ("sensitivity", "specificity", "f1", "auc")
+) -> str:
+    """The comparison as a terminal table (BenchX table 6 shape), one block per run and operating
+    point and one line per subgroup and metric: its patients, positives and negatives, baseline and
+    other with their Wilson intervals (sensitivity, specificity), the difference with its paired
+    bootstrap CI, Newcombe's interval, the p of the test that decides significance and the share of
+    resamples where the difference was defined."""
+    lines = []
+    for (run, point), table in comparison.groupby(["run", "operating_point"], sort=False):
+        threshold = f"m {table['threshold_a'].iloc[0]:g} vs {table['threshold_b'].iloc[0]:g}"
+        details = [str(table["score"].iloc[0])] if "score" in table else []
+        if "nested_threshold" in table and bool(table["nested_threshold"].iloc[0]):
+            details.append("CIs include the threshold's uncertainty")
+        detail = f"; {', '.join(details)}" if details else ""
+        lines.append(f"== {comparison.attrs.get('baseline', 'baseline')} (base) vs {run} (new) at {point} "
+                     f"({threshold}{detail}), in % ==")
+        lines.append(f"{'subgroup':<26}{'pat':>5}{'pos':>5}{'neg':>5}  {'metric':<12}{'base [Wilson]':<21}{'new [Wilson]':<21}"
+                     f"{'delta [bootstrap 95% CI]':<26}{'[Newcombe]':<17}{'p (test)':<20}{'def':>5}")
+        for (attribute, group), rows in table.groupby(["attribute", "group"], sort=False):
+            by_metric = rows.set_index("metric")
+            first = rows.iloc[0]
+            label = f"{(str(attribute) + ':' + str(group))[:25]:<26}{int(first['n_patients']):>5}" \
+                    f"{int(first['positives']):>5}{int(first['negatives']):>5}"
+            for metric in metrics:
+                if metric not in by_metric.index:
+                    continue
+                row = by_metric.loc[metric]
+                interval = f"{_fmt(row['delta'], True)} [{_fmt(row['ci_low'], True)}, {_fmt(row['ci_high'], True)}]{significance_mark(row)}"
+                newcombe = f"[{_fmt(row.get('newcombe_low'), True)}, {_fmt(row.get('newcombe_high'), True)}]" \
+                    if not pd.isna(row.get("newcombe_low")) else ""
+                test = TEST_NAMES.get(str(row.get("test", "bootstrap")), str(row.get("test", "")))
+                p_value = f"{float(row['p_value']):.3g} ({test})" if not pd.isna(row.get("p_value")) else "-"
+                defined = f"{100 * float(row['defined_fraction']):.0f}%"
+                lines.append(f"{label}  {metric:<12}{_with_interval(row, 'a'):<21}{_with_interval(row, 'b'):<21}"
+                             f"{interval:<26}{newcombe:<17}{p_value:<20}{defined:>5}")
+    lines.append("* significant: the test of the metric rejects at 5% (exact McNemar for sensitivity and "
+                 "specificity, DeLong for AUC, for F1 the paired bootstrap CI and McNemar on the positives or "
+                 "negatives) and the subgroup has "
+                 f"{support_rule_text()};  ** also after Holm's correction over the groups of its attribute;  "
+                 "~ the test rejects but the subgroup is below that rule;  - undefined;  "
+                 "def: share of resamples where the difference was defined")
+    lines += [f"note: {note}" for note in comparison.attrs.get("notes", [])]
+    return "\n".join(lines)
+
+
+def _with_interval(row, arm: str) -> str:
+    """A run's value with its Wilson interval when the row has one."""
+    low, high = row.get(f"{arm}_wilson_low"), row.get(f"{arm}_wilson_high")
+    if low is None or pd.isna(low):
+        return _fmt(row[arm])
+    return f"{_fmt(row[arm])} [{_fmt(low)}, {_fmt(high)}]"
+
+
+def is_flagged(value) -> bool:
+    """A significance cell, also as read back from CSV: True only when it says so (an empty cell is not)."""
+    return False if pd.isna(value) else value is True or str(value).strip().lower() in {"true", "1"}
+
+
+def significance_mark(row) -> str:
+    """``**`` significant after Holm, ``*`` significant, ``~`` the deciding test rejects below the
+    support rule, else a space. Rows without a ``test`` column are decided by their CI."""
+    if is_flagged(row.get("significant_holm", False)):
+        return "**"
+    if is_flagged(row["significant"]):
+        return "*"
+    test = row.get("test", "bootstrap")
+    low, high = float(row["ci_low"]), float(row["ci_high"])
+    rejects = low > 0 or high < 0
+    if test == "bootstrap+mcnemar":
+        rejects = rejects and float(row.get("p_mcnemar", math.nan)) < 0.05
+    elif isinstance(test, str) and test != "bootstrap":
+        rejects = float(row.get("p_value", math.nan)) < 0.05
+    return "~" if rejects else " "
+
+
+def _fmt(value, sign: bool = False) -> str:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return "-"
+    if math.isnan(value):
+        return "-"
+    return f"{value * 100:+.1f}" if sign else f"{value * 100:.1f}"
