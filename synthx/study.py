@@ -52,18 +52,21 @@ import fcntl
 import hashlib
 import json
 import os
+import copy
+import functools
 import resource
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping
 
 import pandas as pd
 from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig
 
-from lightning_modules.config.recipe import load_recipe
+from lightning_modules.config.recipe import load_recipe, recipe_variant
 from lightning_modules.run_folder import RunFolderLock, content_key
 from lightning_modules.process import git_commit
 from lightning_modules.tracking import experiment_id, tracking_uri
@@ -234,18 +237,30 @@ class StudyRunner:
 # Recipes
 
 
-def segmentation_recipe(settings: StudySettings, extra: Sequence[str] = ()):
-    """The backbone recipe of the study: recipe, profile, the study's experiment, overrides, then ``extra``.
+def segmentation_recipe(settings: StudySettings, *variants: Mapping):
+    """The backbone recipe of the study: recipe, profile, the study's experiment and overrides, loaded
+    from YAML once per study; each of ``variants`` (nested typed values, e.g. an arm's
+    :func:`arm_values`) is then merged in memory and checked again (:func:`recipe_variant`).
 
     The trainings do not validate the real cohort again (``data.validate=false``): the ``data`` step
     has just validated it, and reading every scan twice more costs minutes on a CPU. The split's
     leakage audit still runs before each training.
     """
-    return load_recipe(
-        settings.recipe,
-        [f"profile={settings.profile}", f"tracking.experiment={settings.experiment}", "data.validate=false",
-         *settings.overrides, *extra],
-    )
+    path = Path(settings.recipe)
+    stamp = path.stat() if path.is_file() else None
+    recipe = copy.deepcopy(_loaded_recipe(str(path), settings.profile, settings.experiment, tuple(settings.overrides),
+                                          (stamp.st_mtime_ns, stamp.st_size) if stamp else None))
+    for values in variants:
+        recipe = recipe_variant(recipe, values, source=f"{settings.recipe} (study variant)")
+    return recipe
+
+
+@functools.lru_cache(maxsize=16)
+def _loaded_recipe(path: str, profile: str, experiment: str, overrides: tuple[str, ...], stamp) -> DictConfig:
+    """The study's recipe as loaded from its file (``stamp``: the file's mtime and size, so an edited
+    file is read again)."""
+    return load_recipe(path, [f"profile={profile}", f"tracking.experiment={experiment}", "data.validate=false",
+                              *overrides])
 
 
 def _generator_recipe(settings: StudySettings, root: Path, split: Path, uri: str):
@@ -552,8 +567,8 @@ def _open_runner(settings: StudySettings, parent_tags: dict[str, str] | None = N
                        parent_run_id=parent_run_id, parent_tags=parent_tags)
 
 
-def arm_overrides(settings: StudySettings, arm: str, cohort: str | None = None) -> list[str]:
-    """The recipe overrides of an arm on the exposure-matched schedule (``docs/design.md "Arms with equal real exposure"``).
+def arm_values(settings: StudySettings, arm: str, cohort: str | None = None) -> dict:
+    """The recipe values of an arm on the exposure-matched schedule (``docs/design.md "Arms with equal real exposure"``).
 
     The recipe's ``trainer.max_steps`` (with the study's overrides) are the real steps S of every
     arm; the sham and SynthX arms train S x (1 + r) steps, their extra draws being synthetic slots.
@@ -562,10 +577,11 @@ def arm_overrides(settings: StudySettings, arm: str, cohort: str | None = None) 
 
     real_steps = int(segmentation_recipe(settings).trainer.max_steps)
     if arm == "baseline":
-        return ["synthx.ratio=0", f"synthx.real_steps={real_steps}"]
-    extra = [f"synthx.ratio={settings.ratio}", f"synthx.cohort={cohort}", f"synthx.real_steps={real_steps}",
-             f"trainer.max_steps={matched_total_steps(real_steps, settings.ratio)}"]
-    return [*extra, "synthx.sham=true"] if arm == "sham" else extra
+        return {"synthx": {"ratio": 0.0, "real_steps": real_steps}}
+    mixing = {"ratio": float(settings.ratio), "cohort": str(cohort), "real_steps": real_steps}
+    if arm == "sham":
+        mixing["sham"] = True
+    return {"synthx": mixing, "trainer": {"max_steps": matched_total_steps(real_steps, settings.ratio)}}
 
 
 def _baseline_steps(runner: StudyRunner, settings: StudySettings, root: Path, split: Path) -> tuple:
@@ -583,7 +599,7 @@ def _baseline_steps(runner: StudyRunner, settings: StudySettings, root: Path, sp
                               "seed": settings.locked_phantom_seed, "output_dir": str(output_dir)},
             lambda tags: locked_cohort_step(runner.client, runner.experiment_id, tags, root, split, settings),
         )
-    recipe = segmentation_recipe(settings, arm_overrides(settings, "baseline"))
+    recipe = segmentation_recipe(settings, arm_values(settings, "baseline"))
     baseline = runner.step("baseline", _recipe_params(recipe), train_action(recipe, "baseline", output_dir))
     evaluation = runner.step("evaluate_baseline", {"training_run": baseline["run_id"], "recipe": _recipe_params(recipe),
                                                    "checkpoint": Path(baseline["checkpoint"]).name},
@@ -681,10 +697,10 @@ def run_study(settings: StudySettings, parent_tags: dict[str, str] | None = None
 
 
 def _evaluate_arm(runner: StudyRunner, settings: StudySettings, name: str, arm: str, trained: dict,
-                  extra: list[str], locked: dict | None) -> dict:
+                  extra: dict, locked: dict | None) -> dict:
     """Evaluate one arm on the study's test set: the locked cohort's view when there is one."""
-    view = [f"data.root={locked['root']}", f"data.split={locked['split']}"] if locked else []
-    recipe = segmentation_recipe(settings, [*extra, *view])
+    view = {"data": {"root": str(locked["root"]), "split": str(locked["split"])}} if locked else {}
+    recipe = segmentation_recipe(settings, extra, view)
     return runner.step(name, {"training_run": trained["run_id"], "recipe": _recipe_params(recipe),
                               "checkpoint": Path(trained["checkpoint"]).name},
                        evaluate_action(recipe, trained, arm, "locked" if locked else "test"))
@@ -701,9 +717,9 @@ def _run_study(settings: StudySettings, parent_tags: dict[str, str] | None = Non
         _, baseline, baseline_evaluation, locked = _baseline_steps(runner, settings, root, split)
         synthesis = _synthx_steps(runner, settings, root, split, baseline_evaluation, str(base.detection.score),
                                   int(base.seed))
-        trained, extras = {"baseline": baseline}, {"baseline": arm_overrides(settings, "baseline")}
+        trained, extras = {"baseline": baseline}, {"baseline": arm_values(settings, "baseline")}
         for arm, step in (("sham", "sham"), ("synthx", "augmented")):
-            extras[arm] = arm_overrides(settings, arm, synthesis["cohort"])
+            extras[arm] = arm_values(settings, arm, synthesis["cohort"])
             recipe = segmentation_recipe(settings, extras[arm])
             trained[arm] = runner.step(step, {**_recipe_params(recipe), "synthesis_run": synthesis["run_id"]},
                                        train_action(recipe, arm, output_dir))

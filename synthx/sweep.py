@@ -54,7 +54,7 @@ from typing import Iterator, Sequence
 
 import mlflow
 import optuna
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
@@ -69,6 +69,7 @@ from lightning_modules.tracking import (
     tracking_client,
     tracking_uri,
 )
+from lightning_modules.config.recipe import recipe_variant
 from lightning_modules.workflows.train import train
 
 log = logging.getLogger(__name__)
@@ -262,12 +263,13 @@ def make_objective(
 
     def run_trial(trial: optuna.Trial):
         ratio = trial.suggest_float("ratio", *ratio_range)
-        overrides = [f"synthx.ratio={ratio}"]
+        mixing: dict = {"ratio": float(ratio)}
         if targeting_rules:
             rule = trial.suggest_categorical("targeting", list(targeting_rules))
-            overrides.append(f"synthx.cohort={(synthetic_cohorts or {})[rule]}")
-        trial_recipe = OmegaConf.merge(recipe, OmegaConf.from_dotlist(overrides))
-        trial_recipe.tracking.run_name = f"{study_name}-trial-{trial.number}"
+            mixing["cohort"] = str((synthetic_cohorts or {})[rule])
+        # The trial's recipe: its typed values merged in memory and checked once, as a file's are.
+        trial_recipe = recipe_variant(recipe, {"synthx": mixing, "tracking": {"run_name": f"{study_name}-trial-{trial.number}"}},
+                                      source=f"sweep {study_name} trial {trial.number}")
         callbacks = []
         if prunes(trial_recipe, objective):
             from optuna_integration import PyTorchLightningPruningCallback

@@ -18,7 +18,7 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -83,6 +83,28 @@ def load_config(
     if check and checker is not None:
         checker(config, str(path))
     return config
+
+
+def with_values(
+    config: DictConfig,
+    values: Mapping[str, Any],
+    *,
+    checker: Callable[[DictConfig, str], None] | None = None,
+    source: str = "variant",
+    open_keys: Sequence[str] = OPEN_KEYS,
+) -> DictConfig:
+    """A variant of a loaded configuration: ``values`` (nested and typed, e.g.
+    ``{"synthx": {"ratio": 0.3}}``) merged in memory onto a copy, checked by the schema and by
+    ``checker`` as a loaded file is. Nothing is written out and parsed back.
+
+    Raises:
+        RecipeError: naming ``source`` and the key that is wrong.
+    """
+    merged = _merge(config, OmegaConf.create(dict(values)), source, open_keys)
+    _check_resolvable(merged, source)
+    if checker is not None:
+        checker(merged, source)
+    return merged
 
 
 def _check_resolvable(config: DictConfig, source: str) -> None:

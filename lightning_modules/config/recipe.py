@@ -16,11 +16,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_modules.config.loader import RecipeError, load_config, recipe_to_yaml
+from lightning_modules.config.loader import RecipeError, load_config, recipe_to_yaml, with_values
 
 __all__ = ["Recipe", "RecipeError", "TrackingConfig", "check_recipe", "load_recipe", "recipe_to_yaml"]
 
@@ -199,6 +199,12 @@ def load_recipe(
         resolved=resolved,
         base=base,
     )
+
+
+def recipe_variant(recipe: DictConfig, values: Mapping[str, Any], source: str = "variant") -> DictConfig:
+    """A loaded recipe with ``values`` (nested, typed) merged in memory and checked again, e.g. a
+    study arm: ``recipe_variant(base, {"synthx": {"ratio": 0.3, "cohort": "data/synthetic"}})``."""
+    return with_values(recipe, values, checker=check_recipe, source=source)
 
 
 # The numeric settings with an obvious valid range: (dotted key, test, what it must be). Each test

@@ -70,3 +70,25 @@ def test_a_directory_as_recipe_is_refused(tmp_path):
     (tmp_path / "recipes.yaml").mkdir()
     with pytest.raises(RecipeError, match="is not a file"):
         load_recipe(tmp_path / "recipes.yaml")
+
+
+def test_a_variant_is_merged_in_memory_typed_and_checked_like_a_file():
+    from omegaconf import OmegaConf
+
+    from lightning_modules.config.recipe import recipe_variant
+
+    base = load_recipe(RECIPES / "unet.yaml", ["profile=cpu"])
+    before = OmegaConf.to_yaml(base)
+    arm = recipe_variant(base, {"synthx": {"ratio": 0.5, "cohort": "data/synthetic", "real_steps": 10},
+                                "trainer": {"max_steps": 15}})
+    assert arm.synthx.ratio == 0.5 and isinstance(arm.synthx.ratio, float) and arm.trainer.max_steps == 15
+    assert OmegaConf.to_yaml(base) == before, "the loaded recipe is left as it was"
+    # The same values as dotlist overrides on the file give the same recipe.
+    assert arm == load_recipe(RECIPES / "unet.yaml", ["profile=cpu", "synthx.ratio=0.5", "synthx.cohort=data/synthetic",
+                                                       "synthx.real_steps=10", "trainer.max_steps=15"])
+    with pytest.raises(RecipeError, match=r"synthx.ratio must be in \[0, 1\] \(displace\) or \[0, 10\] \(add\), got 11"):
+        recipe_variant(base, {"synthx": {"ratio": 11.0}})
+    with pytest.raises(RecipeError, match=r"needs trainer.max_steps=15"):
+        recipe_variant(base, {"synthx": {"ratio": 0.5, "real_steps": 10}})
+    with pytest.raises(RecipeError, match="unknown key 'synthx.rato'"):
+        recipe_variant(base, {"synthx": {"rato": 0.5}})

@@ -465,3 +465,28 @@ def test_step_cpu_seconds_count_finished_child_processes():
     subprocess.run([sys.executable, "-c", "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass"],
                    check=True)
     assert _cpu_seconds() - before >= 0.45
+
+
+def test_the_study_loads_its_recipe_once_and_builds_the_arms_in_memory(tmp_path, monkeypatch):
+    """Every arm's recipe is the loaded recipe with the arm's typed values merged in; the YAML is read
+    once, and the arms equal what the same values as command-line overrides give."""
+    import synthx.study as study
+    from lightning_modules.config.recipe import load_recipe
+
+    settings = _study_settings(tmp_path / "cohort", tmp_path / "split.csv", tmp_path)
+    study._loaded_recipe.cache_clear()
+    loads = []
+    monkeypatch.setattr(study, "load_recipe", lambda *a, **k: loads.append(a) or load_recipe(*a, **k))
+    arms = {arm: study.segmentation_recipe(settings, study.arm_values(settings, arm, "synthetic"))
+            for arm in ("baseline", "sham", "synthx")}
+    study.segmentation_recipe(settings, arms["sham"], {"data": {"root": "locked", "split": "locked.csv"}})
+    assert len(loads) == 1
+    steps = int(study.segmentation_recipe(settings).trainer.max_steps)
+    common = [f"profile={settings.profile}", f"tracking.experiment={settings.experiment}", "data.validate=false",
+              *settings.overrides]
+    as_overrides = load_recipe(settings.recipe, [*common, "synthx.ratio=0.5", "synthx.cohort=synthetic",
+                                                 f"synthx.real_steps={steps}", f"trainer.max_steps={steps + round(0.5 * steps)}",
+                                                 "synthx.sham=true"])
+    assert arms["sham"] == as_overrides
+    assert arms["synthx"].synthx.sham is False and arms["baseline"].synthx.ratio == 0.0
+    assert arms["baseline"].trainer.max_steps == steps
