@@ -26,6 +26,16 @@ __all__ = ["Recipe", "RecipeError", "TrackingConfig", "check_recipe", "load_reci
 
 
 @dataclass
+class CTIntensityConfig:
+    # nnU-Net's CT normalisation statistics of the training foreground, in HU
+    # (lightning_modules/data/intensity.py); measured when training starts.
+    mean: float = 0.0
+    std: float = 1.0
+    percentile_00_5: float = 0.0
+    percentile_99_5: float = 0.0
+
+
+@dataclass
 class DataConfig:
     root: str = "data/phantom"
     split: str = "splits/phantom.csv"
@@ -34,6 +44,10 @@ class DataConfig:
     tumor_class: str = "pancreatic_lesion"
     spacing: list[float] = field(default_factory=lambda: [1.5, 1.5, 1.5])
     hu_window: list[float] = field(default_factory=lambda: [-175.0, 250.0])
+    # window: hu_window -> [0, 1] (Touchstone); ct: nnU-Net's CT normalisation (clip to the training
+    # foreground's 0.5/99.5 percentiles, z-score), its statistics in ct_intensity (measured if null).
+    normalization: str = "window"
+    ct_intensity: Optional[CTIntensityConfig] = None
     patch_size: list[int] = field(default_factory=lambda: [96, 96, 96])
     batch_size: int = 2
     samples_per_volume: int = 2
@@ -288,6 +302,12 @@ def check_recipe(config: DictConfig, source: str = "recipe") -> None:
         raise RecipeError(f"{source}: synthx.mode must be add or displace, got {config.synthx.mode!r}")
     if not 0.0 <= config.synthx.ratio <= (1.0 if config.synthx.mode == "displace" else 10.0):
         raise RecipeError(f"{source}: synthx.ratio must be in [0, 1] (displace) or [0, 10] (add), got {config.synthx.ratio}")
+    if config.data.normalization not in ("window", "ct"):
+        raise RecipeError(f"{source}: data.normalization must be window or ct, got {config.data.normalization!r}")
+    stats = config.data.ct_intensity
+    if stats is not None and not (0 < stats.std < math.inf and stats.percentile_00_5 < stats.percentile_99_5):
+        raise RecipeError(f"{source}: data.ct_intensity needs std > 0 and percentile_00_5 < percentile_99_5, "
+                          f"got {OmegaConf.to_container(stats)}")
     if config.data.cache not in ("memory", "disk", "none"):
         raise RecipeError(f"{source}: data.cache must be memory, disk or none, got {config.data.cache!r}")
     if config.synthx.real_steps is not None:

@@ -48,7 +48,6 @@ from monai.transforms import (
     LoadImaged,
     MapTransform,
     Orientationd,
-    ScaleIntensityRanged,
     SelectItemsd,
     Spacingd,
     SpatialPadd,
@@ -65,6 +64,7 @@ from lightning_modules.data.augmentation import (
     RandShiftIntensityPlaind,
 )
 from lightning_modules.data.cohort import Cohort, is_lesion_class, load_cohort
+from lightning_modules.data.intensity import intensity_transforms
 from lightning_modules.data.metadata import RECORD_COLUMNS
 
 CACHE_MODES = ("memory", "disk", "none")
@@ -120,7 +120,7 @@ def preprocessing(recipe: DictConfig, with_label: bool = True) -> list:
     onto the scan's own grid and affine.
     """
     data = recipe.data
-    low, high = (float(v) for v in data.hu_window)
+    intensity, foreground = intensity_transforms(data)
     keys = ["image", "label"] if with_label else ["image"]
     load = [LoadImaged(keys=["image"], ensure_channel_first=True, image_only=True)]
     if with_label:
@@ -129,8 +129,8 @@ def preprocessing(recipe: DictConfig, with_label: bool = True) -> list:
         EnsureTyped(keys=keys, dtype=(torch.float32, torch.uint8)[: len(keys)], track_meta=True),
         Orientationd(keys=keys, axcodes="RAS", labels=None),
         Spacingd(keys=keys, pixdim=tuple(float(s) for s in data.spacing), mode=("bilinear", "nearest")[: len(keys)]),
-        ScaleIntensityRanged(keys=["image"], a_min=low, a_max=high, b_min=0.0, b_max=1.0, clip=True),
-        CropForegroundd(keys=keys, source_key="image", allow_smaller=True),
+        *intensity,
+        CropForegroundd(keys=keys, source_key="image", select_fn=foreground, allow_smaller=True),
         SpatialPadd(keys=keys, spatial_size=tuple(int(p) for p in data.patch_size)),
     ]
     if with_label:

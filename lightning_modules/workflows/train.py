@@ -39,8 +39,8 @@ from lightning.pytorch.loggers import MLFlowLogger
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_modules.config.recipe import recipe_to_yaml
-from lightning_modules.data.cohort import CohortError
+from lightning_modules.config.recipe import recipe_to_yaml, recipe_variant
+from lightning_modules.data.cohort import CohortError, load_cohort
 from lightning_modules.data.datamodule import CohortDataModule
 from lightning_modules.data.mixing import mixing_datamodule
 from lightning_modules.tracking.datasets import log_dataset_inputs, log_exposures, resolve_synthetic_cohort
@@ -49,6 +49,7 @@ from lightning_modules.evaluation.callback import SubgroupEvaluation
 from lightning_modules.tracking.provenance import log_training_cases
 from lightning_modules.models.checkpoints import build_module
 from lightning_modules.models.planning import resolve_planned_recipe
+from lightning_modules.data.intensity import ct_intensity_properties
 from lightning_modules.tracking.pyfunc import log_segmentation_model
 from lightning_modules.monitoring import system_callbacks
 from lightning_modules.run_folder import (
@@ -196,12 +197,24 @@ def prepare_data(recipe: DictConfig, datamodule: CohortDataModule | None = None)
     split = datamodule.split if datamodule is not None and datamodule.split is not None else None
     if split is None:
         split = load_split(recipe.data.split)
-    recipe, plan = resolve_planned_recipe(recipe, case_ids=list(split.loc[split["split"] == "train", "case_id"]))
+    train_ids = list(split.loc[split["split"] == "train", "case_id"])
+    recipe, plan = resolve_planned_recipe(recipe, case_ids=train_ids)
+    recipe = measured_intensity(recipe, train_ids)
     if datamodule is not None:
         datamodule.recipe = recipe
     datamodule = datamodule or mixing_datamodule(recipe, resolve_synthetic_cohort(recipe))
     datamodule._load()
     return recipe, plan, datamodule
+
+
+def measured_intensity(recipe: DictConfig, train_ids: list[str]) -> DictConfig:
+    """With ``data.normalization: ct`` and no ``data.ct_intensity`` yet: the training cases'
+    foreground statistics (:func:`lightning_modules.data.intensity.ct_intensity_properties`) written
+    into the recipe, which the run logs, so evaluation and the registered model apply the same."""
+    if str(recipe.data.normalization) != "ct" or recipe.data.ct_intensity is not None:
+        return recipe
+    stats = ct_intensity_properties(load_cohort(recipe.data.root), train_ids, list(recipe.data.classes))
+    return recipe_variant(recipe, {"data": {"ct_intensity": stats}}, source=f"{recipe.name} (CT intensities measured)")
 
 
 def claim_run(
