@@ -284,16 +284,21 @@ def run_replicates(settings, seeds: Sequence[int], workers: int, command: Sequen
 
 
 def replicate_arms(client, parent, stage: str, operating_point: str, folder: str) -> dict:
-    """A replicate's arms: ``evaluate_<arm>`` step -> :class:`ArmRecords` (its ``stage`` records, its m)."""
+    """A replicate's arms: ``evaluate_<arm>`` step -> :class:`ArmRecords` (its ``stage`` records, its m).
+
+    With a locked test cohort the baseline's arm is its evaluation on that cohort
+    (``evaluate_locked_baseline``), as in the study's own comparison, not the development split's.
+    """
     from lightning_modules.evaluation.artifacts import download_records
     from lightning_modules.workflows.evaluate import OPERATING_POINT_METRIC
     from lightning_modules.evaluation.seed_pooling import ArmRecords
 
+    steps = {tag[len("step.evaluate_"):]: run_id for tag, run_id in parent.data.tags.items()
+             if tag.startswith("step.evaluate_")}
+    if "locked_baseline" in steps:
+        steps["baseline"] = steps.pop("locked_baseline")
     arms = {}
-    for tag, run_id in parent.data.tags.items():
-        if not tag.startswith("step.evaluate_"):
-            continue
-        arm = tag[len("step.evaluate_"):]
+    for arm, run_id in steps.items():
         records = download_records(client, run_id, stage, str(Path(folder) / run_id))
         threshold = client.get_run(run_id).data.metrics.get(OPERATING_POINT_METRIC.format(name=operating_point))
         if records is None or threshold is None:

@@ -159,13 +159,10 @@ def _figure_html(figure) -> str:
 
 
 def _pct(value, sign: bool = False) -> str:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return "-"
-    if math.isnan(value):
-        return "-"
-    return f"{value * 100:+.1f}" if sign else f"{value * 100:.1f}"
+    """A fraction as % with one decimal, as the comparison tables print it."""
+    from lightning_modules.workflows.evaluate import percent
+
+    return percent(value, sign)
 
 
 def _table_html(frame: pd.DataFrame) -> str:

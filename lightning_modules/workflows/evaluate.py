@@ -535,8 +535,8 @@ def format_comparison(
                 if metric not in by_metric.index:
                     continue
                 row = by_metric.loc[metric]
-                interval = f"{_fmt(row['delta'], True)} [{_fmt(row['ci_low'], True)}, {_fmt(row['ci_high'], True)}]{significance_mark(row)}"
-                newcombe = f"[{_fmt(row.get('newcombe_low'), True)}, {_fmt(row.get('newcombe_high'), True)}]" \
+                interval = f"{percent(row['delta'], True)} [{percent(row['ci_low'], True)}, {percent(row['ci_high'], True)}]{significance_mark(row)}"
+                newcombe = f"[{percent(row.get('newcombe_low'), True)}, {percent(row.get('newcombe_high'), True)}]" \
                     if not pd.isna(row.get("newcombe_low")) else ""
                 test = TEST_NAMES.get(str(row.get("test", "bootstrap")), str(row.get("test", "")))
                 p_value = f"{float(row['p_value']):.3g} ({test})" if not pd.isna(row.get("p_value")) else "-"
@@ -557,8 +557,8 @@ def _with_interval(row, arm: str) -> str:
     """A run's value with its Wilson interval when the row has one."""
     low, high = row.get(f"{arm}_wilson_low"), row.get(f"{arm}_wilson_high")
     if low is None or pd.isna(low):
-        return _fmt(row[arm])
-    return f"{_fmt(row[arm])} [{_fmt(low)}, {_fmt(high)}]"
+        return percent(row[arm])
+    return f"{percent(row[arm])} [{percent(low)}, {percent(high)}]"
 
 
 def is_flagged(value) -> bool:
@@ -583,7 +583,8 @@ def significance_mark(row) -> str:
     return "~" if rejects else " "
 
 
-def _fmt(value, sign: bool = False) -> str:
+def percent(value, sign: bool = False) -> str:
+    """A fraction as % with one decimal (``+`` sign when asked); ``-`` when undefined."""
     try:
         value = float(value)
     except (TypeError, ValueError):

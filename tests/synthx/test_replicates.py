@@ -236,3 +236,25 @@ def test_a_replicate_is_the_study_seeded_in_its_own_folder(capsys):
         with pytest.raises(SystemExit):
             main(arguments)
         assert message in capsys.readouterr().err
+
+
+def test_with_a_locked_cohort_the_baseline_arm_is_its_locked_evaluation(monkeypatch, tmp_path):
+    """The pooled analysis pairs arms on one evaluation set: the baseline's locked-cohort evaluation,
+    not its development test split (which the sham and SynthX arms were never evaluated on)."""
+    from types import SimpleNamespace
+
+    import lightning_modules.evaluation.artifacts as artifacts
+    from synthx.replicates import replicate_arms
+
+    tags = {"step.evaluate_baseline": "dev", "step.evaluate_locked_baseline": "locked", "step.evaluate_sham": "sham",
+            "step.evaluate_synthx": "synthx", "step.baseline": "train"}
+    parent = SimpleNamespace(info=SimpleNamespace(run_id="parent"), data=SimpleNamespace(tags=tags))
+    from lightning_modules.workflows.evaluate import OPERATING_POINT_METRIC
+
+    metrics = SimpleNamespace(data=SimpleNamespace(metrics={OPERATING_POINT_METRIC.format(name="val_chosen"): 100.0}))
+    client = SimpleNamespace(get_run=lambda run_id: metrics)
+    monkeypatch.setattr(artifacts, "download_records",
+                        lambda client, run_id, stage, folder: pd.DataFrame({"case_id": [run_id]}))
+    arms = replicate_arms(client, parent, "test", "val_chosen", str(tmp_path))
+    assert {arm: list(value.records["case_id"]) for arm, value in arms.items()} == {
+        "baseline": ["locked"], "sham": ["sham"], "synthx": ["synthx"]}
