@@ -258,3 +258,41 @@ def test_with_a_locked_cohort_the_baseline_arm_is_its_locked_evaluation(monkeypa
     arms = replicate_arms(client, parent, "test", "val_chosen", str(tmp_path))
     assert {arm: list(value.records["case_id"]) for arm, value in arms.items()} == {
         "baseline": ["locked"], "sham": ["sham"], "synthx": ["synthx"]}
+
+
+def test_worker_processes_share_the_cpus_in_threads(tmp_path, monkeypatch, capsys):
+    """``--workers N`` gives each replicate process CPUs // N threads (at least 1), unless the user set them."""
+    import subprocess
+    from dataclasses import replace
+
+    from synthx.replicates import run_replicates, worker_threads
+    from test_synthx_study import _study_settings
+
+    assert [worker_threads(w, cpus=2) for w in (1, 2, 3)] == [2, 1, 1]
+    assert worker_threads(4, cpus=16) == 4
+    started = []
+    real_popen = subprocess.Popen
+
+    class Finished:
+        returncode = 0
+
+        def __init__(self, command, env, **_):
+            started.append((command[-1], env["OMP_NUM_THREADS"], env["MKL_NUM_THREADS"]))
+
+        def poll(self):
+            return 0
+
+    def popen(command, *args, **kwargs):  # the replicate processes are recorded; git and others run
+        return Finished(command, **kwargs) if command[0] == "benchx" else real_popen(command, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    settings = replace(_study_settings(tmp_path / "cohort", tmp_path / "split.csv", tmp_path), experiment="threads")
+    run_replicates(settings, [0, 1], 2, ["benchx", "study"])
+    share = str(worker_threads(2))
+    assert sorted(started) == [("0", share, share), ("1", share, share)]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    started.clear()
+    run_replicates(replace(settings, output_dir=str(tmp_path / "again")), [0], 2, ["benchx", "study"])
+    assert started[0][1] == "3", "a user's own setting is kept"
