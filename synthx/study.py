@@ -69,7 +69,7 @@ from omegaconf import DictConfig
 from lightning_modules.config.recipe import load_recipe, recipe_variant
 from lightning_modules.run_folder import RunFolderLock, content_key
 from lightning_modules.process import git_commit
-from lightning_modules.tracking import experiment_id, tracking_uri
+from lightning_modules.tracking import experiment_id, mark_model_experiment, tracking_uri
 from synthx.endpoint import PrimaryEndpoint, endpoint_summary, label_results, log_endpoint
 from synthx.painters import PAINTERS, PHANTOM_PAINTER, SYNTHX_PAINTER
 
@@ -84,7 +84,6 @@ TARGETS_ARTIFACT = "synthx/targets.csv"
 LOCKED_CASES = 307
 LOCKED_SEED_OFFSET = 1000  # the locked phantom's seed: the development phantom's seed + this
 LOCKED_PREFIX = "L"  # the locked cases' and patients' ids in the evaluation view
-EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 
 
 @dataclass
@@ -165,8 +164,7 @@ class StudyRunner:
         self.client = MlflowClient(tracking_uri=uri)
         self.experiment = experiment
         self.experiment_id = experiment_id(experiment, uri)
-        # A model-training experiment, so the MLflow UI opens it on its runs rather than on GenAI pages.
-        self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        mark_model_experiment(self.client, self.experiment_id)
         self.code_version = code_version
         self.parent_id = parent_run_id or self.client.create_run(
             self.experiment_id, run_name=parent_name, tags={"stage": "study", "git_commit": code_version, **(parent_tags or {})}

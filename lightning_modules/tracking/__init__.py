@@ -130,17 +130,37 @@ def tracking_client(uri: str) -> MlflowClient:
     return MlflowClient(tracking_uri=uri)
 
 
+# A model-training experiment, so the MLflow UI opens it on its runs rather than on GenAI pages.
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+
+
 def experiment_id(name: str, uri: str) -> str:
-    """Get or create an experiment by name (used before workers start, so creation never races)."""
+    """Get or create an experiment by name; safe when several processes (Slurm array tasks, sweep
+    workers) do it at the same moment. A new experiment is created as a model-training one."""
     client = tracking_client(uri)
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         return experiment.experiment_id
     try:
-        return client.create_experiment(name, artifact_location=default_artifact_location(uri, name))
+        return client.create_experiment(
+            name, artifact_location=default_artifact_location(uri, name), tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+        )
     except mlflow.exceptions.MlflowException:
         # Another process created it between our look-up and our create.
         return client.get_experiment_by_name(name).experiment_id
+
+
+def mark_model_experiment(client: MlflowClient, experiment: str) -> None:
+    """Tag an experiment created elsewhere (``mlflow run --experiment-name``) as a model-training one.
+    Concurrent processes may race to set the tag: the database refuses all but one insert, and a
+    refusal is fine once the tag holds the value."""
+    if client.get_experiment(experiment).tags.get(EXPERIMENT_KIND_TAG) == EXPERIMENT_KIND:
+        return
+    try:
+        client.set_experiment_tag(experiment, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    except mlflow.exceptions.MlflowException:
+        if client.get_experiment(experiment).tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+            raise
 
 
 def default_artifact_location(uri: str, experiment: str) -> str | None:

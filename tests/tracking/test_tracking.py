@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from conftest import REPO_ROOT
@@ -17,8 +18,11 @@ from lightning_modules.trainer import RunLogger
 from lightning_modules.tracking import (
     default_artifact_location,
     ended_run,
+    EXPERIMENT_KIND,
+    EXPERIMENT_KIND_TAG,
     experiment_id,
     flatten,
+    mark_model_experiment,
     run_status,
     start_run,
     tracking_uri,
@@ -125,3 +129,39 @@ def test_uri_precedence_artifact_location_and_flatten(tmp_path, monkeypatch):
     assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": None}) == {"a.b": "1", "a.c.d": "[1, 2]", "e": "None"}
     uri = f"sqlite:///{tmp_path / 'e.db'}"
     assert experiment_id("same", uri) == experiment_id("same", uri)
+
+
+def test_a_new_experiment_is_a_model_experiment(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'k.db'}"
+    client = MlflowClient(uri)
+    assert client.get_experiment(experiment_id("new", uri)).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+
+
+class RacingClient:
+    """A client whose tag write loses a race: another process set the tag first, the database refuses."""
+
+    def __init__(self, client: MlflowClient, other_value: str):
+        self.client, self.other_value, self.writes = client, other_value, 0
+
+    def get_experiment(self, experiment):
+        return self.client.get_experiment(experiment)
+
+    def set_experiment_tag(self, experiment, key, value):
+        self.writes += 1
+        self.client.set_experiment_tag(experiment, key, self.other_value)
+        raise MlflowException("duplicate key value violates unique constraint \"experiment_tag_pk\"")
+
+
+def test_marking_an_experiment_tolerates_a_concurrent_writer(tmp_path):
+    """Slurm array tasks on one experiment made by ``mlflow run``: each tags it; one insert wins, the
+    others' refusals must not end their replicate (they did: UniqueViolation on PostgreSQL)."""
+    client = MlflowClient(f"sqlite:///{tmp_path / 'race.db'}")
+    made_elsewhere = client.create_experiment("from-mlflow-run", artifact_location=(tmp_path / "a").as_uri())
+    racing = RacingClient(client, EXPERIMENT_KIND)
+    mark_model_experiment(racing, made_elsewhere)
+    assert racing.writes == 1 and client.get_experiment(made_elsewhere).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+    mark_model_experiment(racing, made_elsewhere)
+    assert racing.writes == 1, "a tagged experiment is not written again"
+    other = client.create_experiment("other-kind", artifact_location=(tmp_path / "b").as_uri())
+    with pytest.raises(MlflowException):
+        mark_model_experiment(RacingClient(client, "genai_development"), other)
