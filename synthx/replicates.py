@@ -163,7 +163,10 @@ POOLED_STAGE = "replicates_pooled"
 # Arm pairs pooled when a replicate has both arms (arm minus reference), first the primary one.
 # An arm is a study step ``evaluate_<arm>``.
 ARM_PAIRS = (("synthx", "sham"), ("baseline", "sham"), ("control", "sham"), ("synthx", "baseline"))
-POOLED_OPERATING_POINTS = ("val_chosen", "fixed")
+# matched_specificity: per arm pair, the reference at its validation-chosen m and the arm at the m
+# that matches the reference's validation specificity, as each replicate's own comparison set them
+# (the primary endpoint's point).
+POOLED_OPERATING_POINTS = ("val_chosen", "fixed", "matched_specificity")
 
 
 def replicate_key(settings, code_version: str) -> str:
@@ -325,6 +328,53 @@ def replicate_arms(client, parent, stage: str, operating_point: str, folder: str
     return dict(sorted(arms.items()))
 
 
+def matched_thresholds(client, parent, folder: str) -> dict[tuple[str, str], tuple[float, float]]:
+    """(arm, reference) -> (reference's m, arm's m) at matched specificity, from a replicate's own comparison."""
+    from synthx.report import COMPARISON_ARTIFACT
+
+    study = load_study(parent.info.run_id, client.tracking_uri, Path(folder) / f"compare-{parent.info.run_id}")
+    try:
+        table = study.csv("compare", COMPARISON_ARTIFACT)
+    except LookupError as error:
+        raise ReplicateError(f"replicate {parent.info.run_id} has no comparison to read its matched m from: {error}") from error
+    rows = table[table["operating_point"] == "matched_specificity"]
+    return {(str(r.run), str(r.reference)): (float(r.threshold_a), float(r.threshold_b))
+            for r in rows.drop_duplicates(["run", "reference"]).itertuples(index=False)}
+
+
+def pooled_table(client, parents: dict, operating_point: str, stage: str = "test", **pooling) -> pd.DataFrame:
+    """Pool replicates (seed label -> parent run) at one operating point (:func:`pool_seeds` keywords in ``pooling``).
+
+    At ``val_chosen`` and ``fixed`` every arm keeps the m its evaluation logged; at
+    ``matched_specificity`` each arm pair is pooled with the two m its replicate's comparison used.
+    """
+    from lightning_modules.evaluation.seed_pooling import ArmRecords, pool_seeds
+
+    with tempfile.TemporaryDirectory() as folder:
+        point = "val_chosen" if operating_point == "matched_specificity" else operating_point
+        replicates = {seed: replicate_arms(client, run, stage, point, folder) for seed, run in parents.items()}
+        matched = ({seed: matched_thresholds(client, run, folder) for seed, run in parents.items()}
+                   if operating_point == "matched_specificity" else None)
+    common = set.intersection(*(set(arms) for arms in replicates.values()))
+    pairs = [pair for pair in ARM_PAIRS if set(pair) <= common]
+    if matched is not None:
+        pairs = [pair for pair in pairs if all(pair in thresholds for thresholds in matched.values())]
+    if not pairs:
+        raise ReplicateError(f"the replicates share no arm pair to compare at {operating_point} "
+                             f"(arms: {', '.join(sorted(common))})")
+    if matched is None:
+        return pool_seeds(replicates, pairs, **pooling)
+    frames = []
+    for arm, reference in pairs:
+        paired = {seed: {reference: ArmRecords(arms[reference].records, matched[seed][arm, reference][0]),
+                         arm: ArmRecords(arms[arm].records, matched[seed][arm, reference][1])}
+                  for seed, arms in replicates.items()}
+        frames.append(pool_seeds(paired, [(arm, reference)], **pooling))
+    table = pd.concat(frames, ignore_index=True)
+    table.attrs.update(frames[0].attrs)
+    return table
+
+
 def pool_replicates(settings, seeds: Sequence[int] | None = None, operating_point: str = "val_chosen",
                     stage: str = "test") -> tuple[pd.DataFrame, str]:
     """The pooled analysis of a study's finished replicates, read from MLflow and logged to a new run.
@@ -332,7 +382,8 @@ def pool_replicates(settings, seeds: Sequence[int] | None = None, operating_poin
     Args:
         settings: the study's settings (they name the replicate set, the store and the experiment).
         seeds: the seeds that must be there (None: every finished replicate of the set).
-        operating_point: ``val_chosen`` or ``fixed``: each arm's m (AUC does not depend on it).
+        operating_point: ``val_chosen``, ``fixed`` or ``matched_specificity`` (:func:`pooled_table`;
+            AUC does not depend on it).
         stage: the evaluated split whose records are pooled.
 
     Returns:
@@ -344,7 +395,7 @@ def pool_replicates(settings, seeds: Sequence[int] | None = None, operating_poin
     """
     from mlflow.tracking import MlflowClient
 
-    from lightning_modules.evaluation.seed_pooling import format_pooled, pool_seeds
+    from lightning_modules.evaluation.seed_pooling import format_pooled
     from synthx.study import segmentation_recipe
 
     if operating_point not in POOLED_OPERATING_POINTS:
@@ -362,15 +413,10 @@ def pool_replicates(settings, seeds: Sequence[int] | None = None, operating_poin
     if len(parents) < 2:
         raise ReplicateError(f"{len(parents)} finished replicate(s) of this study in experiment '{settings.experiment}': "
                              "pooling needs at least two")
-    with tempfile.TemporaryDirectory() as folder:
-        replicates = {str(seed): replicate_arms(client, run, stage, operating_point, folder) for seed, run in parents.items()}
-    common = set.intersection(*(set(arms) for arms in replicates.values()))
-    pairs = [pair for pair in ARM_PAIRS if set(pair) <= common]
-    if not pairs:
-        raise ReplicateError(f"the replicates share no arm pair to compare (arms: {', '.join(sorted(common))})")
     recipe = segmentation_recipe(settings)
-    table = pool_seeds(replicates, pairs, n_resamples=int(recipe.detection.bootstrap_resamples),
-                       confidence=float(recipe.detection.confidence), score=str(recipe.detection.score))
+    table = pooled_table(client, {str(seed): run for seed, run in parents.items()}, operating_point, stage,
+                         n_resamples=int(recipe.detection.bootstrap_resamples),
+                         confidence=float(recipe.detection.confidence), score=str(recipe.detection.score))
     text = (f"== {len(parents)} seeds pooled at the {operating_point} operating point ({stage}) ==\n"
             + format_pooled(table))
     run_id = client.create_run(experiment, run_name="pooled", tags={
@@ -382,3 +428,118 @@ def pool_replicates(settings, seeds: Sequence[int] | None = None, operating_poin
     client.log_text(run_id, table.to_csv(index=False), f"pooled/{stage}_{operating_point}.csv")
     client.set_terminated(run_id, "FINISHED")
     return table, run_id
+
+
+def pooled_markdown(run_id: str, uri: str) -> str:
+    """docs/seeds.md: a pooled run's headline per designed gap, each replicate's own primary endpoint,
+    and the pooled sensitivity differences per phase, naming the runs and the commit behind them."""
+    from lightning_modules.evaluation.seed_pooling import comparison_name
+    from synthx.endpoint import PrimaryEndpoint
+    from synthx.labels import arm_label, attribute_label, group_label, point_label
+    from synthx.report import _duration, _markdown_table, study_comparison as comparison_of
+    from mlflow.tracking import MlflowClient
+
+    from synthx.verdict import Contrast, designed_gap_subgroups, outcome, study_verdict
+
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(run_id)
+    point = run.data.tags.get("operating_point", "val_chosen")
+    studies = run.data.tags.get("replicated_studies", "").split()
+    if run.data.tags.get("stage") != POOLED_STAGE or not studies:
+        raise ReplicateError(f"run {run.info.run_id} is not a pooled analysis of replicates (benchx study --seeds K)")
+    with tempfile.TemporaryDirectory() as folder:
+        table = pd.read_csv(client.download_artifacts(run.info.run_id, f"pooled/test_{point}.csv", folder))
+        parents = [client.get_run(study) for study in studies]
+        # pool_replicates logs the seeds and the studies in one order.
+        labels = run.data.params.get("seeds", "").split(",")
+        labels = labels if len(labels) == len(parents) else [p.data.tags.get(REPLICATE_SEED_TAG, "?") for p in parents]
+        seed_lines = []
+        for label, parent in zip(labels, parents):
+            endpoint = PrimaryEndpoint.from_params(dict(parent.data.params))
+            study = load_study(parent.info.run_id, uri, Path(folder) / parent.info.run_id)
+            primary = study_verdict(comparison_of(study), point, endpoint=endpoint, subgroups=[])
+            seed_lines.append(f"- Seed {label} (study run `{parent.info.run_id}`): "
+                              + (primary[0] if primary else "the primary endpoint is not in its comparison."))
+    seeds = [c[len("delta "):] for c in table.columns if c.startswith("delta ")]
+    commits = sorted({p.data.tags.get("git_commit", "not recorded") for p in parents})
+    ended = [p for p in parents if p.info.end_time]
+    experiment = client.get_experiment(run.info.experiment_id).name
+
+    def points(value) -> str:
+        return "-" if pd.isna(value) else f"{100 * float(value):+.1f}"
+
+    sensitivity = table[(table["metric"] == "sensitivity") & table["attribute"].isin(["overall", "phase"])]
+    endpoint = PrimaryEndpoint.from_params(dict(parents[0].data.params))
+    judged = [(f"Primary endpoint ({endpoint.metric} in {group_label(endpoint.attribute, endpoint.group)}, "
+               f"{arm_label(endpoint.arm)} - {arm_label(endpoint.reference)})", endpoint.attribute, endpoint.group)]
+    judged += designed_gap_subgroups()
+    headline = []
+    if point != endpoint.operating_point:
+        headline.append(f"- The primary endpoint is set at {point_label(endpoint.operating_point)}; this run pools "
+                        f"{point_label(point)}, so it judges the designed gaps only (pool with --operating-point "
+                        f"{endpoint.operating_point} for the endpoint).")
+        judged = judged[1:]
+    for label, attribute, group in judged:
+        rows = table[(table["comparison"] == comparison_name(endpoint.arm, endpoint.reference))
+                     & (table["metric"] == endpoint.metric if label.startswith("Primary") else table["metric"] == "sensitivity")
+                     & (table["attribute"] == attribute) & (table["group"].astype(str) == group)]
+        if rows.empty:
+            headline.append(f"- {label}: not in the pooled table.")
+            continue
+        r = rows.iloc[0]
+        verdict = {"closed": "closed", "open": "not closed", "undetermined": "undetermined"}[
+            outcome(Contrast(endpoint.arm, endpoint.reference, r["mean_delta"], r["ci_low"], r["ci_high"]))]
+        headline.append(f"- {label}: {arm_label(endpoint.arm)} - {arm_label(endpoint.reference)} "
+                        f"{points(r['mean_delta'])} percentage points on average over {len(seeds)} seeds (95% CI "
+                        f"{points(r['ci_low'])} to {points(r['ci_high'])}), above 0 in {int(r['seeds_up'])} and "
+                        f"below 0 in {int(r['seeds_down'])} of them - {verdict}.")
+    rows = []
+    for r in sensitivity.to_dict("records"):
+        rows.append({
+            "Comparison": f"{arm_label(r['arm'])} - {arm_label(r['reference'])}",
+            "Subgroup": "All scans" if r["attribute"] == "overall"
+            else f"{attribute_label(r['attribute'])}: {group_label(r['attribute'], str(r['group']))}",
+            "Tumor scans": int(r["positives"]),
+            "Mean [95% CI]": f"{points(r['mean_delta'])} [{points(r['ci_low'])}, {points(r['ci_high'])}]",
+            "Seeds +/-": f"{int(r['seeds_up'])}/{int(r['seeds_down'])}",
+            **{f"Seed {s}": points(r[f"delta {s}"]) for s in seeds},
+        })
+    lines = [
+        "# Seeds pooled",
+        "",
+        f"Generated by `benchx report --markdown` from the pooled run `{run.info.run_id}` (experiment `{experiment}`), "
+        f"which pools {len(parents)} replicates of one study, seeds {', '.join(seeds)}, run at commit "
+        f"{', '.join(f'`{c}`' for c in commits)}. Regenerate it rather than editing it.",
+        *([f"The replicates' parent runs took {_duration(sum(p.info.end_time - p.info.start_time for p in ended))} "
+           f"in all; from the first start to the last end {_duration(max(p.info.end_time for p in ended) - min(p.info.start_time for p in ended))}."]
+          if len(ended) == len(parents) else []),
+        "",
+        f"## Pooled verdict (locked test cohort, {point_label(point)})",
+        "",
+        *headline,
+        "",
+        "## Primary endpoint, replicate by replicate",
+        "",
+        *seed_lines,
+        "",
+        f"## Sensitivity differences in percentage points, pooled over {len(seeds)} seeds",
+        "",
+        _markdown_table(pd.DataFrame(rows)),
+        "",
+        f"Mean: the paired difference averaged over the seeds, at {point_label(point)} of each replicate "
+        "(its m chosen on validation, not on the test cohort). "
+        "CI: two-level bootstrap, seeds then patients (docs/design.md \"Seeds as the unit of inference\"). "
+        "Seeds +/-: seeds whose own difference is above / below 0. The replicate lines judge each seed "
+        "alone with its own paired interval, as docs/results.md does for one study.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_pooled_markdown(run_id: str, uri: str, out: str | Path) -> Path:
+    """Write :func:`pooled_markdown` of a pooled run to ``out``."""
+    out = Path(out)
+    text = pooled_markdown(run_id, uri)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    return out

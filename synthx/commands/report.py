@@ -3,12 +3,15 @@
 The report is written to ``--out`` and logged to the study's parent run as
 ``report/study_report.html`` (the MLflow UI previews it there). With ``--markdown PATH`` the
 results page is written instead: the verdict and a short table in Markdown, naming the run and the
-commit that produced them (docs/results.md is written this way).
+commit that produced them (docs/results.md is written this way). Given the pooled run of a
+replicated study (``benchx study --seeds K`` prints it), ``--markdown`` writes the pooled page
+(docs/seeds.md is written this way).
 
 Example::
 
     benchx report --run-id <study parent run> --out outputs/study/study_report.html
     benchx report --run-id <study parent run> --markdown docs/results.md
+    benchx report --run-id <pooled run> --markdown docs/seeds.md
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from typing import Sequence
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchx report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-id", required=True, help="the study's parent run (its name is study-<backbone>)")
+    parser.add_argument("--run-id", required=True,
+                        help="the study's parent run (its name is study-<backbone>), or a pooled run for --markdown")
     parser.add_argument("--out", default=None, help="HTML file to write (default: study_report_<run>.html here)")
     parser.add_argument("--markdown", default=None, metavar="PATH",
                         help="write the results page (verdict and short table, Markdown) to PATH instead of the HTML report")
@@ -28,13 +32,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tracking-uri", default=None, help="MLflow store (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
+    from mlflow.tracking import MlflowClient
+
     from lightning_modules.tracking import tracking_uri
+    from synthx.replicates import POOLED_STAGE, write_pooled_markdown
     from synthx.report import build_report, write_results_markdown
 
+    uri = tracking_uri(args.tracking_uri)
     if args.markdown:
-        path = write_results_markdown(args.run_id, tracking_uri(args.tracking_uri), args.markdown)
+        pooled = MlflowClient(tracking_uri=uri).get_run(args.run_id).data.tags.get("stage") == POOLED_STAGE
+        path = (write_pooled_markdown if pooled else write_results_markdown)(args.run_id, uri, args.markdown)
         print(f"results page written to {path}")
         return 0
-    path = build_report(args.run_id, tracking_uri(args.tracking_uri), args.out, log=not args.no_log)
+    path = build_report(args.run_id, uri, args.out, log=not args.no_log)
     print(f"report written to {path}" + ("" if args.no_log else f" and logged to run {args.run_id}"))
     return 0

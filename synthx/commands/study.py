@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                             help="run replicate S only (one task of a Slurm array); pool later with --seeds K --pool-only")
     replicates.add_argument("--pool-only", action="store_true",
                             help="with --seeds: run nothing, pool the K finished replicates")
-    replicates.add_argument("--operating-point", default="val_chosen", choices=("val_chosen", "fixed"),
-                            help="each arm's m in the pooled analysis (default: %(default)s)")
+    replicates.add_argument("--operating-point", default="matched_specificity",
+                            choices=("matched_specificity", "val_chosen", "fixed"),
+                            help="each arm's m in the pooled analysis (default: %(default)s, the primary endpoint's)")
     add_overrides_argument(parser)
     return parser
 
@@ -129,7 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         table, run_id = pool_replicates(settings, seeds, args.operating_point)
         print(f"== {len(seeds)} seeds pooled at the {args.operating_point} operating point (test) ==")
         print(format_pooled(table))
-        print(f"[replicates] pooled analysis logged to run {run_id} (experiment '{settings.experiment}')")
+        print(f"[replicates] pooled analysis logged to run {run_id} (experiment '{settings.experiment}'); "
+              f"its page: benchx report --run-id {run_id} --markdown docs/seeds.md")
         return 0
     run_study(settings)
     return 0

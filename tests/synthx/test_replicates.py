@@ -189,12 +189,12 @@ def test_two_replicates_run_as_two_workers_and_are_pooled(tiny_phantom, tmp_path
 
     pooled_runs = client.search_runs([experiment], "tags.stage = 'replicates_pooled'")
     assert len(pooled_runs) == 1
-    table = pd.read_csv(client.download_artifacts(pooled_runs[0].info.run_id, "pooled/test_val_chosen.csv",
+    table = pd.read_csv(client.download_artifacts(pooled_runs[0].info.run_id, "pooled/test_matched_specificity.csv",
                                                   str(tmp_path / "pooled")))
-    assert set(table["comparison"]) == {"synthx - baseline"}
+    assert set(table["comparison"]) == {"synthx - sham", "baseline - sham"}  # the pairs the study compared
     overall = table[(table["attribute"] == "overall") & (table["metric"] == "specificity")].iloc[0]
     assert overall["seeds"] == 2 and overall["mean_delta"] == pytest.approx((overall["delta 0"] + overall["delta 1"]) / 2)
-    assert "seeds pooled at the val_chosen operating point" in out
+    assert "seeds pooled at the matched_specificity operating point" in out
 
     # A second run starts nothing: both replicates have finished.
     assert main([*arguments, "--seeds", "2", "--workers", "2"]) == 0
@@ -296,3 +296,75 @@ def test_worker_processes_share_the_cpus_in_threads(tmp_path, monkeypatch, capsy
     started.clear()
     run_replicates(replace(settings, output_dir=str(tmp_path / "again")), [0], 2, ["benchx", "study"])
     assert started[0][1] == "3", "a user's own setting is kept"
+
+
+@pytest.mark.parametrize("point", ["matched_specificity", "val_chosen"])
+def test_pooling_identical_seeds_reproduces_the_studys_own_comparison(finished_study, tmp_path, point):
+    """Two seeds that are one study: every pooled mean is that study's own paired difference at the
+    same operating point, so the pooled analysis uses the m the study's comparison used (at matched
+    specificity the arm's m matched to the reference's validation specificity)."""
+    from mlflow.tracking import MlflowClient
+
+    from synthx.replicates import pooled_table
+    from synthx.report import COMPARISON_ARTIFACT, load_study
+
+    settings, uri, parent_id = finished_study
+    client = MlflowClient(uri)
+    parent = client.get_run(parent_id)
+    table = pooled_table(client, {"0": parent, "1": parent}, point, n_resamples=20)
+    own = load_study(parent_id, uri, tmp_path / "study").csv("compare", COMPARISON_ARTIFACT)
+    own = own[(own["operating_point"] == point) & own["metric"].isin(["sensitivity", "specificity"])]
+    assert {"synthx - sham", "baseline - sham"} <= set(table["comparison"])
+    checked = 0
+    for r in own.itertuples(index=False):
+        row = table[(table["comparison"] == f"{r.run} - {r.reference}") & (table["metric"] == r.metric)
+                    & (table["attribute"] == r.attribute) & (table["group"].astype(str) == str(r.group))]
+        if row.empty or pd.isna(r.delta):
+            continue
+        assert row["mean_delta"].iloc[0] == pytest.approx(r.delta, abs=1e-12), (r.run, r.attribute, r.group, r.metric)
+        checked += 1
+    assert checked >= 10
+
+
+def test_the_pooled_page_names_its_runs_and_judges_the_pooled_difference(finished_study, tmp_path):
+    """``benchx report --run-id <pooled run> --markdown``: docs/seeds.md from a pooled run, its figures
+    read from the pooled table (two seeds that are the same study: each seed's own line is that
+    study's primary endpoint sentence)."""
+    from mlflow.tracking import MlflowClient
+
+    from synthx.commands.report import main
+    from synthx.replicates import POOLED_STAGE, pooled_markdown, pooled_table
+    from synthx.report import load_study, verdict_lines
+
+    settings, uri, parent_id = finished_study
+    client = MlflowClient(uri)
+    parent = client.get_run(parent_id)
+    pages = {}
+    for point in ("matched_specificity", "val_chosen"):
+        table = pooled_table(client, {"3": parent, "4": parent}, point, n_resamples=50)
+        pooled = client.create_run(parent.info.experiment_id, run_name="pooled", tags={
+            "stage": POOLED_STAGE, "operating_point": point, "replicated_studies": f"{parent_id} {parent_id}"})
+        client.log_param(pooled.info.run_id, "seeds", "3,4")
+        client.log_text(pooled.info.run_id, table.to_csv(index=False), f"pooled/test_{point}.csv")
+        client.set_terminated(pooled.info.run_id, "FINISHED")
+        out = tmp_path / point / "seeds.md"
+        assert main(["--run-id", pooled.info.run_id, "--markdown", str(out), "--tracking-uri", uri]) == 0
+        pages[point] = (out.read_text(), table, pooled.info.run_id)
+
+    page, table, run_id = pages["matched_specificity"]
+    assert page.startswith("# Seeds pooled") and f"`{run_id}`" in page
+    assert parent.data.tags["git_commit"] in page and "seeds 3, 4" in page
+    primary = verdict_lines(load_study(parent_id, uri, tmp_path / "study"))[-1]
+    assert page.count(primary) == 2 and f"- Seed 3 (study run `{parent_id}`): {primary}" in page
+    arterial = table[(table["comparison"] == "synthx - sham") & (table["metric"] == "sensitivity")
+                     & (table["group"] == "arterial")].iloc[0]
+    pooled_line = (f"- Primary endpoint (sensitivity in arterial, SynthX - sham): SynthX - sham "
+                   f"{100 * arterial['mean_delta']:+.1f} percentage points on average over 2 seeds")
+    assert pooled_line in page
+    assert "| SynthX - sham | Phase: arterial |" in page and "| baseline - sham | All scans |" in page
+    # Another point than the endpoint's: the page says the endpoint is not judged there.
+    other = pages["val_chosen"][0]
+    assert "Primary endpoint (sensitivity" not in other.split("## Primary endpoint, replicate by replicate")[0]
+    assert "pool with --operating-point matched_specificity for the endpoint" in other
+    with pytest.raises(ValueError, match="not a pooled analysis"):
+        pooled_markdown(parent_id, uri)
