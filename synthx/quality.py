@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+import mlflow
 import nibabel as nib
 import numpy as np
 import pandas as pd
@@ -41,8 +43,11 @@ from scipy import ndimage
 from scipy.stats import wasserstein_distance
 
 from lightning_modules.data.cohort import Case, Cohort, load_cohort
-from lightning_modules.data.metadata import PHASES, UNKNOWN
+from lightning_modules.data.metadata import AGE_BAND_NAMES, PHASES, SEXES, UNKNOWN
 from lightning_modules.data.splits import load_split
+from lightning_modules.tracking import experiment_id, tracking_uri as resolve_uri
+
+
 
 PERCENTILES = (5, 25, 50, 75, 95)
 # Per-tumor quantiles that stand for its HU distribution in the Wasserstein distance.
@@ -412,7 +417,6 @@ def log_quality(report: QualityReport, run_id: str, prefix: str = "synthx_qualit
         run_id: the run to log into (e.g. the generation run, so the report sits beside its cases).
         prefix: the artifact folder and metric key prefix.
     """
-    import mlflow
 
     client = mlflow.MlflowClient()
     for name, table in (
@@ -460,10 +464,7 @@ def assess_synthetic_cohort(
     Returns:
         (the report, the MLflow run id it was logged to).
     """
-    import mlflow
 
-    from lightning_modules.tracking import experiment_id
-    from lightning_modules.tracking import tracking_uri as resolve_uri
 
     report = quality_report(real_root, split_path, synthetic_root, lesion_class, organ_class, rim_mm, seed=seed)
     uri = resolve_uri(tracking_uri)
@@ -530,7 +531,6 @@ def _wasserstein(real: list[np.ndarray], synthetic: list[np.ndarray]) -> float:
 
 
 def _group_order(attributes: Sequence[str]):
-    from lightning_modules.data.metadata import AGE_BAND_NAMES, SEXES
 
     orders = {"phase": PHASES, "sex": SEXES, "age_band": AGE_BAND_NAMES}
 
@@ -541,7 +541,6 @@ def _group_order(attributes: Sequence[str]):
 
 
 def _now_ms() -> int:
-    import time
 
     return int(time.time() * 1000)
 

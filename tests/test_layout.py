@@ -187,8 +187,7 @@ SYNTHX_LIBRARIES = (
 )
 SERVICE_CLIENTS = ("mlflow", "optuna")
 ABOVE_LIBRARIES = ("lightning_modules.tracking", "lightning_modules.workflows", "lightning_modules.commands",
-                   "lightning_modules.cli", "lightning_modules.trainer", "synthx.study", "synthx.sweep",
-                   "synthx.replicates", "synthx.report", "synthx.commands")
+                   "lightning_modules.cli", "lightning_modules.trainer", "synthx.workflows", "synthx.commands")
 
 
 def all_imports() -> dict[str, set[str]]:

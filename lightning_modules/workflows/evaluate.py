@@ -41,24 +41,26 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig
 
+from lightning_modules.data.datamodule import CohortDataModule
+from lightning_modules.data.splits import split_sha256
 from lightning_modules.evaluation.artifacts import download_records, log_evaluation_artifacts
 from lightning_modules.evaluation.bootstrap import bootstrap_subgroup_metrics, evaluation_set_hash, paired_differences
 from lightning_modules.evaluation.callback import FALLBACK_TAG, SubgroupEvaluation
 from lightning_modules.evaluation.figures import close, comparison_figure
 from lightning_modules.evaluation.metric_keys import headline_metric_keys
-from lightning_modules.tracking.provenance import GENERATOR_CASES_ARTIFACT, generator_overlap, training_cases, training_overlap
 from lightning_modules.evaluation.records import fixed_rule_score, score_column
 from lightning_modules.evaluation.subgroups import support_rule_text
 from lightning_modules.evaluation.thresholds import (
-    RULES,
-    OperatingPoint,
     choose_operating_point,
     matched_specificity_point,
+    OperatingPoint,
     resampled_choices,
     resampled_matched_thresholds,
+    RULES,
     specificity_at,
 )
-from lightning_modules.trainer import FailWithLaunchedProcesses, RunLogger, build_trainer, global_rank, share_from_rank_zero
+from lightning_modules.models.checkpoints import load_module_from_checkpoint
+from lightning_modules.run_folder import RunRecord
 from lightning_modules.tracking import (
     check_run_id,
     ended_run,
@@ -69,6 +71,23 @@ from lightning_modules.tracking import (
     start_run,
     tracking_uri,
 )
+from lightning_modules.tracking.datasets import SYNTHETIC_COHORT_TAG
+from lightning_modules.tracking.provenance import (
+    GENERATOR_CASES_ARTIFACT,
+    generator_overlap,
+    training_cases,
+    training_overlap,
+)
+from lightning_modules.tracking.pyfunc import is_model_uri, model_version_tags, record_operating_point
+from lightning_modules.trainer import (
+    build_trainer,
+    FailWithLaunchedProcesses,
+    global_rank,
+    RunLogger,
+    share_from_rank_zero,
+)
+
+
 
 log = logging.getLogger(__name__)
 OVERLAP_OVERRIDE_TAG = "training_overlap_override"
@@ -94,7 +113,6 @@ def validation_rule(recipe: DictConfig) -> str:
 def training_run_of_checkpoint(checkpoint: str | Path) -> str | None:
     """The MLflow run of a checkpoint written by ``benchx train`` (``<run folder>/checkpoints/*.ckpt``),
     from the run folder's record (``run.json``)."""
-    from lightning_modules.run_folder import RunRecord
 
     record = RunRecord.read(Path(checkpoint).resolve().parent.parent)
     return record.run_id if record is not None else None
@@ -122,7 +140,6 @@ def check_training_overlap(
     # A model trained on synthetic data also learned from the cases its generator learned from.
     problems = training_overlap(evaluated, training) + (generator_overlap(evaluated, generator) if generator is not None else [])
     if not problems:
-        from lightning_modules.tracking.datasets import SYNTHETIC_COHORT_TAG
 
         if generator is None and client.get_run(training_run_id).data.tags.get(SYNTHETIC_COHORT_TAG):
             log.warning("evaluate: training run %s mixed in synthetic data but records no %s; the generator's training "
@@ -241,11 +258,7 @@ def evaluate(
     Raises:
         EvaluationError: a malformed run id, or an evaluation set that overlaps the training cases.
     """
-    from lightning_modules.data.datamodule import CohortDataModule
-    from lightning_modules.data.splits import split_sha256
-    from lightning_modules.models.checkpoints import load_module_from_checkpoint
 
-    from lightning_modules.tracking.pyfunc import is_model_uri, model_version_tags, record_operating_point
 
     # A registered model (models:/NAME@ALIAS) stands for its version's training run.
     version_tags = model_version_tags(training_run_id, tracking_uri(recipe.tracking.uri)) if is_model_uri(training_run_id) else {}

@@ -39,33 +39,43 @@ from lightning.pytorch.loggers import MLFlowLogger
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_modules.cohorts.audit import check_split_leakage
 from lightning_modules.config.recipe import recipe_to_yaml, recipe_variant
-from lightning_modules.data.cohort import CohortError, load_cohort
+from lightning_modules.data.cohort import atomic_write_bytes, CohortError, load_cohort
 from lightning_modules.data.datamodule import CohortDataModule
+from lightning_modules.data.intensity import ct_intensity_properties
 from lightning_modules.data.mixing import mixing_datamodule
-from lightning_modules.tracking.datasets import log_dataset_inputs, log_exposures, resolve_synthetic_cohort
 from lightning_modules.data.splits import load_split, split_sha256
+from lightning_modules.data.validation import validate_cohort
 from lightning_modules.evaluation.callback import SubgroupEvaluation
-from lightning_modules.tracking.provenance import log_training_cases
 from lightning_modules.models.checkpoints import build_module
 from lightning_modules.models.planning import resolve_planned_recipe
-from lightning_modules.data.intensity import ct_intensity_properties
-from lightning_modules.tracking.pyfunc import log_segmentation_model
 from lightning_modules.monitoring import system_callbacks
+from lightning_modules.process import deferred_signals
 from lightning_modules.run_folder import (
+    check_same_recipe,
     CHECKPOINT_NAMES,
+    recipe_fingerprint,
+    resume_checkpoint,
     RunFolderError,
     RunFolderLock,
     RunRecord,
-    check_same_recipe,
-    recipe_fingerprint,
-    resume_checkpoint,
 )
-from lightning_modules.process import deferred_signals
 from lightning_modules.tracking import ended_run, flatten, run_status, run_tags, start_run, tracking_uri
+from lightning_modules.tracking.datasets import log_dataset_inputs, log_exposures, resolve_synthetic_cohort
+from lightning_modules.tracking.provenance import log_training_cases
+from lightning_modules.tracking.pyfunc import log_segmentation_model
 from lightning_modules.trainer import (
-    FailWithLaunchedProcesses, PeriodicCheckpoint, RunLogger, build_trainer, global_rank, memory_advice, share_from_rank_zero,
+    build_trainer,
+    FailWithLaunchedProcesses,
+    global_rank,
+    memory_advice,
+    PeriodicCheckpoint,
+    RunLogger,
+    share_from_rank_zero,
 )
+
+
 
 __all__ = ["TrainResult", "TrainSettings", "default_output_dir", "recipe_fingerprint", "train"]
 
@@ -348,8 +358,6 @@ def finished_result(start: RunStart, output_dir: Path) -> TrainResult:
 def check_data(recipe: DictConfig, cohort, split) -> list[str]:
     """Validate the cohort and audit the split before training. Returns the leakage findings that
     were overridden (empty when clean); raises CohortError on a broken cohort or unapproved leakage."""
-    from lightning_modules.cohorts.audit import check_split_leakage
-    from lightning_modules.data.validation import validate_cohort
 
     if recipe.data.validate:
         problems = validate_cohort(cohort, classes=list(recipe.data.classes))
@@ -379,7 +387,6 @@ def _leakage_key(cohort, split) -> str:
 
 def _cached(folder: Path, key: str, compute) -> list[str]:
     """The patient/duplicate leakage findings, computed once per content key (reading every CT is slow)."""
-    from lightning_modules.data.cohort import atomic_write_bytes
 
     path = folder / f"{key}.json"
     if path.exists():

@@ -25,8 +25,8 @@ EXPECTED_ERRORS: frozenset[str] = frozenset(
         "synthx.provenance.ProvenanceError",
         "synthx.targeting.TargetingError",
         "synthx.quality.QualityError",
-        "synthx.report.ReportError",
-        "synthx.replicates.ReplicateError",
+        "synthx.workflows.report.ReportError",
+        "synthx.workflows.replicates.ReplicateError",
     }
 )
 

@@ -20,7 +20,7 @@ from typing import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from synthx.replicates import OPERATING_POINTS
+    from synthx.workflows.replicates import OPERATING_POINTS
 
     parser = argparse.ArgumentParser(prog="benchx replicates", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_ids", nargs="+", metavar="RUN",
@@ -36,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
     from lightning_modules.tracking import tracking_uri
-    from synthx.replicates import format_replicates, replicate_table, study_comparison
+    from synthx.workflows.replicates import format_replicates, replicate_table, study_comparison
 
     uri = tracking_uri(args.tracking_uri)
     run_ids = [run_id for argument in args.run_ids for run_id in argument.replace(",", " ").split()]

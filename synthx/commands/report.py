@@ -35,8 +35,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mlflow.tracking import MlflowClient
 
     from lightning_modules.tracking import tracking_uri
-    from synthx.replicates import POOLED_STAGE, write_pooled_markdown
-    from synthx.report import build_report, write_results_markdown
+    from synthx.workflows.replicates import POOLED_STAGE, write_pooled_markdown
+    from synthx.workflows.report import build_report, write_results_markdown
 
     uri = tracking_uri(args.tracking_uri)
     if args.markdown:

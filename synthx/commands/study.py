@@ -1,6 +1,6 @@
 """``benchx study``: the baseline-versus-SynthX study, the project's main job (MLproject ``main``).
 
-Parses the command line into :class:`synthx.study.StudySettings` and runs :func:`synthx.study.run_study`
+Parses the command line into :class:`synthx.workflows.study.StudySettings` and runs :func:`synthx.workflows.study.run_study`
 (the steps and their resumability are described there).
 
 Example::
@@ -24,7 +24,7 @@ from typing import Sequence
 
 from lightning_modules.commands.common import add_overrides_argument, parse_command_line
 from synthx.painters import PAINTERS
-from synthx.study import StudySettings, run_study
+from synthx.workflows.study import StudySettings, run_study
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,13 +116,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--seeds needs at least 2 replicates")
     settings = study_settings(args)
     if args.seed is not None:
-        from synthx.replicates import run_replicate
+        from synthx.workflows.replicates import run_replicate
 
         run_replicate(settings, args.seed)
         return 0
     if args.seeds is not None:
         from lightning_modules.evaluation.seed_pooling import format_pooled
-        from synthx.replicates import pool_replicates, run_replicates
+        from synthx.workflows.replicates import pool_replicates, run_replicates
 
         seeds = list(range(args.seeds))
         if not args.pool_only:

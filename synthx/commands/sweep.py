@@ -1,4 +1,4 @@
-"""``benchx sweep``: parse the arguments and run one sweep worker (:func:`synthx.sweep.sweep`).
+"""``benchx sweep``: parse the arguments and run one sweep worker (:func:`synthx.workflows.sweep.sweep`).
 
 Example::
 
@@ -13,7 +13,7 @@ from typing import Sequence
 
 from lightning_modules.commands.common import add_overrides_argument, parse_command_line, split_overrides
 from lightning_modules.config.recipe import load_recipe
-from synthx.sweep import DEFAULT_HEARTBEAT_S, DEFAULT_STORAGE, OBJECTIVES, PARENT_ATTR, SweepError, SweepSettings, safe_url, sweep
+from synthx.workflows.sweep import DEFAULT_HEARTBEAT_S, DEFAULT_STORAGE, OBJECTIVES, PARENT_ATTR, SweepError, SweepSettings, safe_url, sweep
 
 
 VALIDATION_NOTE = (
@@ -24,7 +24,7 @@ VALIDATION_NOTE = (
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    from synthx import sweep as library
+    from synthx.workflows import sweep as library
 
     parser = argparse.ArgumentParser(prog="benchx sweep", description=library.__doc__.split("\n\n")[0] + " " + VALIDATION_NOTE)
     parser.add_argument("--recipe", required=True)

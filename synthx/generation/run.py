@@ -38,30 +38,34 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import mlflow
 import numpy as np
 import pandas as pd
+from mlflow.exceptions import MlflowException
 from omegaconf import DictConfig
+from tqdm.auto import tqdm
 
 from lightning_modules.data.cohort import atomic_write_bytes, file_sha256, load_cohort, write_case, write_metadata
 from lightning_modules.data.lesions import SIZE_CLASS_NAMES
-from lightning_modules.data.metadata import PHASES, normalize_phase
+from lightning_modules.data.metadata import normalize_phase, PHASES
 from lightning_modules.data.splits import load_split
+from lightning_modules.process import git_commit, terminating_signals
 from lightning_modules.run_folder import RunFolderLock
+from lightning_modules.tracking import experiment_id, tracking_uri as resolve_uri
 from synthx.config import MaskPriorConfig, SamplingConfig
 from synthx.generation.canvases import (
-    GenerationError,
-    SynthesisRequest,
     as_requests,
     canvas_table,
     choose_canvas,
+    GenerationError,
     partition_requests,
+    SynthesisRequest,
     training_tumor_diameters,
 )
-from synthx.generation.painting import PaintSettings, generate_case
+from synthx.generation.painting import generate_case, PaintSettings
 from synthx.generation.phantom_painter import PhantomPainter
 from synthx.generation.source import load_pipeline, set_scheduler
 from synthx.generation.writing import (
-    QUARANTINE_DIR,
     case_is_complete,
     check_manifest,
     clear_quarantine,
@@ -69,14 +73,17 @@ from synthx.generation.writing import (
     metadata_table,
     per_cell_table,
     quarantine,
+    QUARANTINE_DIR,
     read_existing_rows,
     remove_stale_staging,
 )
 from synthx.mask_prior import size_class_weights
 from synthx.painters import PAINTERS, PHANTOM_PAINTER, SYNTHX_PAINTER
-from synthx.provenance import GeneratorProvenance, check_provenance, read_provenance
+from synthx.provenance import check_provenance, GeneratorProvenance, read_provenance
 from synthx.schedulers import SAMPLING_SCHEDULERS
 from synthx.targeting import log_targets, resolve_targets
+
+
 
 log = logging.getLogger(__name__)
 
@@ -279,11 +286,7 @@ def _open_run(settings: SynthesisSettings, uri: str, manifest: dict, out_root: P
     The run id is kept in ``synthesis_run.json`` beside the manifest; the manifest check has
     already refused other settings, so the run's parameters stay the same.
     """
-    import mlflow
-    from mlflow.exceptions import MlflowException
 
-    from lightning_modules.process import git_commit
-    from lightning_modules.tracking import experiment_id
 
     mlflow.set_tracking_uri(uri)
     client = mlflow.MlflowClient(uri)
@@ -346,7 +349,6 @@ def _make_case(context: dict, request: SynthesisRequest, rows: dict, summary: Sy
 
 
 def _paint_all(context: dict, requests: Sequence[SynthesisRequest], rows: dict, summary: SynthesisSummary, seconds: list) -> None:
-    from tqdm.auto import tqdm
 
     settings = context["settings"]
     bar = tqdm(requests, desc="synthesize", unit="case", disable=not settings.progress)
@@ -370,8 +372,6 @@ def synthesize(settings: SynthesisSettings, requests) -> SynthesisSummary:
             ``min_positives:4`` or ``need:40`` (computed on the real cohort), a ``{(sex, age band,
             phase): n}`` mapping, or a list of :class:`SynthesisRequest`.
     """
-    from lightning_modules.process import terminating_signals
-    from lightning_modules.tracking import tracking_uri as resolve_uri
 
     check_settings(settings)
     uri = resolve_uri(settings.tracking_uri)

@@ -37,7 +37,7 @@ def test_a_slurm_array_of_two_replicates_is_pooled(services, tiny_phantom, tmp_p
     from lightning_modules.process import git_commit
     from lightning_modules.tracking import experiment_id
     from synthx.commands.study import main
-    from synthx.replicates import finished_replicates, replicate_key
+    from synthx.workflows.replicates import finished_replicates, replicate_key
 
     root, split = tiny_phantom
     server = services["MLFLOW_TRACKING_URI"]

@@ -27,7 +27,7 @@ from test_synthx_study import fake_synthetic_cohort  # noqa: E402
 
 from lightning_modules.config.recipe import load_recipe  # noqa: E402
 from synthx.commands.sweep import main as sweep_main  # noqa: E402
-from synthx.sweep import PARENT_ATTR, create_sweep, make_objective, make_storage, sqlite_worker_slot  # noqa: E402
+from synthx.workflows.sweep import PARENT_ATTR, create_sweep, make_objective, make_storage, sqlite_worker_slot  # noqa: E402
 
 
 def _arguments(tiny_phantom, tmp_path, storage, *extra):
@@ -90,7 +90,7 @@ def test_three_workers_one_killed_mid_trial(services, postgres_database, tiny_ph
 def test_pruned_trial_ends_its_run_killed(tiny_phantom, tmp_path):
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     arguments = _arguments(tiny_phantom, tmp_path, storage)
-    # A validation before the last step, the only kind a trial is pruned on (synthx.sweep.prunes).
+    # A validation before the last step, the only kind a trial is pruned on (synthx.workflows.sweep.prunes).
     overrides = [*arguments[arguments.index("profile=cpu"):], "trainer.max_steps=4", "trainer.val_every_n_steps=2"]
     recipe = load_recipe(RECIPES / "unet.yaml", overrides)
     study = create_sweep(recipe, "pruned", storage, "f1", [0.0])

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tiny_study import finished_study  # noqa: E402,F401  (fixture)
 
-from synthx.replicates import ReplicateError, format_replicates, replicate_table, study_comparison  # noqa: E402
+from synthx.workflows.replicates import ReplicateError, format_replicates, replicate_table, study_comparison  # noqa: E402
 
 
 def comparison(study: str, seed: int, deltas: dict[str, float], significant: tuple[str, ...] = (),
@@ -138,7 +138,7 @@ def test_a_replicate_s_command_line_carries_every_setting_of_its_study(tmp_path)
 
     from lightning_modules.commands.common import parse_command_line
     from synthx.commands.study import build_parser, study_settings
-    from synthx.replicates import replicate_key
+    from synthx.workflows.replicates import replicate_key
     from test_synthx_study import _study_settings
 
     settings = replace(_study_settings(tmp_path / "cohort", tmp_path / "split.csv", tmp_path),
@@ -157,7 +157,7 @@ def test_two_replicates_run_as_two_workers_and_are_pooled(tiny_phantom, tmp_path
 
     from conftest import RECIPES
     from synthx.commands.study import main
-    from synthx.replicates import REPLICATE_SEED_TAG, finished_replicates, replicate_key
+    from synthx.workflows.replicates import REPLICATE_SEED_TAG, finished_replicates, replicate_key
     from test_synthx_study import _study_settings
 
     from lightning_modules.process import git_commit
@@ -214,8 +214,8 @@ def test_two_replicates_run_as_two_workers_and_are_pooled(tiny_phantom, tmp_path
 
 def test_a_replicate_is_the_study_seeded_in_its_own_folder(capsys):
     from synthx.commands.study import main, replicate_command
-    from synthx.replicates import replicate_key, seeded_settings
-    from synthx.study import StudySettings
+    from synthx.workflows.replicates import replicate_key, seeded_settings
+    from synthx.workflows.study import StudySettings
 
     settings = StudySettings(overrides=["trainer.max_steps=4"], synthx_overrides=["trainer.max_steps=2"], output_dir="out/s")
     seeded = seeded_settings(settings, 3)
@@ -243,8 +243,8 @@ def test_with_a_locked_cohort_the_baseline_arm_is_its_locked_evaluation(monkeypa
     not its development test split (which the sham and SynthX arms were never evaluated on)."""
     from types import SimpleNamespace
 
-    import lightning_modules.evaluation.artifacts as artifacts
-    from synthx.replicates import replicate_arms
+    import synthx.workflows.replicates as replicates
+    from synthx.workflows.replicates import replicate_arms
 
     tags = {"step.evaluate_baseline": "dev", "step.evaluate_locked_baseline": "locked", "step.evaluate_sham": "sham",
             "step.evaluate_synthx": "synthx", "step.baseline": "train"}
@@ -253,7 +253,7 @@ def test_with_a_locked_cohort_the_baseline_arm_is_its_locked_evaluation(monkeypa
 
     metrics = SimpleNamespace(data=SimpleNamespace(metrics={OPERATING_POINT_METRIC.format(name="val_chosen"): 100.0}))
     client = SimpleNamespace(get_run=lambda run_id: metrics)
-    monkeypatch.setattr(artifacts, "download_records",
+    monkeypatch.setattr(replicates, "download_records",
                         lambda client, run_id, stage, folder: pd.DataFrame({"case_id": [run_id]}))
     arms = replicate_arms(client, parent, "test", "val_chosen", str(tmp_path))
     assert {arm: list(value.records["case_id"]) for arm, value in arms.items()} == {
@@ -265,7 +265,7 @@ def test_worker_processes_share_the_cpus_in_threads(tmp_path, monkeypatch, capsy
     import subprocess
     from dataclasses import replace
 
-    from synthx.replicates import run_replicates, worker_threads
+    from synthx.workflows.replicates import run_replicates, worker_threads
     from test_synthx_study import _study_settings
 
     assert [worker_threads(w, cpus=2) for w in (1, 2, 3)] == [2, 1, 1]
@@ -305,8 +305,8 @@ def test_pooling_identical_seeds_reproduces_the_studys_own_comparison(finished_s
     specificity the arm's m matched to the reference's validation specificity)."""
     from mlflow.tracking import MlflowClient
 
-    from synthx.replicates import pooled_table
-    from synthx.report import COMPARISON_ARTIFACT, load_study
+    from synthx.workflows.replicates import pooled_table
+    from synthx.workflows.report import COMPARISON_ARTIFACT, load_study
 
     settings, uri, parent_id = finished_study
     client = MlflowClient(uri)
@@ -333,8 +333,8 @@ def test_the_pooled_page_names_its_runs_and_judges_the_pooled_difference(finishe
     from mlflow.tracking import MlflowClient
 
     from synthx.commands.report import main
-    from synthx.replicates import POOLED_STAGE, pooled_markdown, pooled_table
-    from synthx.report import load_study, verdict_lines
+    from synthx.workflows.replicates import POOLED_STAGE, pooled_markdown, pooled_table
+    from synthx.workflows.report import load_study, verdict_lines
 
     settings, uri, parent_id = finished_study
     client = MlflowClient(uri)
@@ -368,3 +368,10 @@ def test_the_pooled_page_names_its_runs_and_judges_the_pooled_difference(finishe
     assert "pool with --operating-point matched_specificity for the endpoint" in other
     with pytest.raises(ValueError, match="not a pooled analysis"):
         pooled_markdown(parent_id, uri)
+    # A README's seeds block gets the pooled verdict only; the rest of the README is kept.
+    readme = tmp_path / "README.md"
+    readme.write_text("# Title\n\n<!-- benchx-seeds:start -->\nold\n<!-- benchx-seeds:end -->\n\n## After\n")
+    assert main(["--run-id", run_id, "--markdown", str(readme), "--tracking-uri", uri]) == 0
+    text = readme.read_text()
+    assert text.startswith("# Title\n\n<!-- benchx-seeds:start -->\nGenerated by") and text.endswith("<!-- benchx-seeds:end -->\n\n## After\n")
+    assert pooled_line in text and "**Pooled verdict" in text and "old" not in text and "Seed 3 (study run" not in text

@@ -107,7 +107,7 @@ def test_augmented_training_logs_the_synthetic_cohort_as_a_dataset_input(tiny_ph
 
 
 def _study_settings(root, split, tmp_path):
-    from synthx.study import StudySettings
+    from synthx.workflows.study import StudySettings
 
     overrides = [o for o in tiny_overrides(root, split, tmp_path) if not o.startswith("profile=")]
     return StudySettings(
@@ -128,24 +128,24 @@ def _study_settings(root, split, tmp_path):
 
 
 def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path, monkeypatch, capsys):
-    import synthx.generation
-    from synthx.study import STEPS, read_targets, run_study
+    import synthx.workflows.study as study
+    from synthx.workflows.study import STEPS, read_targets, run_study
 
     root, split = tiny_phantom
     settings = _study_settings(root, split, tmp_path)
-    real_synthesize = synthx.generation.synthesize
+    real_synthesize = study.synthesize
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt("simulated kill during synthesis")
 
-    monkeypatch.setattr(synthx.generation, "synthesize", killed)
+    monkeypatch.setattr(study, "synthesize", killed)
     with pytest.raises(KeyboardInterrupt):
         run_study(settings)
     first = capsys.readouterr().out
     for step in ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting", "synthx_train"):
         assert f"[study] {step}: done" in first, step
 
-    monkeypatch.setattr(synthx.generation, "synthesize", real_synthesize)
+    monkeypatch.setattr(study, "synthesize", real_synthesize)
     table = run_study(settings)
     second = capsys.readouterr().out
     for step in ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting", "synthx_train"):
@@ -274,7 +274,7 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
 
 def test_primary_endpoint_is_logged_before_any_step(tiny_phantom, tmp_path, monkeypatch):
     """The parent run carries the endpoint before the data step, let alone a training, has started."""
-    import synthx.study as study
+    import synthx.workflows.study as study
 
     root, split = tiny_phantom
     seen = {}
@@ -295,9 +295,9 @@ def test_primary_endpoint_is_logged_before_any_step(tiny_phantom, tmp_path, monk
 
 
 def test_study_trains_a_changed_generator_recipe_into_its_own_folder(tmp_path, monkeypatch):
-    import synthx.training
+    import synthx.workflows.study as study
     from synthx.config import load_synthx_recipe
-    from synthx.study import generator_action
+    from synthx.workflows.study import generator_action
 
     folders = []
 
@@ -305,7 +305,7 @@ def test_study_trains_a_changed_generator_recipe_into_its_own_folder(tmp_path, m
         folders.append(output_dir)
         return type("Result", (), {"run_id": "r", "pipeline_dir": output_dir / "pipeline"})()
 
-    monkeypatch.setattr(synthx.training, "train_synthx", fake_train)
+    monkeypatch.setattr(study, "train_synthx", fake_train)
     generator = REPO_ROOT / "recipes" / "generator" / "synthx.yaml"
     for overrides in (["profile=cpu"], ["profile=cpu", "data.patch_size=[16,16,16]"], ["profile=cpu", "trainer.max_steps=7"]):
         generator_action(load_synthx_recipe(generator, overrides), tmp_path)({})
@@ -316,7 +316,7 @@ def test_study_trains_a_changed_generator_recipe_into_its_own_folder(tmp_path, m
 
 def test_targeting_reads_validation_records_only(tiny_phantom, tmp_path):
     """The targeting step needs only evaluation/val_records.csv: an evaluation run without test records suffices."""
-    from synthx.study import StudySettings, read_targets, targeting_action, validation_records
+    from synthx.workflows.study import StudySettings, read_targets, targeting_action, validation_records
 
     root, split = tiny_phantom
     uri = new_sqlite_store(tmp_path / "mlflow.db")
@@ -368,7 +368,7 @@ def _sweep_recipe_args(root, split, tmp_path, synthetic):
 
 def test_three_trial_sweep_links_trials_to_the_sweep_run(tiny_phantom, tmp_path):
     from synthx.commands.sweep import main as sweep_main
-    from synthx.sweep import PARENT_ATTR
+    from synthx.workflows.sweep import PARENT_ATTR
 
     root, split = tiny_phantom
     synthetic = fake_synthetic_cohort(root, split, tmp_path / "synthetic")
@@ -403,7 +403,7 @@ def test_sweep_importances_rank_what_makes_a_maximized_objective_high():
     ``ratio`` would come first. 600 trials: PED-ANOVA's density estimates of a few top trials are
     too noisy to rank two parameters reliably.
     """
-    from synthx.sweep import importance_target
+    from synthx.workflows.sweep import importance_target
 
     rng = np.random.default_rng(0)
     distributions = {"ratio": optuna.distributions.FloatDistribution(0.0, 1.0),
@@ -438,7 +438,7 @@ def test_two_concurrent_workers_share_one_journal_study(tiny_phantom, tmp_path):
                for _ in range(2)]
     outputs = [w.communicate(timeout=900)[0] for w in workers]
     assert all(w.returncode == 0 for w in workers), outputs[0][-3000:] + outputs[1][-3000:]
-    from synthx.sweep import make_storage
+    from synthx.workflows.sweep import make_storage
 
     study = optuna.load_study(study_name="shared", storage=make_storage(storage))
     finished = [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
@@ -447,7 +447,7 @@ def test_two_concurrent_workers_share_one_journal_study(tiny_phantom, tmp_path):
     runs = {t.user_attrs.get("mlflow_run_id") for t in finished}
     assert len(runs) == len(finished), "every trial trained its own run"
     # A single-objective sweep's plots keep their names (importance: from three trials of different ratios).
-    from synthx.sweep import PARENT_ATTR
+    from synthx.workflows.sweep import PARENT_ATTR
 
     uri = load_recipe(RECIPES / "unet.yaml", tiny_overrides(root, split, tmp_path)).tracking.uri
     artifacts = {a.path for a in MlflowClient(uri).list_artifacts(study.user_attrs[PARENT_ATTR], "sweep")}
@@ -459,7 +459,7 @@ def test_two_concurrent_workers_share_one_journal_study(tiny_phantom, tmp_path):
 
 def test_step_cpu_seconds_count_finished_child_processes():
     """The data step renders the phantom in worker processes: a step's CPU figure must include them."""
-    from synthx.study import _cpu_seconds
+    from synthx.workflows.study import _cpu_seconds
 
     before = _cpu_seconds()
     subprocess.run([sys.executable, "-c", "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass"],
@@ -470,7 +470,7 @@ def test_step_cpu_seconds_count_finished_child_processes():
 def test_the_study_loads_its_recipe_once_and_builds_the_arms_in_memory(tmp_path, monkeypatch):
     """Every arm's recipe is the loaded recipe with the arm's typed values merged in; the YAML is read
     once, and the arms equal what the same values as command-line overrides give."""
-    import synthx.study as study
+    import synthx.workflows.study as study
     from lightning_modules.config.recipe import load_recipe
 
     settings = _study_settings(tmp_path / "cohort", tmp_path / "split.csv", tmp_path)

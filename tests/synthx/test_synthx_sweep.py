@@ -14,7 +14,7 @@ from conftest import RECIPES, tiny_overrides
 from lightning_modules.config.recipe import load_recipe
 from lightning_modules.data.cohort import CohortError
 from synthx.commands.sweep import main as sweep_main
-from synthx.sweep import PARENT_ATTR, SweepSettings, make_objective, sweep
+from synthx.workflows.sweep import PARENT_ATTR, SweepSettings, make_objective, sweep
 
 
 def _runs(uri: str):

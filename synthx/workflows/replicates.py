@@ -22,14 +22,37 @@ Example::
 
 from __future__ import annotations
 
+import os
+import subprocess
 import tempfile
+import time
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Sequence
 
 import pandas as pd
+from mlflow.tracking import MlflowClient
 
-from lightning_modules.workflows.evaluate import is_flagged, significance_mark
-from synthx.report import load_study
+from lightning_modules.evaluation.artifacts import download_records
+from lightning_modules.evaluation.seed_pooling import ArmRecords, comparison_name, format_pooled, pool_seeds
+from lightning_modules.process import git_commit
+from lightning_modules.run_folder import content_key
+from lightning_modules.tracking import experiment_id, tracking_uri
+from lightning_modules.workflows.evaluate import is_flagged, OPERATING_POINT_METRIC, significance_mark
+from synthx.endpoint import PrimaryEndpoint
+from synthx.labels import arm_label, attribute_label, group_label, point_label
+from synthx.painters import SYNTHX_PAINTER
+from synthx.verdict import Contrast, designed_gap_subgroups, outcome, study_verdict
+from synthx.workflows.report import (
+    _duration,
+    _markdown_table,
+    COMPARISON_ARTIFACT,
+    fill_results_block,
+    load_study,
+    study_comparison as comparison_of,
+)
+from synthx.workflows.study import run_study, segmentation_recipe
+
 
 OPERATING_POINTS = ("fixed", "val_chosen", "matched_specificity")
 COUNT_COLUMNS = ("n_patients", "positives", "negatives")
@@ -175,9 +198,7 @@ def replicate_key(settings, code_version: str) -> str:
     Every replicate of ``benchx study --seeds K`` carries it (tag ``replicate_set``), whichever
     process or Slurm task ran it, and the pooled analysis reads the replicates that carry it.
     """
-    from dataclasses import asdict
 
-    from lightning_modules.run_folder import content_key
 
     payload = {k: v for k, v in asdict(settings).items() if k != "output_dir"}
     return content_key({"settings": payload, "code": code_version})
@@ -185,9 +206,7 @@ def replicate_key(settings, code_version: str) -> str:
 
 def seeded_settings(settings, seed: int):
     """The settings of replicate ``seed``: every training seeded with it, in ``<out>/seed-<seed>``."""
-    from dataclasses import replace
 
-    from synthx.painters import SYNTHX_PAINTER
 
     generator = [*settings.synthx_overrides, f"seed={seed}"] if settings.painter == SYNTHX_PAINTER else settings.synthx_overrides
     return replace(settings, overrides=[*settings.overrides, f"seed={seed}"], synthx_overrides=generator,
@@ -196,9 +215,6 @@ def seeded_settings(settings, seed: int):
 
 def _store(settings) -> tuple[str, str, str]:
     """(tracking uri, experiment id, replicate key) of a study's settings."""
-    from lightning_modules.process import git_commit
-    from lightning_modules.tracking import experiment_id, tracking_uri
-    from synthx.study import segmentation_recipe
 
     uri = tracking_uri(segmentation_recipe(settings).tracking.uri)
     return uri, experiment_id(settings.experiment, uri), replicate_key(settings, git_commit())
@@ -221,11 +237,9 @@ def run_replicate(settings, seed: int) -> str:
     """Run replicate ``seed`` of a study unless it has finished; returns its parent run id.
 
     A killed replicate resumes: its finished steps are reused and an interrupted training resumes
-    from its checkpoint (:mod:`synthx.study`). A finished one is never run again.
+    from its checkpoint (:mod:`synthx.workflows.study`). A finished one is never run again.
     """
-    from mlflow.tracking import MlflowClient
 
-    from synthx.study import run_study
 
     uri, experiment, key = _store(settings)
     client = MlflowClient(tracking_uri=uri)
@@ -242,7 +256,6 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 def worker_threads(workers: int, cpus: int | None = None) -> int:
     """Threads per replicate process: the CPUs this process may use, shared among ``workers``."""
-    import os
 
     available = cpus if cpus is not None else len(os.sched_getaffinity(0))
     return max(1, available // max(1, workers))
@@ -256,11 +269,7 @@ def run_replicates(settings, seeds: Sequence[int], workers: int, command: Sequen
     Raises:
         ReplicateError: a replicate process failed (rerunning the same command resumes it).
     """
-    import os
-    import subprocess
-    import time
 
-    from mlflow.tracking import MlflowClient
 
     if workers < 1:
         raise ReplicateError(f"--workers must be at least 1 (got {workers})")
@@ -309,9 +318,6 @@ def replicate_arms(client, parent, stage: str, operating_point: str, folder: str
     With a locked test cohort the baseline's arm is its evaluation on that cohort
     (``evaluate_locked_baseline``), as in the study's own comparison, not the development split's.
     """
-    from lightning_modules.evaluation.artifacts import download_records
-    from lightning_modules.workflows.evaluate import OPERATING_POINT_METRIC
-    from lightning_modules.evaluation.seed_pooling import ArmRecords
 
     steps = {tag[len("step.evaluate_"):]: run_id for tag, run_id in parent.data.tags.items()
              if tag.startswith("step.evaluate_")}
@@ -330,7 +336,6 @@ def replicate_arms(client, parent, stage: str, operating_point: str, folder: str
 
 def matched_thresholds(client, parent, folder: str) -> dict[tuple[str, str], tuple[float, float]]:
     """(arm, reference) -> (reference's m, arm's m) at matched specificity, from a replicate's own comparison."""
-    from synthx.report import COMPARISON_ARTIFACT
 
     study = load_study(parent.info.run_id, client.tracking_uri, Path(folder) / f"compare-{parent.info.run_id}")
     try:
@@ -348,7 +353,6 @@ def pooled_table(client, parents: dict, operating_point: str, stage: str = "test
     At ``val_chosen`` and ``fixed`` every arm keeps the m its evaluation logged; at
     ``matched_specificity`` each arm pair is pooled with the two m its replicate's comparison used.
     """
-    from lightning_modules.evaluation.seed_pooling import ArmRecords, pool_seeds
 
     with tempfile.TemporaryDirectory() as folder:
         point = "val_chosen" if operating_point == "matched_specificity" else operating_point
@@ -393,10 +397,7 @@ def pool_replicates(settings, seeds: Sequence[int] | None = None, operating_poin
         ReplicateError: fewer than two finished replicates, a named seed missing, or replicates
             without a common arm pair.
     """
-    from mlflow.tracking import MlflowClient
 
-    from lightning_modules.evaluation.seed_pooling import format_pooled
-    from synthx.study import segmentation_recipe
 
     if operating_point not in POOLED_OPERATING_POINTS:
         raise ReplicateError(f"operating point must be one of {', '.join(POOLED_OPERATING_POINTS)} (got {operating_point!r})")
@@ -433,13 +434,7 @@ def pool_replicates(settings, seeds: Sequence[int] | None = None, operating_poin
 def pooled_markdown(run_id: str, uri: str) -> str:
     """docs/seeds.md: a pooled run's headline per designed gap, each replicate's own primary endpoint,
     and the pooled sensitivity differences per phase, naming the runs and the commit behind them."""
-    from lightning_modules.evaluation.seed_pooling import comparison_name
-    from synthx.endpoint import PrimaryEndpoint
-    from synthx.labels import arm_label, attribute_label, group_label, point_label
-    from synthx.report import _duration, _markdown_table, study_comparison as comparison_of
-    from mlflow.tracking import MlflowClient
 
-    from synthx.verdict import Contrast, designed_gap_subgroups, outcome, study_verdict
 
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(run_id)
@@ -518,7 +513,7 @@ def pooled_markdown(run_id: str, uri: str) -> str:
         "",
         *headline,
         "",
-        "## Primary endpoint, replicate by replicate",
+        PER_SEED_SECTION,
         "",
         *seed_lines,
         "",
@@ -536,10 +531,19 @@ def pooled_markdown(run_id: str, uri: str) -> str:
     return "\n".join(lines)
 
 
+SEEDS_BLOCK = ("<!-- benchx-seeds:start -->", "<!-- benchx-seeds:end -->")
+PER_SEED_SECTION = "## Primary endpoint, replicate by replicate"
+
+
 def write_pooled_markdown(run_id: str, uri: str, out: str | Path) -> Path:
-    """Write :func:`pooled_markdown` of a pooled run to ``out``."""
+    """Write :func:`pooled_markdown` of a pooled run to ``out``; when ``out`` holds a
+    :data:`SEEDS_BLOCK` (as README.md does), only that block is rewritten, with the page's pooled
+    verdict (the per-seed lines and the table stay on the page)."""
+
     out = Path(out)
     text = pooled_markdown(run_id, uri)
+    if out.is_file() and SEEDS_BLOCK[0] in out.read_text(encoding="utf-8"):
+        text = fill_results_block(out.read_text(encoding="utf-8"), text.split(PER_SEED_SECTION)[0], SEEDS_BLOCK)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
     return out

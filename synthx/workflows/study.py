@@ -48,13 +48,14 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
+import functools
 import hashlib
 import json
 import os
-import copy
-import functools
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -64,14 +65,30 @@ from typing import Callable, Mapping
 
 import pandas as pd
 from mlflow.tracking import MlflowClient
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from lightning_modules.cohorts.phantom import DEFAULT_CASES, generate_phantom_cohort, PARAMS_FILE
 from lightning_modules.config.recipe import load_recipe, recipe_variant
-from lightning_modules.run_folder import RunFolderLock, content_key
+from lightning_modules.data.cohort import load_cohort, write_metadata
+from lightning_modules.data.exposure import matched_total_steps
+from lightning_modules.data.metadata import normalize_phase, PHASES
+from lightning_modules.data.splits import load_split, make_splits, split_sha256, write_split
+from lightning_modules.data.validation import validate_cohort
+from lightning_modules.evaluation.artifacts import download_records
 from lightning_modules.process import git_commit
+from lightning_modules.run_folder import content_key, RunFolderLock
 from lightning_modules.tracking import experiment_id, mark_model_experiment, tracking_uri
-from synthx.endpoint import PrimaryEndpoint, endpoint_summary, label_results, log_endpoint
+from lightning_modules.workflows.evaluate import compare, evaluate, OPERATING_POINT_METRIC
+from lightning_modules.workflows.train import recipe_fingerprint, train
+from synthx.config import load_synthx_recipe
+from synthx.endpoint import endpoint_summary, label_results, log_endpoint, PrimaryEndpoint
+from synthx.generation import SynthesisSettings, synthesize
+from synthx.generation.canvases import GenerationError
 from synthx.painters import PAINTERS, PHANTOM_PAINTER, SYNTHX_PAINTER
+from synthx.targeting import resolve_targets
+from synthx.training import recipe_key, train_synthx
+from synthx.verdict import study_verdict
+from synthx.workflows.report import publish_study
 
 STEP_KEY_TAG = "study_step_key"
 STEP_NAME_TAG = "study_step"
@@ -127,7 +144,6 @@ class StudySettings:
         if self.locked_cases < 0:
             raise ValueError("--locked-cases must be 0 (test on the split's test set) or a number of scans")
         if self.target_phases is not None:
-            from lightning_modules.data.metadata import PHASES, normalize_phase
 
             phases = [normalize_phase(p) for p in self.target_phases]
             unknown = [p for p, n in zip(self.target_phases, phases) if n not in PHASES]
@@ -262,7 +278,6 @@ def _loaded_recipe(path: str, profile: str, experiment: str, overrides: tuple[st
 
 
 def _generator_recipe(settings: StudySettings, root: Path, split: Path, uri: str):
-    from synthx.config import load_synthx_recipe
 
     return load_synthx_recipe(
         settings.synthx_recipe,
@@ -272,7 +287,6 @@ def _generator_recipe(settings: StudySettings, root: Path, split: Path, uri: str
 
 
 def _recipe_params(recipe) -> dict:
-    from omegaconf import OmegaConf
 
     container = OmegaConf.to_container(recipe, resolve=True)
     container.pop("tracking", None)
@@ -297,14 +311,10 @@ def cohort_lock(root: Path):
 
 def data_step(client: MlflowClient, experiment: str, tags: dict, root: Path, split: Path, settings: StudySettings) -> dict:
     """Generate the phantom cohort when absent, make the split when absent, validate both."""
-    from lightning_modules.data.cohort import load_cohort
-    from lightning_modules.data.splits import load_split, make_splits, split_sha256, write_split
-    from lightning_modules.data.validation import validate_cohort
 
     run_id = client.create_run(experiment, run_name="data", tags=tags).info.run_id
     with cohort_lock(root):  # replicates started together (benchx study --seeds) make the cohort once
         if not (root / "metadata.csv").exists():
-            from lightning_modules.cohorts.phantom import DEFAULT_CASES, generate_phantom_cohort
 
             generate_phantom_cohort(root, n_cases=settings.cases or DEFAULT_CASES, seed=settings.phantom_seed)
             client.set_tag(run_id, "phantom_generated", "true")
@@ -332,10 +342,7 @@ def locked_view(development_root: Path, development_split: Path, locked_root: Pa
     Raises:
         ValueError: a locked case or patient id that is also a development one.
     """
-    import shutil
 
-    from lightning_modules.data.cohort import load_cohort, write_metadata
-    from lightning_modules.data.splits import load_split, write_split
 
     development = load_cohort(development_root)
     split = load_split(development_split, development)
@@ -367,8 +374,6 @@ def locked_view(development_root: Path, development_split: Path, locked_root: Pa
 def locked_cohort_step(client: MlflowClient, experiment: str, tags: dict, root: Path, split: Path,
                        settings: StudySettings) -> dict:
     """Generate the locked phantom (another seed, the development phantom's shape and spacing) and its view."""
-    from lightning_modules.cohorts.phantom import PARAMS_FILE, generate_phantom_cohort
-    from lightning_modules.data.splits import split_sha256
 
     run_id = client.create_run(experiment, run_name="locked_cohort", tags=tags).info.run_id
     development = json.loads((root / PARAMS_FILE).read_text())
@@ -395,7 +400,6 @@ def train_action(recipe, variant: str, output_dir: Path) -> Callable[[dict], dic
     """The action of a training step: train ``recipe`` into ``output_dir/<variant>/<fingerprint>``."""
 
     def action(tags: dict) -> dict:
-        from lightning_modules.workflows.train import recipe_fingerprint, train
 
         folder = output_dir / variant / recipe_fingerprint(recipe)
         result = train(recipe, output_dir=folder, variant=variant, extra_tags=tags)
@@ -412,7 +416,6 @@ def evaluate_action(recipe, trained: dict, variant: str, test_set: str = "test")
     """
 
     def action(tags: dict) -> dict:
-        from lightning_modules.workflows.evaluate import evaluate
 
         run_id, _ = evaluate(recipe, trained["checkpoint"], ("val", "test"), training_run_id=trained["run_id"],
                              run_name=f"{variant}-evaluate-{recipe.name}-{test_set}",
@@ -429,8 +432,6 @@ def validation_records(client: MlflowClient, evaluation_run_id: str) -> tuple[pd
     the run's ``operating_point/val_chosen`` (None when the run has none: the targeting rule then
     uses the fixed m).
     """
-    from lightning_modules.evaluation.artifacts import download_records
-    from lightning_modules.workflows.evaluate import OPERATING_POINT_METRIC
 
     with tempfile.TemporaryDirectory() as folder:
         records = download_records(client, evaluation_run_id, "val", folder)
@@ -446,7 +447,6 @@ def targeting_action(client: MlflowClient, experiment: str, root: Path, split: P
     """The action of the targeting step: the synthetic budget per cell, from the baseline's validation records."""
 
     def action(tags: dict) -> dict:
-        from synthx.targeting import resolve_targets
 
         run_id = client.create_run(experiment, run_name="targeting", tags=tags).info.run_id
         records, threshold = validation_records(client, evaluation_run_id)
@@ -481,7 +481,6 @@ def generator_action(generator_recipe, output_dir: Path) -> Callable[[dict], dic
     """
 
     def action(tags: dict) -> dict:
-        from synthx.training import recipe_key, train_synthx
 
         generator_recipe.tracking.tags.update(tags)
         result = train_synthx(generator_recipe, output_dir=output_dir / "generator" / recipe_key(generator_recipe))
@@ -501,7 +500,6 @@ def synthesize_action(client: MlflowClient, root: Path, split: Path, settings: S
     """
 
     def action(tags: dict) -> dict:
-        from synthx.generation import SynthesisSettings, synthesize
 
         common = dict(seed=seed, tracking_uri=uri, experiment=settings.experiment, progress=sys.stderr.isatty())
         if generator is None:
@@ -515,7 +513,6 @@ def synthesize_action(client: MlflowClient, root: Path, split: Path, settings: S
         if not summary.complete:
             raise RuntimeError(f"synthesis incomplete: {len(summary.failed)} failed: {summary.failed}")
         if not summary.generated and not summary.skipped:
-            from synthx.generation.canvases import GenerationError
 
             cells = summary.unfillable.to_dict("records") if summary.unfillable is not None else []
             shown = ", ".join(f"{c['sex']}/{c['age_band']}/{c['phase']}" for c in cells[:6]) or "none requested"
@@ -541,7 +538,6 @@ def compare_action(evaluations: dict[str, dict], uri: str, experiment: str, resa
     """
 
     def action(tags: dict) -> dict:
-        from lightning_modules.workflows.evaluate import compare
 
         _, run_id = compare([evaluations[arm]["run_id"] for arm in COMPARED_ARMS], "test", uri=uri,
                             experiment=experiment, n_resamples=resamples)
@@ -571,7 +567,6 @@ def arm_values(settings: StudySettings, arm: str, cohort: str | None = None) -> 
     The recipe's ``trainer.max_steps`` (with the study's overrides) are the real steps S of every
     arm; the sham and SynthX arms train S x (1 + r) steps, their extra draws being synthetic slots.
     """
-    from lightning_modules.data.exposure import matched_total_steps
 
     real_steps = int(segmentation_recipe(settings).trainer.max_steps)
     if arm == "baseline":
@@ -589,7 +584,6 @@ def _baseline_steps(runner: StudyRunner, settings: StudySettings, root: Path, sp
     runner.step("data", {"root": str(root), "split": str(split), "cases": settings.cases, "seed": settings.phantom_seed},
                 lambda tags: data_step(runner.client, runner.experiment_id, tags, root, split, settings))
     locked = None
-    from lightning_modules.cohorts.phantom import PARAMS_FILE
 
     if settings.locked_cases and (root / PARAMS_FILE).is_file():
         locked = runner.step(
@@ -685,7 +679,7 @@ def run_study(settings: StudySettings, parent_tags: dict[str, str] | None = None
     """Run (or resume) the study, step by step (see the module docstring); returns the comparison table.
 
     One study per output folder at a time: a second process is refused, naming the holder.
-    ``parent_tags`` go on the study's parent run (a replicate's set and seed, :mod:`synthx.replicates`).
+    ``parent_tags`` go on the study's parent run (a replicate's set and seed, :mod:`synthx.workflows.replicates`).
     """
     settings.check()
     with RunFolderLock(settings.output_dir, "benchx study") as lock:
@@ -737,7 +731,6 @@ def _run_study(settings: StudySettings, parent_tags: dict[str, str] | None = Non
             runner.client.log_text(runner.parent_id, side_by_side.to_csv(index=False), "study/baseline_test_sets.csv")
             print("[study] the baseline on the development test split and on the locked cohort:")
             print(side_by_side.to_string(index=False))
-        from synthx.report import publish_study
 
         print(f"[study] report: {publish_study(runner.uri, runner.parent_id, settings.output_dir)}")
     except BaseException:
@@ -759,7 +752,6 @@ def ui_command(uri: str, experiment_id: str, port: int = 5000) -> str:
 
 def verdict_text(comparison: pd.DataFrame, endpoint: PrimaryEndpoint | None = None) -> str:
     """The verdict sentences the study ends on (:func:`synthx.verdict.study_verdict`)."""
-    from synthx.verdict import study_verdict
 
     lines = study_verdict(comparison, endpoint=endpoint)
     return "Verdict (test):\n" + "\n".join(f"  {line}" for line in lines) if lines else "Verdict: no designed subgroup in the comparison"

@@ -34,11 +34,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
-from synthx.labels import arm_label
+from lightning_modules.data.metadata import PHASES
+from lightning_modules.evaluation.artifacts import download_records
+from lightning_modules.evaluation.subgroups import gaps
+from lightning_modules.tracking.pyfunc import set_aliases
+from lightning_modules.workflows.evaluate import percent, significance_mark
+from synthx.endpoint import PrimaryEndpoint
+from synthx.labels import arm_label, attribute_label, group_label, metric_label, point_label
 from synthx.painters import PHANTOM_PAINTER
+from synthx.quality import DISPLAY_WINDOW, quality_report, QualityError
+from synthx.verdict import arm_results, available_point, comparison_arms, designed_gap_subgroups, study_verdict
+
 
 REPORT_ARTIFACT = "report/study_report.html"
 COMPARISON_ARTIFACT = "comparison/test_comparison.csv"
@@ -110,7 +120,6 @@ def primary_point(comparison: pd.DataFrame) -> tuple[pd.DataFrame, str]:
 def headline(comparison: pd.DataFrame) -> pd.DataFrame:
     """Per attribute and metric: the worst group's value for baseline and SynthX and their difference
     (at the primary operating point, :func:`primary_point`)."""
-    from lightning_modules.evaluation.subgroups import gaps
 
     comparison, _ = primary_point(comparison)
     rows = []
@@ -160,7 +169,6 @@ def _figure_html(figure) -> str:
 
 def _pct(value, sign: bool = False) -> str:
     """A fraction as % with one decimal, as the comparison tables print it."""
-    from lightning_modules.workflows.evaluate import percent
 
     return percent(value, sign)
 
@@ -170,13 +178,11 @@ def _table_html(frame: pd.DataFrame) -> str:
 
 
 def _subgroup_name(attribute, group) -> str:
-    from synthx.labels import attribute_label, group_label
 
     return "All scans" if str(attribute) == "overall" else f"{attribute_label(attribute)}: {group_label(attribute, group)}"
 
 
 def _mark(row) -> str:
-    from lightning_modules.workflows.evaluate import significance_mark
 
     try:
         return significance_mark(row).strip()
@@ -187,7 +193,6 @@ def _mark(row) -> str:
 def comparison_html(comparison: pd.DataFrame) -> str:
     """Table 6, one table per compared arm and operating point: per subgroup its scans and, per
     metric, reference -> arm and the difference with its paired CI, in %; fits a 1,280 px screen."""
-    from synthx.labels import arm_label, metric_label, point_label
 
     keys = [k for k in ("run", "operating_point") if k in comparison.columns]
     metrics = [m for m in (*TABLE_METRICS, "auc") if m in set(comparison["metric"])]
@@ -233,9 +238,7 @@ def _pyplot():
 def forest_html(comparison: pd.DataFrame) -> str:
     """One forest plot per operating point (and compared arm): the paired difference with its CI per
     subgroup and metric; significant differences filled and marked, the axis scaled to the data."""
-    import numpy as np
 
-    from synthx.labels import arm_label, metric_label, point_label
 
     plt = _pyplot()
     keys = [k for k in ("run", "operating_point") if k in comparison.columns]
@@ -284,10 +287,7 @@ def forest_html(comparison: pd.DataFrame) -> str:
 def baseline_subgroup_html(study: StudyRuns) -> str:
     """The baseline's sensitivity, specificity and AUC per subgroup with CIs (test, validation-chosen
     point), the designed gaps marked."""
-    import numpy as np
 
-    from synthx.labels import metric_label
-    from synthx.verdict import designed_gap_subgroups
 
     table = None
     for path in ("evaluation/test_val_chosen_subgroups.csv", "evaluation/test_subgroups.csv"):
@@ -330,8 +330,6 @@ def baseline_subgroup_html(study: StudyRuns) -> str:
 
 def found_html(comparison: pd.DataFrame) -> str:
     """Tumors found per subgroup and arm at the primary operating point."""
-    from synthx.labels import arm_label
-    from synthx.verdict import arm_results
 
     comparison, point = primary_point(comparison)
     part = comparison[(comparison["metric"] == "sensitivity") & (comparison["positives"] > 0)]
@@ -342,18 +340,14 @@ def found_html(comparison: pd.DataFrame) -> str:
             row[arm_label(result.arm)] = (f"{result.found} of {result.of} ({_pct(result.value)}%)"
                                           if result.found is not None else "-")
         rows.append(row)
-    from synthx.labels import point_label
 
     return f"<p>At {html.escape(point_label(point))}.</p>" + _table_html(pd.DataFrame(rows))
 
 
 def roc_html(study: StudyRuns) -> str:
     """ROC curves on test per phase, one curve per evaluated arm (scan score: predicted tumor volume)."""
-    import numpy as np
     from sklearn.metrics import roc_auc_score, roc_curve
 
-    from lightning_modules.evaluation.artifacts import download_records
-    from synthx.labels import arm_label
 
     arms = {}
     for step in study.steps:
@@ -388,7 +382,6 @@ def roc_html(study: StudyRuns) -> str:
 
 def training_curves_html(study: StudyRuns) -> str:
     """train/loss of every training run of the study (arms and generator), from MLflow's metric history."""
-    from synthx.labels import arm_label
 
     curves = {}
     for step in study.steps:
@@ -443,7 +436,6 @@ def synthetic_html(study: StudyRuns) -> str:
 
 def _cells(table: pd.DataFrame) -> pd.DataFrame:
     """A per-cell table with labels: sex and age band as people say them, capitalized headers."""
-    from synthx.labels import group_label
 
     table = table.copy()
     for column, attribute in (("sex", "sex"), ("age_band", "age")):
@@ -462,7 +454,6 @@ def _quality(study: StudyRuns):
     """The synthetic cohort measured against the real training tumors (:func:`synthx.quality.quality_report`),
     computed once per report."""
     if "quality" not in study._cache:
-        from synthx.quality import QualityError, quality_report
 
         outputs = json.loads(study.run("synthesize").data.tags.get("study_outputs", "{}"))
         synthetic = Path(outputs.get("cohort", ""))
@@ -507,8 +498,6 @@ def quality_html(study: StudyRuns) -> str:
 
 def example_grid_html(study: StudyRuns) -> str:
     """Per phase, a real and a synthetic tumor side by side (axial slice through the tumor) with their measured contrast."""
-    from lightning_modules.data.metadata import PHASES
-    from synthx.quality import DISPLAY_WINDOW
 
     plt = _pyplot()
     records = _quality(study).records
@@ -607,7 +596,6 @@ def report_sections(study: StudyRuns) -> list[tuple[str, Callable[[], str]]]:
     comparison = lambda: study_comparison(study)  # noqa: E731
 
     def baseline_table() -> str:
-        from synthx.labels import metric_label
 
         table = study.csv("evaluate_baseline", "evaluation/test_subgroups.csv")
         threshold = study.run("evaluate_baseline").data.metrics.get("test/threshold")
@@ -625,7 +613,6 @@ def report_sections(study: StudyRuns) -> list[tuple[str, Callable[[], str]]]:
         return head + baseline_subgroup_html(study) + _table_html(pd.DataFrame(rows))
 
     def worst_groups() -> str:
-        from synthx.labels import arm_label, attribute_label, group_label, metric_label
 
         table = headline(comparison())
         return _table_html(pd.DataFrame({
@@ -660,9 +647,7 @@ def study_comparison(study: StudyRuns) -> pd.DataFrame:
 
 def verdict_lines(study: StudyRuns) -> list[str]:
     """The study's verdict sentences (:func:`synthx.verdict.study_verdict`); LookupError without a comparison."""
-    from synthx.verdict import study_verdict
 
-    from synthx.endpoint import PrimaryEndpoint
 
     endpoint = PrimaryEndpoint.from_params(dict(study.parent.data.params))
     lines = study_verdict(study_comparison(study), PRIMARY_POINT, endpoint=endpoint)
@@ -746,7 +731,6 @@ def publish_study(uri: str, parent_id: str, output_dir: str | Path) -> Path:
     ``benchx-<backbone>`` (scoped by experiment) and ``<experiment>`` on ``synthx-generator``, a
     description on each version, the headline metrics, the verdict as the run's description, and
     the HTML report (also written to ``output_dir``)."""
-    from lightning_modules.tracking.pyfunc import set_aliases
 
     with tempfile.TemporaryDirectory() as folder:
         study = load_study(parent_id, uri, Path(folder))
@@ -781,8 +765,6 @@ def publish_study(uri: str, parent_id: str, output_dir: str | Path) -> Path:
 def results_table(comparison: pd.DataFrame, point: str, metric: str = "sensitivity") -> pd.DataFrame:
     """Overall and per phase: scans, each arm's ``metric`` in % and each compared arm's difference
     from its reference with the paired 95% CI, at ``point``."""
-    from synthx.labels import arm_label, attribute_label, group_label
-    from synthx.verdict import comparison_arms
 
     table = comparison[comparison["metric"] == metric]
     if "operating_point" in table.columns:
@@ -823,12 +805,10 @@ def _duration(milliseconds: int) -> str:
 
 def results_markdown(study: StudyRuns) -> str:
     """docs/results.md: the verdict and a short table, naming the run and the commit that produced them."""
-    from synthx.labels import point_label
 
     parent = study.parent
     experiment = study.client.get_experiment(parent.info.experiment_id).name
     comparison = study_comparison(study)
-    from synthx.verdict import available_point
 
     point = available_point(comparison, PRIMARY_POINT)
     thresholds = ""
@@ -865,11 +845,11 @@ def results_markdown(study: StudyRuns) -> str:
 RESULTS_BLOCK = ("<!-- benchx-results:start -->", "<!-- benchx-results:end -->")
 
 
-def fill_results_block(document: str, page: str) -> str:
-    """``document`` with the text between its :data:`RESULTS_BLOCK` markers replaced by ``page``
-    (the results page without its title, its sections as bold lines), so a README carries the same
-    generated figures as docs/results.md and no hand-copied ones."""
-    start, end = RESULTS_BLOCK
+def fill_results_block(document: str, page: str, block: tuple[str, str] = RESULTS_BLOCK) -> str:
+    """``document`` with the text between its ``block`` markers replaced by ``page`` (a generated
+    page without its title, its sections as bold lines), so a README carries the same generated
+    figures as the docs page and no hand-copied ones."""
+    start, end = block
     if document.count(start) != 1 or document.count(end) != 1 or document.index(start) > document.index(end):
         raise ReportError(f"the document needs exactly one {start} ... {end} block")
     body = [line for line in page.splitlines() if not line.startswith("# ")]

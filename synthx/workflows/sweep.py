@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import math
 import os
@@ -52,13 +53,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import mlflow
 import optuna
 from omegaconf import DictConfig
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
+from lightning_modules.config.recipe import recipe_variant
+from lightning_modules.evaluation.callback import SubgroupEvaluation
 from lightning_modules.tracking import (
     database_url,
     end_run,
@@ -69,8 +71,8 @@ from lightning_modules.tracking import (
     tracking_client,
     tracking_uri,
 )
-from lightning_modules.config.recipe import recipe_variant
 from lightning_modules.workflows.train import train
+
 
 log = logging.getLogger(__name__)
 PARENT_ATTR = "mlflow_parent_run_id"
@@ -275,7 +277,6 @@ def make_objective(
             from optuna_integration import PyTorchLightningPruningCallback
 
             callbacks.append(PyTorchLightningPruningCallback(trial, monitor="val/f1/overall"))
-        from lightning_modules.evaluation.callback import SubgroupEvaluation
 
         evaluation = SubgroupEvaluation.from_recipe(trial_recipe)
         folder = (output_root or Path(trial_recipe.tracking.output_dir)) / f"sweep-{study_name}" / f"trial-{trial.number}"
@@ -373,7 +374,6 @@ def log_sweep_summary(study: optuna.Study, recipe: DictConfig) -> None:
         if complete:
             best = study.best_trials
             front = [{"trial": t.number, "ratio": t.params.get("ratio"), "values": t.values, "mlflow_run_id": t.user_attrs.get("mlflow_run_id")} for t in best]
-            import json
 
             (Path(folder) / "pareto_front.json").write_text(json.dumps(front, indent=2))
             client.log_artifact(run_id, str(Path(folder) / "pareto_front.json"), "sweep")
