@@ -25,8 +25,8 @@ DIARY_PATTERNS = {
 }
 
 # Generated blocks name the run and commit that produced them: that is provenance, not a diary.
-GENERATED_BLOCK = re.compile(r"<!-- benchx-results:start -->.*?<!-- benchx-results:end -->", re.DOTALL)
-GENERATED_PAGES = {"docs/results.md"}
+GENERATED_BLOCK = re.compile(r"<!-- benchx-(results|seeds):start -->.*?<!-- benchx-\1:end -->", re.DOTALL)
+GENERATED_PAGES = {"docs/results.md", "docs/seeds.md"}
 
 
 def tracked_documents() -> list[str]:
@@ -60,8 +60,24 @@ def test_the_diary_check_catches_each_kind_of_narrative(pattern_name, line):
 
 
 def test_the_diary_check_leaves_generated_results_alone():
-    block = "<!-- benchx-results:start -->\nRun abc, commit `0123456789abcdef`, 2026-12-03\n<!-- benchx-results:end -->"
-    assert diary_findings(block) == []
+    for name in ("results", "seeds"):
+        block = f"<!-- benchx-{name}:start -->\nRun abc, commit `0123456789abcdef`, 2026-12-03\n<!-- benchx-{name}:end -->"
+        assert diary_findings(block) == []
+    mismatched = "<!-- benchx-results:start -->\ncommit `0123456789abcdef`\n<!-- benchx-seeds:end -->"
+    assert diary_findings(mismatched), "a block ends with its own marker"
+
+
+def test_the_readme_blocks_are_the_generated_pages():
+    """README's generated blocks say what docs/results.md and docs/seeds.md say (both written by
+    ``benchx report --markdown`` from the same runs): no hand edit on one side only."""
+    from synthx.workflows.replicates import PER_SEED_SECTION, SEEDS_BLOCK
+    from synthx.workflows.report import fill_results_block
+
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    results = (REPO_ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    seeds = (REPO_ROOT / "docs" / "seeds.md").read_text(encoding="utf-8")
+    assert fill_results_block(readme, results) == readme
+    assert fill_results_block(readme, seeds.split(PER_SEED_SECTION)[0], SEEDS_BLOCK) == readme
 
 
 def test_tracked_documents_and_recipes_do_not_narrate_their_development():

@@ -467,7 +467,9 @@ def pooled_markdown(run_id: str, uri: str) -> str:
     endpoint = PrimaryEndpoint.from_params(dict(parents[0].data.params))
     judged = [(f"Primary endpoint ({endpoint.metric} in {group_label(endpoint.attribute, endpoint.group)}, "
                f"{arm_label(endpoint.arm)} - {arm_label(endpoint.reference)})", endpoint.attribute, endpoint.group)]
-    judged += designed_gap_subgroups()
+    # A designed gap that is the endpoint's own subgroup is judged once, as the endpoint.
+    judged += [gap for gap in designed_gap_subgroups() if point != endpoint.operating_point
+               or endpoint.metric != "sensitivity" or (gap[1], gap[2]) != (endpoint.attribute, endpoint.group)]
     headline = []
     if point != endpoint.operating_point:
         headline.append(f"- The primary endpoint is set at {point_label(endpoint.operating_point)}; this run pools "

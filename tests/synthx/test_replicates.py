@@ -361,6 +361,8 @@ def test_the_pooled_page_names_its_runs_and_judges_the_pooled_difference(finishe
     pooled_line = (f"- Primary endpoint (sensitivity in arterial, SynthX - sham): SynthX - sham "
                    f"{100 * arterial['mean_delta']:+.1f} percentage points on average over 2 seeds")
     assert pooled_line in page
+    assert "- Scarcity gap (arterial)" not in page, "the endpoint's subgroup is judged once"
+    assert "- Physics gap (non-contrast): SynthX - sham" in page
     assert "| SynthX - sham | Phase: arterial |" in page and "| baseline - sham | All scans |" in page
     # Another point than the endpoint's: the page says the endpoint is not judged there.
     other = pages["val_chosen"][0]
