@@ -174,8 +174,7 @@ LIBRARY_IMPORTS = {
     "lightning_modules.evaluation": {"lightning_modules.evaluation", "lightning_modules.data"},
     # config validates a recipe's backbone options and exposure schedule where the recipe is loaded.
     "lightning_modules.config": {"lightning_modules.config", "lightning_modules.data", "lightning_modules.models"},
-    "lightning_modules.models": {"lightning_modules.models", "lightning_modules.config", "lightning_modules.data",
-                                 "lightning_modules.evaluation"},
+    "lightning_modules.models": {"lightning_modules.models", "lightning_modules.config", "lightning_modules.data"},
     "lightning_modules.inference": {"lightning_modules.inference", "lightning_modules.data", "lightning_modules.models"},
 }
 # synthx's libraries: the generator, its pipeline and training pieces, painting and the verdict.

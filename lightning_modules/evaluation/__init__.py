@@ -1,7 +1,9 @@
 """Evaluation of trained models as scan-level tumor detectors, overall and per subgroup.
 
 Pure metrics (``records``, ``detection``, ``thresholds``, ``subgroups``, ``bootstrap``,
-``metric_keys``, ``segmentation_metrics``), the thin Lightning adapter (``callback``), what goes to
-MLflow (``artifacts``, ``figures``, ``provenance``) and the evaluate/compare runs (``runs``); see
-docs/design.md "Scan-level detection".
+``small_counts``, ``seed_pooling``, ``metric_keys``), the thin Lightning adapter (``callback``),
+what an evaluation leaves in its run, read back through a given client (``artifacts``), and figures
+(``figures``); see docs/design.md "Scan-level detection".
+The evaluate and compare runs are :mod:`lightning_modules.workflows.evaluate`; the training-time
+Dice of the SegmentationModule is :mod:`lightning_modules.models.segmentation_metrics`.
 """

@@ -30,7 +30,7 @@ from torch import nn
 
 from lightning_modules.data.lesions import largest_lesion_extent_mm, pancreas_location, tumor_size_group
 from lightning_modules.data.metadata import RECORD_COLUMNS, UNKNOWN
-from lightning_modules.evaluation.segmentation_metrics import dice_per_class, surface_dice_per_class
+from lightning_modules.models.segmentation_metrics import dice_per_class, surface_dice_per_class
 from lightning_modules.models.tumor_outputs import (
     multilabel_target,
     predicted_labels,

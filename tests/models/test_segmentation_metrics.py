@@ -1,7 +1,7 @@
-"""Tests for lightning_modules.evaluation.segmentation_metrics: Dice and surface Dice on hand-made spheres, the
+"""Tests for lightning_modules.models.segmentation_metrics: Dice and surface Dice on hand-made spheres, the
 empty cases, and agreement with MONAI called directly.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_segmentation_metrics.py -x -q
+Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/models/test_segmentation_metrics.py -x -q
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from monai.metrics import DiceMetric, compute_surface_dice
 from monai.networks.utils import one_hot
 
-from lightning_modules.evaluation.segmentation_metrics import dice_per_class, surface_dice_per_class
+from lightning_modules.models.segmentation_metrics import dice_per_class, surface_dice_per_class
 
 # MONAI's own internal use of a deprecated argument, raised when the tests call MONAI directly.
 pytestmark = pytest.mark.filterwarnings("ignore:.*always_return_as_numpy:FutureWarning")
