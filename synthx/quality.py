@@ -417,7 +417,6 @@ def log_quality(report: QualityReport, run_id: str, prefix: str = "synthx_qualit
         run_id: the run to log into (e.g. the generation run, so the report sits beside its cases).
         prefix: the artifact folder and metric key prefix.
     """
-
     client = mlflow.MlflowClient()
     for name, table in (
         ("per_tumor", report.per_tumor),
@@ -464,8 +463,6 @@ def assess_synthetic_cohort(
     Returns:
         (the report, the MLflow run id it was logged to).
     """
-
-
     report = quality_report(real_root, split_path, synthetic_root, lesion_class, organ_class, rim_mm, seed=seed)
     uri = resolve_uri(tracking_uri)
     mlflow.set_tracking_uri(uri)

@@ -113,7 +113,6 @@ def validation_rule(recipe: DictConfig) -> str:
 def training_run_of_checkpoint(checkpoint: str | Path) -> str | None:
     """The MLflow run of a checkpoint written by ``benchx train`` (``<run folder>/checkpoints/*.ckpt``),
     from the run folder's record (``run.json``)."""
-
     record = RunRecord.read(Path(checkpoint).resolve().parent.parent)
     return record.run_id if record is not None else None
 
@@ -258,8 +257,6 @@ def evaluate(
     Raises:
         EvaluationError: a malformed run id, or an evaluation set that overlaps the training cases.
     """
-
-
     # A registered model (models:/NAME@ALIAS) stands for its version's training run.
     version_tags = model_version_tags(training_run_id, tracking_uri(recipe.tracking.uri)) if is_model_uri(training_run_id) else {}
     training_run_id = version_tags.get("training_run_id", training_run_id)

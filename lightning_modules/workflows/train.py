@@ -358,7 +358,6 @@ def finished_result(start: RunStart, output_dir: Path) -> TrainResult:
 def check_data(recipe: DictConfig, cohort, split) -> list[str]:
     """Validate the cohort and audit the split before training. Returns the leakage findings that
     were overridden (empty when clean); raises CohortError on a broken cohort or unapproved leakage."""
-
     if recipe.data.validate:
         problems = validate_cohort(cohort, classes=list(recipe.data.classes))
         if problems:
@@ -387,7 +386,6 @@ def _leakage_key(cohort, split) -> str:
 
 def _cached(folder: Path, key: str, compute) -> list[str]:
     """The patient/duplicate leakage findings, computed once per content key (reading every CT is slow)."""
-
     path = folder / f"{key}.json"
     if path.exists():
         return list(json.loads(path.read_text()))

@@ -286,8 +286,6 @@ def _open_run(settings: SynthesisSettings, uri: str, manifest: dict, out_root: P
     The run id is kept in ``synthesis_run.json`` beside the manifest; the manifest check has
     already refused other settings, so the run's parameters stay the same.
     """
-
-
     mlflow.set_tracking_uri(uri)
     client = mlflow.MlflowClient(uri)
     record_path = out_root / SYNTHESIS_RUN_FILE
@@ -372,7 +370,6 @@ def synthesize(settings: SynthesisSettings, requests) -> SynthesisSummary:
             ``min_positives:4`` or ``need:40`` (computed on the real cohort), a ``{(sex, age band,
             phase): n}`` mapping, or a list of :class:`SynthesisRequest`.
     """
-
     check_settings(settings)
     uri = resolve_uri(settings.tracking_uri)
     cohort = load_cohort(settings.cohort_root)

@@ -198,16 +198,12 @@ def replicate_key(settings, code_version: str) -> str:
     Every replicate of ``benchx study --seeds K`` carries it (tag ``replicate_set``), whichever
     process or Slurm task ran it, and the pooled analysis reads the replicates that carry it.
     """
-
-
     payload = {k: v for k, v in asdict(settings).items() if k != "output_dir"}
     return content_key({"settings": payload, "code": code_version})
 
 
 def seeded_settings(settings, seed: int):
     """The settings of replicate ``seed``: every training seeded with it, in ``<out>/seed-<seed>``."""
-
-
     generator = [*settings.synthx_overrides, f"seed={seed}"] if settings.painter == SYNTHX_PAINTER else settings.synthx_overrides
     return replace(settings, overrides=[*settings.overrides, f"seed={seed}"], synthx_overrides=generator,
                    output_dir=str(Path(settings.output_dir) / f"seed-{seed}"))
@@ -215,7 +211,6 @@ def seeded_settings(settings, seed: int):
 
 def _store(settings) -> tuple[str, str, str]:
     """(tracking uri, experiment id, replicate key) of a study's settings."""
-
     uri = tracking_uri(segmentation_recipe(settings).tracking.uri)
     return uri, experiment_id(settings.experiment, uri), replicate_key(settings, git_commit())
 
@@ -239,8 +234,6 @@ def run_replicate(settings, seed: int) -> str:
     A killed replicate resumes: its finished steps are reused and an interrupted training resumes
     from its checkpoint (:mod:`synthx.workflows.study`). A finished one is never run again.
     """
-
-
     uri, experiment, key = _store(settings)
     client = MlflowClient(tracking_uri=uri)
     done = finished_replicates(client, experiment, key).get(int(seed))
@@ -269,8 +262,6 @@ def run_replicates(settings, seeds: Sequence[int], workers: int, command: Sequen
     Raises:
         ReplicateError: a replicate process failed (rerunning the same command resumes it).
     """
-
-
     if workers < 1:
         raise ReplicateError(f"--workers must be at least 1 (got {workers})")
     uri, experiment, key = _store(settings)  # creates the experiment before the workers start
@@ -318,7 +309,6 @@ def replicate_arms(client, parent, stage: str, operating_point: str, folder: str
     With a locked test cohort the baseline's arm is its evaluation on that cohort
     (``evaluate_locked_baseline``), as in the study's own comparison, not the development split's.
     """
-
     steps = {tag[len("step.evaluate_"):]: run_id for tag, run_id in parent.data.tags.items()
              if tag.startswith("step.evaluate_")}
     if "locked_baseline" in steps:
@@ -397,8 +387,6 @@ def pool_replicates(settings, seeds: Sequence[int] | None = None, operating_poin
         ReplicateError: fewer than two finished replicates, a named seed missing, or replicates
             without a common arm pair.
     """
-
-
     if operating_point not in POOLED_OPERATING_POINTS:
         raise ReplicateError(f"operating point must be one of {', '.join(POOLED_OPERATING_POINTS)} (got {operating_point!r})")
     uri, experiment, key = _store(settings)

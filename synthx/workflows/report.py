@@ -120,7 +120,6 @@ def primary_point(comparison: pd.DataFrame) -> tuple[pd.DataFrame, str]:
 def headline(comparison: pd.DataFrame) -> pd.DataFrame:
     """Per attribute and metric: the worst group's value for baseline and SynthX and their difference
     (at the primary operating point, :func:`primary_point`)."""
-
     comparison, _ = primary_point(comparison)
     rows = []
     columns = ["attribute", "group", "positives", "negatives"]
@@ -169,7 +168,6 @@ def _figure_html(figure) -> str:
 
 def _pct(value, sign: bool = False) -> str:
     """A fraction as % with one decimal, as the comparison tables print it."""
-
     return percent(value, sign)
 
 
@@ -193,7 +191,6 @@ def _mark(row) -> str:
 def comparison_html(comparison: pd.DataFrame) -> str:
     """Table 6, one table per compared arm and operating point: per subgroup its scans and, per
     metric, reference -> arm and the difference with its paired CI, in %; fits a 1,280 px screen."""
-
     keys = [k for k in ("run", "operating_point") if k in comparison.columns]
     metrics = [m for m in (*TABLE_METRICS, "auc") if m in set(comparison["metric"])]
     parts = []
@@ -238,8 +235,6 @@ def _pyplot():
 def forest_html(comparison: pd.DataFrame) -> str:
     """One forest plot per operating point (and compared arm): the paired difference with its CI per
     subgroup and metric; significant differences filled and marked, the axis scaled to the data."""
-
-
     plt = _pyplot()
     keys = [k for k in ("run", "operating_point") if k in comparison.columns]
     metrics = [m for m in (*HEADLINE_METRICS, "specificity", "auc") if m in set(comparison["metric"])]
@@ -287,8 +282,6 @@ def forest_html(comparison: pd.DataFrame) -> str:
 def baseline_subgroup_html(study: StudyRuns) -> str:
     """The baseline's sensitivity, specificity and AUC per subgroup with CIs (test, validation-chosen
     point), the designed gaps marked."""
-
-
     table = None
     for path in ("evaluation/test_val_chosen_subgroups.csv", "evaluation/test_subgroups.csv"):
         try:
@@ -330,7 +323,6 @@ def baseline_subgroup_html(study: StudyRuns) -> str:
 
 def found_html(comparison: pd.DataFrame) -> str:
     """Tumors found per subgroup and arm at the primary operating point."""
-
     comparison, point = primary_point(comparison)
     part = comparison[(comparison["metric"] == "sensitivity") & (comparison["positives"] > 0)]
     rows = []
@@ -382,7 +374,6 @@ def roc_html(study: StudyRuns) -> str:
 
 def training_curves_html(study: StudyRuns) -> str:
     """train/loss of every training run of the study (arms and generator), from MLflow's metric history."""
-
     curves = {}
     for step in study.steps:
         if step.startswith("evaluate") or step in ("data", "targeting", "synthesize", "compare"):
@@ -436,7 +427,6 @@ def synthetic_html(study: StudyRuns) -> str:
 
 def _cells(table: pd.DataFrame) -> pd.DataFrame:
     """A per-cell table with labels: sex and age band as people say them, capitalized headers."""
-
     table = table.copy()
     for column, attribute in (("sex", "sex"), ("age_band", "age")):
         if column in table.columns:
@@ -498,7 +488,6 @@ def quality_html(study: StudyRuns) -> str:
 
 def example_grid_html(study: StudyRuns) -> str:
     """Per phase, a real and a synthetic tumor side by side (axial slice through the tumor) with their measured contrast."""
-
     plt = _pyplot()
     records = _quality(study).records
     phases = [p for p in PHASES if any(r.phase == p and r.synthetic for r in records)]
@@ -647,8 +636,6 @@ def study_comparison(study: StudyRuns) -> pd.DataFrame:
 
 def verdict_lines(study: StudyRuns) -> list[str]:
     """The study's verdict sentences (:func:`synthx.verdict.study_verdict`); LookupError without a comparison."""
-
-
     endpoint = PrimaryEndpoint.from_params(dict(study.parent.data.params))
     lines = study_verdict(study_comparison(study), PRIMARY_POINT, endpoint=endpoint)
     if not lines:
@@ -731,7 +718,6 @@ def publish_study(uri: str, parent_id: str, output_dir: str | Path) -> Path:
     ``benchx-<backbone>`` (scoped by experiment) and ``<experiment>`` on ``synthx-generator``, a
     description on each version, the headline metrics, the verdict as the run's description, and
     the HTML report (also written to ``output_dir``)."""
-
     with tempfile.TemporaryDirectory() as folder:
         study = load_study(parent_id, uri, Path(folder))
         experiment = study.client.get_experiment(study.parent.info.experiment_id).name
@@ -765,7 +751,6 @@ def publish_study(uri: str, parent_id: str, output_dir: str | Path) -> Path:
 def results_table(comparison: pd.DataFrame, point: str, metric: str = "sensitivity") -> pd.DataFrame:
     """Overall and per phase: scans, each arm's ``metric`` in % and each compared arm's difference
     from its reference with the paired 95% CI, at ``point``."""
-
     table = comparison[comparison["metric"] == metric]
     if "operating_point" in table.columns:
         table = table[table["operating_point"] == point]
@@ -805,7 +790,6 @@ def _duration(milliseconds: int) -> str:
 
 def results_markdown(study: StudyRuns) -> str:
     """docs/results.md: the verdict and a short table, naming the run and the commit that produced them."""
-
     parent = study.parent
     experiment = study.client.get_experiment(parent.info.experiment_id).name
     comparison = study_comparison(study)

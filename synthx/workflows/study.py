@@ -311,7 +311,6 @@ def cohort_lock(root: Path):
 
 def data_step(client: MlflowClient, experiment: str, tags: dict, root: Path, split: Path, settings: StudySettings) -> dict:
     """Generate the phantom cohort when absent, make the split when absent, validate both."""
-
     run_id = client.create_run(experiment, run_name="data", tags=tags).info.run_id
     with cohort_lock(root):  # replicates started together (benchx study --seeds) make the cohort once
         if not (root / "metadata.csv").exists():
@@ -342,8 +341,6 @@ def locked_view(development_root: Path, development_split: Path, locked_root: Pa
     Raises:
         ValueError: a locked case or patient id that is also a development one.
     """
-
-
     development = load_cohort(development_root)
     split = load_split(development_split, development)
     val = split.loc[split["split"] == "val", "case_id"].tolist()
@@ -374,7 +371,6 @@ def locked_view(development_root: Path, development_split: Path, locked_root: Pa
 def locked_cohort_step(client: MlflowClient, experiment: str, tags: dict, root: Path, split: Path,
                        settings: StudySettings) -> dict:
     """Generate the locked phantom (another seed, the development phantom's shape and spacing) and its view."""
-
     run_id = client.create_run(experiment, run_name="locked_cohort", tags=tags).info.run_id
     development = json.loads((root / PARAMS_FILE).read_text())
     seed = settings.locked_phantom_seed
@@ -432,7 +428,6 @@ def validation_records(client: MlflowClient, evaluation_run_id: str) -> tuple[pd
     the run's ``operating_point/val_chosen`` (None when the run has none: the targeting rule then
     uses the fixed m).
     """
-
     with tempfile.TemporaryDirectory() as folder:
         records = download_records(client, evaluation_run_id, "val", folder)
     if records is None:
@@ -567,7 +562,6 @@ def arm_values(settings: StudySettings, arm: str, cohort: str | None = None) -> 
     The recipe's ``trainer.max_steps`` (with the study's overrides) are the real steps S of every
     arm; the sham and SynthX arms train S x (1 + r) steps, their extra draws being synthetic slots.
     """
-
     real_steps = int(segmentation_recipe(settings).trainer.max_steps)
     if arm == "baseline":
         return {"synthx": {"ratio": 0.0, "real_steps": real_steps}}
@@ -752,6 +746,5 @@ def ui_command(uri: str, experiment_id: str, port: int = 5000) -> str:
 
 def verdict_text(comparison: pd.DataFrame, endpoint: PrimaryEndpoint | None = None) -> str:
     """The verdict sentences the study ends on (:func:`synthx.verdict.study_verdict`)."""
-
     lines = study_verdict(comparison, endpoint=endpoint)
     return "Verdict (test):\n" + "\n".join(f"  {line}" for line in lines) if lines else "Verdict: no designed subgroup in the comparison"
