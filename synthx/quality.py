@@ -528,7 +528,6 @@ def _wasserstein(real: list[np.ndarray], synthetic: list[np.ndarray]) -> float:
 
 
 def _group_order(attributes: Sequence[str]):
-
     orders = {"phase": PHASES, "sex": SEXES, "age_band": AGE_BAND_NAMES}
 
     def key(values):
@@ -538,6 +537,5 @@ def _group_order(attributes: Sequence[str]):
 
 
 def _now_ms() -> int:
-
     return int(time.time() * 1000)
 

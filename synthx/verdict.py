@@ -37,6 +37,7 @@ from synthx.endpoint import PrimaryEndpoint
 from synthx.labels import arm_label, group_label, point_label
 
 CLOSED, OPEN, UNDETERMINED = "closed", "open", "undetermined"
+VERDICT_WORDS = {CLOSED: "closed", OPEN: "not closed", UNDETERMINED: "undetermined"}  # as sentences print them
 REFERENCE_ARM = "baseline"
 TREATMENT_ARM = "synthx"
 CONTROL_ARM = "sham"
@@ -107,7 +108,7 @@ def contrast_sentence(label: str, results: Sequence[ArmResult], contrast: Contra
         point: the operating point's name (``val_chosen``, ``fixed``, ``matched_specificity``).
         metric: the metric the values are (named when it is not sensitivity).
     """
-    verdict = {CLOSED: "closed", OPEN: "not closed", UNDETERMINED: "undetermined"}[outcome(contrast)]
+    verdict = VERDICT_WORDS[outcome(contrast)]
     arms = ", ".join(_arm_text(r, metric) for r in results)
     difference = (f"{arm_label(contrast.treatment)} - {arm_label(contrast.control)} {_points(contrast.delta)} "
                   f"percentage points, 95% CI {_points(contrast.ci_low)} to {_points(contrast.ci_high)}")

@@ -347,7 +347,6 @@ def _make_case(context: dict, request: SynthesisRequest, rows: dict, summary: Sy
 
 
 def _paint_all(context: dict, requests: Sequence[SynthesisRequest], rows: dict, summary: SynthesisSummary, seconds: list) -> None:
-
     settings = context["settings"]
     bar = tqdm(requests, desc="synthesize", unit="case", disable=not settings.progress)
     for request in bar:

@@ -278,7 +278,6 @@ def _loaded_recipe(path: str, profile: str, experiment: str, overrides: tuple[st
 
 
 def _generator_recipe(settings: StudySettings, root: Path, split: Path, uri: str):
-
     return load_synthx_recipe(
         settings.synthx_recipe,
         [f"profile={settings.profile}", f"data.root={root}", f"data.split={split}",
@@ -287,7 +286,6 @@ def _generator_recipe(settings: StudySettings, root: Path, split: Path, uri: str
 
 
 def _recipe_params(recipe) -> dict:
-
     container = OmegaConf.to_container(recipe, resolve=True)
     container.pop("tracking", None)
     container.pop("profiles", None)
@@ -396,7 +394,6 @@ def train_action(recipe, variant: str, output_dir: Path) -> Callable[[dict], dic
     """The action of a training step: train ``recipe`` into ``output_dir/<variant>/<fingerprint>``."""
 
     def action(tags: dict) -> dict:
-
         folder = output_dir / variant / recipe_fingerprint(recipe)
         result = train(recipe, output_dir=folder, variant=variant, extra_tags=tags)
         return {"run_id": result.run_id, "checkpoint": str(result.best_checkpoint or result.last_checkpoint)}
@@ -412,7 +409,6 @@ def evaluate_action(recipe, trained: dict, variant: str, test_set: str = "test")
     """
 
     def action(tags: dict) -> dict:
-
         run_id, _ = evaluate(recipe, trained["checkpoint"], ("val", "test"), training_run_id=trained["run_id"],
                              run_name=f"{variant}-evaluate-{recipe.name}-{test_set}",
                              extra_tags={**tags, "variant": variant, "test_set": test_set})
@@ -442,7 +438,6 @@ def targeting_action(client: MlflowClient, experiment: str, root: Path, split: P
     """The action of the targeting step: the synthetic budget per cell, from the baseline's validation records."""
 
     def action(tags: dict) -> dict:
-
         run_id = client.create_run(experiment, run_name="targeting", tags=tags).info.run_id
         records, threshold = validation_records(client, evaluation_run_id)
         phases = {"phases": settings.target_phases} if settings.target_phases else {}
@@ -476,7 +471,6 @@ def generator_action(generator_recipe, output_dir: Path) -> Callable[[dict], dic
     """
 
     def action(tags: dict) -> dict:
-
         generator_recipe.tracking.tags.update(tags)
         result = train_synthx(generator_recipe, output_dir=output_dir / "generator" / recipe_key(generator_recipe))
         return {"run_id": result.run_id, "pipeline": str(result.pipeline_dir)}
@@ -495,7 +489,6 @@ def synthesize_action(client: MlflowClient, root: Path, split: Path, settings: S
     """
 
     def action(tags: dict) -> dict:
-
         common = dict(seed=seed, tracking_uri=uri, experiment=settings.experiment, progress=sys.stderr.isatty())
         if generator is None:
             synthesis = SynthesisSettings(root, split, None, synthetic_root, painter=settings.painter, **common)
@@ -533,7 +526,6 @@ def compare_action(evaluations: dict[str, dict], uri: str, experiment: str, resa
     """
 
     def action(tags: dict) -> dict:
-
         _, run_id = compare([evaluations[arm]["run_id"] for arm in COMPARED_ARMS], "test", uri=uri,
                             experiment=experiment, n_resamples=resamples)
         return {"run_id": run_id}

@@ -198,7 +198,7 @@ def test_benchx_report_markdown_writes_the_results_page(finished_study, tmp_path
     assert page.startswith("# Results\n")
     assert f"`{parent_id}`" in page and f"`{parent.data.tags['git_commit']}`" in page, "names the run and commit"
     seconds = round((parent.info.end_time - parent.info.start_time) / 1000)
-    took = f"{seconds // 60} min {seconds % 60} s" if seconds >= 60 else f"{seconds} s"
+    took = f"{seconds // 60} min {seconds % 60:02d} s" if seconds >= 60 else f"{seconds} s"
     assert f"The study took {took} from the start of its parent run to its end" in page
     comparison = _comparison(client, parent_id, tmp_path)
     verdict = page.split("## Verdict (test set)\n\n")[1].split("\n\n")[0].splitlines()
