@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning.pytorch as pl  # noqa: E402
 from monai.data import DataLoader, Dataset  # noqa: E402
 
-from lightning_modules.config.recipe import load_recipe  # noqa: E402
+from lightning_modules.recipe import load_recipe  # noqa: E402
 from lightning_modules.data.cohort import load_cohort  # noqa: E402
 from lightning_modules.data.datamodule import (  # noqa: E402
     CohortDataModule,
@@ -158,11 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"phantom: {args.cases} cases of {tuple(cohort.metadata.shape)[0]} rows; recipe {recipe.name}, cpu profile, "
               f"torch threads {torch.get_num_threads()}")
 
-        module = CohortDataModule(recipe)
+        module = CohortDataModule(recipe.data, recipe.seed)
         module.setup("fit")
         cached = module.datasets["train"]
         items = case_items(cohort, module.case_ids("train"), list(recipe.data.classes))
-        transforms = preprocessing(recipe) + training_transforms(recipe)
+        transforms = preprocessing(recipe.data) + training_transforms(recipe.data)
         uncached = Dataset(items, seeded_compose(transforms, int(recipe.seed)))
         fast = samples_per_second(cached, args.samples)
         slow = samples_per_second(uncached, max(args.samples // 4, 8))
@@ -183,9 +183,9 @@ def main(argv: list[str] | None = None) -> int:
               f"so the random crops and augmentation cost about {(fetch - floor_fetch) * 1000:.1f} ms per batch")
 
         full = load_recipe(args.recipe, overrides)  # full profile: 1.5 mm spacing
-        cached_full = CohortDataModule(full, cohort=cohort)
-        cached_full._load()
-        dataset = cached_full._dataset("train", preprocessing(full), cache=True)
+        cached_full = CohortDataModule(full.data, full.seed, cohort=cohort)
+        cached_full.load()
+        dataset = cached_full._dataset("train", preprocessing(full.data), cache=True)
         per_voxel, voxels = cached_bytes_per_voxel(dataset[0])
         sizes = [cached_bytes_per_voxel(dataset[i])[1] for i in range(len(dataset))]
         print(f"cached case at 1.5 mm: {per_voxel:.1f} bytes/voxel (image + label, measured); phantom cases "

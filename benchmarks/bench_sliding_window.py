@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from monai.inferers import sliding_window_inference  # noqa: E402
 
 from benchmarks.peak_memory import PeakMemory  # noqa: E402
-from lightning_modules.config.recipe import load_recipe  # noqa: E402
+from lightning_modules.recipe import load_recipe  # noqa: E402
 from lightning_modules.models.checkpoints import build_module  # noqa: E402
 
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning.pytorch as pl  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from lightning_modules.config.recipe import load_recipe  # noqa: E402
+from lightning_modules.recipe import load_recipe  # noqa: E402
 from lightning_modules.models.checkpoints import build_module  # noqa: E402
 
 

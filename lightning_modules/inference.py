@@ -14,7 +14,7 @@ are refused before anything is written (:class:`PredictionInputError`).
 
 Example::
 
-    summary = predict_cases(module, recipe, input_cases(Path("data/example_ct")), Path("predictions"))
+    summary = predict_cases(module, recipe.data, input_cases(Path("data/example_ct")), Path("predictions"))
     print(summary.skipped)
 """
 
@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from monai.data import MetaTensor
 from monai.transforms import Compose, Invertd
-from omegaconf import DictConfig
 
+from lightning_modules.config.recipe import DataConfig
 from lightning_modules.data.cohort import CT_FILE, atomic_save_nifti, load_cohort
 from lightning_modules.data.datamodule import preprocessing
 from lightning_modules.models.segmentation_module import SegmentationModule
@@ -53,8 +53,9 @@ def non_finite_voxels(image: nib.Nifti1Image) -> int:
     return int(np.count_nonzero(~np.isfinite(np.asanyarray(image.dataobj))))
 
 
-def predict_scan(module: SegmentationModule, recipe: DictConfig, ct_path: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """Label map of one scan on its own grid, and that grid's affine (from the CT file).
+def predict_scan(module: SegmentationModule, data: DataConfig, ct_path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """Label map of one scan on its own grid, and that grid's affine (from the CT file); ``data``:
+    the recipe's data section (preprocessing).
 
     Raises:
         NonFiniteScanError: the CT holds NaN or infinite voxels (named with their count).
@@ -67,7 +68,7 @@ def predict_scan(module: SegmentationModule, recipe: DictConfig, ct_path: str | 
             f"{ct_path}: {bad} of {total} voxels are NaN or infinite; no prediction is made "
             "(replace them, e.g. by the air value -1024 HU, and predict again)"
         )
-    transforms = Compose(preprocessing(recipe, with_label=False))
+    transforms = Compose(preprocessing(data, with_label=False))
     item = transforms({"image": str(ct_path)})
     module.eval()
     with torch.no_grad():
@@ -177,7 +178,7 @@ class PredictionSummary:
 
 def predict_cases(
     module: SegmentationModule,
-    recipe: DictConfig,
+    data: DataConfig,
     cases: Sequence[tuple[str, Path]],
     out: Path,
     report: Callable[[str], None] = lambda line: None,
@@ -191,7 +192,7 @@ def predict_cases(
 
     Args:
         module: the trained module.
-        recipe: its recipe (preprocessing, classes).
+        data: its recipe's data section (preprocessing, classes).
         cases: (case id, CT path) pairs, e.g. from :func:`input_cases`.
         out: output folder.
         report: called with one line per scan written or skipped (e.g. ``print``).
@@ -201,7 +202,7 @@ def predict_cases(
     summary = PredictionSummary()
     for case_id, ct_path in cases:
         try:
-            labels, affine = predict_scan(module, recipe, ct_path)
+            labels, affine = predict_scan(module, data, ct_path)
         except NonFiniteScanError as error:
             summary.skipped.append((Path(ct_path), str(error).removeprefix(f"{ct_path}: ")))
             report(f"{case_id}: skipped, {error}")
@@ -213,9 +214,9 @@ def predict_cases(
             summary.skipped.append((Path(ct_path), reason))
             report(f"{case_id}: skipped, cannot read {ct_path}: {reason}")
             continue
-        write_prediction(Path(out) / case_id, labels, affine, list(recipe.data.classes))
+        write_prediction(Path(out) / case_id, labels, affine, list(data.classes))
         voxel = float(abs(np.linalg.det(affine[:3, :3])))
         volume = int((labels == module.tumor_label).sum()) * voxel
         summary.written.append((case_id, Path(out) / case_id, volume))
-        report(f"{case_id}: predicted {recipe.data.tumor_class} volume {volume:.1f} mm^3 -> {Path(out) / case_id}")
+        report(f"{case_id}: predicted {data.tumor_class} volume {volume:.1f} mm^3 -> {Path(out) / case_id}")
     return summary

@@ -146,7 +146,7 @@ def _alive(pid: int) -> bool:
 
 def recipe_keys(recipe: DictConfig) -> dict[str, str]:
     """The resolved recipe as flat ``dotted.key -> value`` strings, without the untracked sections."""
-    container = OmegaConf.to_container(recipe, resolve=True)
+    container = OmegaConf.to_container(recipe, resolve=True, enum_to_str=True)
     for section in UNTRACKED_SECTIONS:
         container.pop(section, None)
     return _flatten(container)
@@ -159,7 +159,7 @@ def content_key(payload) -> str:
 
 def recipe_fingerprint(recipe: DictConfig) -> str:
     """A short hash of the resolved recipe (without tracking settings): same recipe -> same folder."""
-    container = OmegaConf.to_container(recipe, resolve=True)
+    container = OmegaConf.to_container(recipe, resolve=True, enum_to_str=True)
     for section in UNTRACKED_SECTIONS:
         container.pop(section, None)
     return content_key(container)

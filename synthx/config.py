@@ -20,7 +20,8 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from lightning_modules.config.recipe import RecipeError, TrackingConfig, load_recipe, recipe_to_yaml
+from lightning_modules.config.recipe import RecipeError, TrackingConfig
+from lightning_modules.recipe import load_recipe, recipe_to_yaml
 from lightning_modules.data.lesions import SIZE_CLASSES
 from synthx.model import ORGAN_OF_LESION
 from synthx.schedulers import SAMPLING_SCHEDULERS

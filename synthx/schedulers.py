@@ -6,7 +6,7 @@ without retraining.
 
 Example::
 
-    training = build_noise_scheduler(recipe)
+    training = build_noise_scheduler(recipe.scheduler)
     pipeline.scheduler = sampling_scheduler("dpm_solver", training)
 """
 
@@ -23,9 +23,8 @@ SAMPLING_SCHEDULER_CLASSES: dict[str, type[SchedulerMixin]] = {
 SAMPLING_SCHEDULERS = tuple(SAMPLING_SCHEDULER_CLASSES)
 
 
-def build_noise_scheduler(recipe: DictConfig) -> DDPMScheduler:
-    """The DDPM training scheduler of the recipe (section ``scheduler``)."""
-    config = recipe.scheduler
+def build_noise_scheduler(config: DictConfig) -> DDPMScheduler:
+    """The DDPM training scheduler of the recipe's ``scheduler`` section (``synthx.config.NoiseSchedulerConfig``)."""
     return DDPMScheduler(
         num_train_timesteps=int(config.num_train_timesteps),
         beta_schedule=str(config.beta_schedule),

@@ -22,7 +22,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from conftest import RECIPES, REPO_ROOT, tiny_overrides
-from lightning_modules.config.recipe import load_recipe
+from lightning_modules.recipe import load_recipe
 from lightning_modules.data.datamodule import CohortDataModule
 from lightning_modules.evaluation.callback import SubgroupEvaluation
 from lightning_modules.models.checkpoints import load_module_from_checkpoint
@@ -39,8 +39,8 @@ def _train_command(launcher: list[str], folder: Path, overrides: list[str]) -> l
 def _single_process_validation(recipe, checkpoint: Path) -> dict[str, float]:
     """The validation metrics of a checkpoint on one process (no logger)."""
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[SubgroupEvaluation.from_recipe(recipe)])
-    trainer.validate(load_module_from_checkpoint(recipe, checkpoint), datamodule=CohortDataModule(recipe))
+                         callbacks=[SubgroupEvaluation.from_detection(recipe.detection)])
+    trainer.validate(load_module_from_checkpoint(recipe, checkpoint), datamodule=CohortDataModule(recipe.data, recipe.seed))
     return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
 
 

@@ -12,7 +12,7 @@ from lightning_modules.data.cohort import load_cohort, write_metadata
 from lightning_modules.commands.predict import EXIT_SKIPPED
 from lightning_modules.commands.predict import main as predict_main
 from lightning_modules.inference import PredictionInputError, input_cases, predict_scan
-from lightning_modules.config.recipe import load_recipe
+from lightning_modules.recipe import load_recipe
 from lightning_modules.models.checkpoints import load_module_from_checkpoint
 from lightning_modules.workflows.train import train
 
@@ -30,7 +30,7 @@ def test_prediction_is_on_the_scan_grid_after_reorientation_and_resampling(tiny_
         [[-1, 0, 0, image.shape[0] - 1], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], dtype=float))
     path = tmp_path / "flipped.nii.gz"
     nib.save(flipped, path)
-    labels, affine = predict_scan(module, recipe, path)
+    labels, affine = predict_scan(module, recipe.data, path)
     assert labels.shape == flipped.shape and np.allclose(affine, flipped.affine)
     assert set(np.unique(labels)) <= {0, 1, 2}
     out = tmp_path / "predictions"
@@ -72,7 +72,7 @@ def test_real_ct_validate_train_step_and_prediction_on_its_own_grid(tiny_phantom
     assert result.global_step == 2
     module = load_module_from_checkpoint(recipe, result.last_checkpoint)
     ct = nib.load(load_cohort(cohort).case(EXAMPLE_CASE_ID).ct_path)
-    labels, affine = predict_scan(module, recipe, load_cohort(cohort).case(EXAMPLE_CASE_ID).ct_path)
+    labels, affine = predict_scan(module, recipe.data, load_cohort(cohort).case(EXAMPLE_CASE_ID).ct_path)
     assert labels.shape == ct.shape and np.allclose(affine, ct.affine)
 
 

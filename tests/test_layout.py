@@ -169,13 +169,17 @@ def test_two_tables_naming_one_command_are_refused():
 # the commands, synthx's study, sweep, replicates, report and runs) sit above them and reach MLflow
 # only through the tracking adapter (lightning_modules.tracking).
 LIBRARY_IMPORTS = {
-    "lightning_modules.data": {"lightning_modules.data"},
+    # config is the bottom: the schema every layer reads its own section from.
+    "lightning_modules.config": {"lightning_modules.config"},
+    "lightning_modules.data": {"lightning_modules.data", "lightning_modules.config"},
     "lightning_modules.cohorts": {"lightning_modules.cohorts", "lightning_modules.data", "lightning_modules.run_folder"},
-    "lightning_modules.evaluation": {"lightning_modules.evaluation", "lightning_modules.data"},
-    # config validates a recipe's backbone options and exposure schedule where the recipe is loaded.
-    "lightning_modules.config": {"lightning_modules.config", "lightning_modules.data", "lightning_modules.models"},
+    "lightning_modules.evaluation": {"lightning_modules.evaluation", "lightning_modules.data", "lightning_modules.config"},
     "lightning_modules.models": {"lightning_modules.models", "lightning_modules.config", "lightning_modules.data"},
-    "lightning_modules.inference": {"lightning_modules.inference", "lightning_modules.data", "lightning_modules.models"},
+    "lightning_modules.inference": {"lightning_modules.inference", "lightning_modules.config", "lightning_modules.data",
+                                    "lightning_modules.models"},
+    # The whole recipe: loaded once, each section checked by the layer that owns it.
+    "lightning_modules.recipe": {"lightning_modules.recipe", "lightning_modules.config", "lightning_modules.data",
+                                 "lightning_modules.models"},
 }
 # synthx's libraries: the generator, its pipeline and training pieces, painting and the verdict.
 SYNTHX_LIBRARIES = (
@@ -237,12 +241,17 @@ def test_the_library_table_catches_mlflow_a_workflow_and_an_upward_import():
         "lightning_modules.models.checkpoints": {"lightning_modules.tracking"},
         "lightning_modules.evaluation.records": {"lightning_modules.models.checkpoints"},
         "synthx.pipeline": {"lightning_modules.workflows.train"},
+        "lightning_modules.config.recipe": {"lightning_modules.models.backbones"},
+        "lightning_modules.data.datamodule": {"lightning_modules.recipe", "lightning_modules.config.recipe"},
         "lightning_modules.workflows.train": {"mlflow"},  # a workflow may
     }
     assert library_violations(planted) == [
+        "lightning_modules.config.recipe imports lightning_modules.models.backbones, outside ['lightning_modules.config']",
+        "lightning_modules.data.datamodule imports lightning_modules.recipe, outside "
+        "['lightning_modules.config', 'lightning_modules.data']",
         "lightning_modules.data.mixing imports mlflow.tracking",
         "lightning_modules.evaluation.records imports lightning_modules.models.checkpoints, outside "
-        "['lightning_modules.data', 'lightning_modules.evaluation']",
+        "['lightning_modules.config', 'lightning_modules.data', 'lightning_modules.evaluation']",
         "lightning_modules.models.checkpoints imports lightning_modules.tracking",
         "synthx.pipeline imports lightning_modules.workflows.train",
     ]

@@ -7,13 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 from conftest import RECIPES, REPO_ROOT
-from lightning_modules.config.recipe import load_recipe
+from lightning_modules.recipe import load_recipe
 from lightning_modules.run_folder import (
     FolderLockedError,
     RunFolderError,

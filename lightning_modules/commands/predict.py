@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(folder), args.run_id, args.checkpoint, args.recipe, split_overrides(args.overrides)
         )
         module = load_module_from_checkpoint(recipe, checkpoint)
-    summary = predict_cases(module, recipe, cases, Path(args.out), report=print)
+    summary = predict_cases(module, recipe.data, cases, Path(args.out), report=print)
     if summary.skipped:
         print(f"benchx predict: {len(summary.skipped)} file(s) skipped, they could not be read or predicted:", file=sys.stderr)
         for path, reason in summary.skipped:

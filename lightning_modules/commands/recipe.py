@@ -18,7 +18,7 @@ from typing import Sequence
 
 def show(path: str, overrides: Sequence[str]) -> str:
     """The resolved recipe as YAML (raises RecipeError on a bad key or value)."""
-    from lightning_modules.config.recipe import load_recipe, recipe_to_yaml
+    from lightning_modules.recipe import load_recipe, recipe_to_yaml
 
     return recipe_to_yaml(load_recipe(path, list(overrides)))
 

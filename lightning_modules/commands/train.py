@@ -38,7 +38,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from lightning_modules.config.recipe import load_recipe
+    from lightning_modules.recipe import load_recipe
 
     # Recipe, cohort and run-folder errors go to the dispatcher (lightning_modules.cli): two lines, exit 2.
     # The recipe is read before torch, Lightning and MLflow are imported, so a mistyped key is

@@ -17,6 +17,9 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import typing
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -170,9 +173,24 @@ def _merge(config: DictConfig, layer: DictConfig, source: str, open_keys: Sequen
         raise RecipeError(f"{source}: unknown key {error.full_key!r} ({error.msg.splitlines()[0]})") from error
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None)
+        choices = _enum_choices(error)
+        if choices:
+            raise RecipeError(f"{source}: {key} must be {choices}, got {error.value!r}") from error
         raise RecipeError(f"{source}: invalid value for {key!r}: {str(error).splitlines()[0]}") from error
     _seal(merged, open_keys)
     return merged
+
+
+def _enum_choices(error: OmegaConfBaseException) -> str:
+    """``"a, b or c"`` when ``error`` refused a value of a schema field that is an Enum, else ``""``."""
+    schema, key = getattr(error, "object_type", None), getattr(error, "key", None)
+    if not (dataclasses.is_dataclass(schema) and isinstance(key, str)):
+        return ""
+    kind = typing.get_type_hints(schema).get(key)
+    if not (isinstance(kind, type) and issubclass(kind, enum.Enum)):
+        return ""
+    names = [member.name for member in kind]
+    return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
 
 
 def _seal(config: DictConfig, open_keys: Sequence[str]) -> None:

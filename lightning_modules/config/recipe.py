@@ -1,6 +1,13 @@
-"""The segmentation recipe: its schema (one dataclass per section), its checks, and how it is loaded.
+"""The segmentation recipe's schema: one typed section per layer, and the checks of its values.
 
-The layers are merged by :mod:`lightning_modules.config.loader` (shared with SynthX): schema
+Each layer receives its own section: the data layer ``data`` (:class:`DataConfig`), the model
+layer ``model``, ``optim`` and ``loss``, the trainer ``trainer``, the evaluation ``detection``, the
+mixing of synthetic cases ``synthx`` (:class:`SynthXMixConfig`). Choices are Enums, so a value
+outside them is refused by the schema when the recipe is loaded, naming the key. This module
+imports nothing else of the project: every layer may read the schema.
+
+The recipe is loaded (and each layer's own checks run, once) by :mod:`lightning_modules.recipe`;
+the layers are merged by :mod:`lightning_modules.config.loader` (shared with SynthX): schema
 defaults -> ``recipes/_base.yaml`` -> the backbone's recipe -> the recipe's profile
 (``profiles.<name>``, e.g. ``cpu``) -> command-line ``key=value`` overrides. The top level of a
 recipe is the full-size setting (``docs/design.md "Touchstone hyper-parameters"``, BenchX tables 7
@@ -8,21 +15,66 @@ and 8); ``profiles.cpu`` shrinks it for this machine and the tests.
 
 Example::
 
-    recipe = load_recipe("recipes/unet.yaml", ["profile=cpu", "trainer.max_steps=50"])
+    recipe = load_recipe("recipes/unet.yaml", ["profile=cpu", "trainer.max_steps=50"])  # lightning_modules.recipe
+    datamodule = CohortDataModule(recipe.data, seed=recipe.seed)
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from enum import StrEnum
+from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_modules.config.loader import RecipeError, load_config, recipe_to_yaml, with_values
+from lightning_modules.config.loader import RecipeError
 
-__all__ = ["Recipe", "RecipeError", "TrackingConfig", "check_recipe", "load_recipe", "recipe_to_yaml"]
+__all__ = [
+    "CacheMode", "DataConfig", "DetectionConfig", "DetectionScore", "LossConfig", "MixingMode", "ModelConfig",
+    "Normalization", "OptimConfig", "OptimizerName", "Recipe", "RecipeError", "Schedule", "SynthXMixConfig",
+    "ThresholdRule", "TrackingConfig", "TrainerConfig", "check_values",
+]
+
+
+# The choices of the schema. Member names equal their values, so a recipe spells them as before
+# (``cache: disk``) and a resolved recipe is written the same; each compares equal to its text.
+class Normalization(StrEnum):
+    window = "window"  # hu_window -> [0, 1] (Touchstone)
+    ct = "ct"  # nnU-Net's CT normalisation
+
+
+class CacheMode(StrEnum):
+    memory = "memory"
+    disk = "disk"
+    none = "none"
+
+
+class OptimizerName(StrEnum):
+    sgd = "sgd"
+    adamw = "adamw"
+
+
+class Schedule(StrEnum):
+    poly = "poly"
+    cosine = "cosine"
+    constant = "constant"
+
+
+class ThresholdRule(StrEnum):
+    fixed = "fixed"
+    f1 = "f1"
+    youden = "youden"
+
+
+class DetectionScore(StrEnum):
+    volume = "volume"
+    max_prob = "max_prob"
+
+
+class MixingMode(StrEnum):
+    add = "add"
+    displace = "displace"
 
 
 @dataclass
@@ -46,7 +98,7 @@ class DataConfig:
     hu_window: list[float] = field(default_factory=lambda: [-175.0, 250.0])
     # window: hu_window -> [0, 1] (Touchstone); ct: nnU-Net's CT normalisation (clip to the training
     # foreground's 0.5/99.5 percentiles, z-score), its statistics in ct_intensity (measured if null).
-    normalization: str = "window"
+    normalization: Normalization = Normalization.window
     ct_intensity: Optional[CTIntensityConfig] = None
     patch_size: list[int] = field(default_factory=lambda: [96, 96, 96])
     batch_size: int = 2
@@ -58,7 +110,7 @@ class DataConfig:
     lesion_ratio: float = 2.0
     augment: bool = True
     # memory (CacheDataset) | disk (PersistentDataset in cache_dir, shared by ranks) | none.
-    cache: str = "memory"
+    cache: CacheMode = CacheMode.memory
     # Folder of the disk cache; empty = <tracking.output_dir>/data-cache.
     cache_dir: str = ""
     num_workers: int = 0
@@ -76,12 +128,12 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "sgd"  # sgd | adamw
+    name: OptimizerName = OptimizerName.sgd
     lr: float = 1e-2
     weight_decay: float = 3e-5
     momentum: float = 0.99
     nesterov: bool = True
-    schedule: str = "poly"  # poly | cosine | constant
+    schedule: Schedule = Schedule.poly
     warmup_steps: int = 0
     poly_power: float = 0.9
 
@@ -124,11 +176,11 @@ class DetectionConfig:
     # docs/design.md "Scan-level detection": a scan is positive when its predicted tumor volume exceeds m (mm^3).
     threshold_mm3: float = 50.0
     # fixed | f1 | youden: 'f1'/'youden' choose m on the validation split, then apply it to test.
-    threshold_rule: str = "fixed"
+    threshold_rule: ThresholdRule = ThresholdRule.fixed
     # Patient resamples of the validation records whose choices are averaged (a bagged cut-point,
     # evaluation/thresholds.py); 0 applies the rule once. Also used for the study's validation point.
     threshold_bootstrap: int = 2000
-    score: str = "volume"  # volume | max_prob
+    score: DetectionScore = DetectionScore.volume
     # nnU-Net-style post-processing: predicted tumor components smaller than this (mm^3) are removed
     # before the scan-level score (lightning_modules/models/tumor_outputs.py).
     min_component_mm3: float = 0.0
@@ -152,7 +204,7 @@ class SynthXMixConfig:
     # add: synthetic draws on top of every real case per epoch (r = synthetic / real exposures);
     # displace: each draw synthetic with probability r (lightning_modules/data/mixing.py).
     ratio: float = 0.0
-    mode: str = "add"
+    mode: MixingMode = MixingMode.add
     cohort: Optional[str] = None
     generator_run: Optional[str] = None
     # Exposure-matched schedule (lightning_modules/data/exposure.py): the first real_steps x batch
@@ -177,48 +229,6 @@ class Recipe:
     synthx: SynthXMixConfig = field(default_factory=SynthXMixConfig)
     # Named sets of overrides (e.g. 'cpu'); applied when `profile` names one.
     profiles: dict[str, Any] = field(default_factory=dict)
-
-
-def load_recipe(
-    path: str | Path,
-    overrides: list[str] | None = None,
-    check: bool = True,
-    resolved: bool = False,
-    schema: type | None = None,
-    checker=None,
-    base: bool = True,
-) -> DictConfig:
-    """Load a segmentation recipe: schema <- _base.yaml <- recipe <- profile <- overrides.
-
-    Args:
-        path: the recipe YAML (its folder must hold ``_base.yaml`` unless the recipe is the base).
-        overrides: ``key=value`` strings (dotted keys), applied last.
-        check: bind ``model.options`` to the backbone builder's signature and apply its shape rules.
-        resolved: the file is an already resolved recipe (the ``recipe.yaml`` a run logs): no
-            ``_base.yaml`` layer and no profile is applied again, only the overrides.
-        schema: another structured dataclass (default :class:`Recipe`); other schemas should call
-            :func:`lightning_modules.config.loader.load_config` directly.
-        checker: ``checker(config, source)`` run when ``check`` (default :func:`check_recipe`).
-        base: merge ``_base.yaml`` from the recipe's folder (the backbone recipes' shared layer).
-
-    Raises:
-        RecipeError: naming the file and the key that is wrong.
-    """
-    return load_config(
-        path,
-        overrides,
-        schema=schema or Recipe,
-        checker=checker or check_recipe,
-        check=check,
-        resolved=resolved,
-        base=base,
-    )
-
-
-def recipe_variant(recipe: DictConfig, values: Mapping[str, Any], source: str = "variant") -> DictConfig:
-    """A loaded recipe with ``values`` (nested, typed) merged in memory and checked again, e.g. a
-    study arm: ``recipe_variant(base, {"synthx": {"ratio": 0.3, "cohort": "data/synthetic"}})``."""
-    return with_values(recipe, values, checker=check_recipe, source=source)
 
 
 # The numeric settings with an obvious valid range: (dotted key, test, what it must be). Each test
@@ -280,66 +290,24 @@ def check_ranges(config: DictConfig, source: str = "recipe") -> None:
         raise RecipeError(f"{source}: loss.dice_weight and loss.ce_weight cannot both be 0 (nothing to train on)")
 
 
-def check_recipe(config: DictConfig, source: str = "recipe") -> None:
-    """Check a recipe without building weights: builder signature, shape rules, value ranges."""
-    from lightning_modules.models.backbones import check_backbone_config
-
+def check_values(config: DictConfig, source: str = "recipe") -> None:
+    """The checks of the recipe's values that need no other layer: shapes, ranges, and the settings
+    that must agree with each other. The backbone's options are checked by the model layer and the
+    exposure schedule by the data layer (:func:`lightning_modules.recipe.check_recipe` runs all)."""
     data = config.data
     if len(data.patch_size) != 3 or len(data.spacing) != 3:
         raise RecipeError(f"{source}: data.patch_size and data.spacing need 3 values")
     check_ranges(config, source)
     if data.tumor_class not in data.classes:
         raise RecipeError(f"{source}: data.tumor_class {data.tumor_class!r} is not one of data.classes {list(data.classes)}")
-    if config.optim.name not in ("sgd", "adamw"):
-        raise RecipeError(f"{source}: optim.name must be sgd or adamw, got {config.optim.name!r}")
-    if config.optim.schedule not in ("poly", "cosine", "constant"):
-        raise RecipeError(f"{source}: optim.schedule must be poly, cosine or constant, got {config.optim.schedule!r}")
-    if config.detection.threshold_rule not in ("fixed", "f1", "youden"):
-        raise RecipeError(f"{source}: detection.threshold_rule must be fixed, f1 or youden")
-    if config.detection.score not in ("volume", "max_prob"):
-        raise RecipeError(f"{source}: detection.score must be volume or max_prob")
-    if config.synthx.mode not in ("add", "displace"):
-        raise RecipeError(f"{source}: synthx.mode must be add or displace, got {config.synthx.mode!r}")
-    if not 0.0 <= config.synthx.ratio <= (1.0 if config.synthx.mode == "displace" else 10.0):
+    if not 0.0 <= config.synthx.ratio <= (1.0 if config.synthx.mode == MixingMode.displace else 10.0):
         raise RecipeError(f"{source}: synthx.ratio must be in [0, 1] (displace) or [0, 10] (add), got {config.synthx.ratio}")
-    if config.data.normalization not in ("window", "ct"):
-        raise RecipeError(f"{source}: data.normalization must be window or ct, got {config.data.normalization!r}")
     stats = config.data.ct_intensity
     if stats is not None and not (0 < stats.std < math.inf and stats.percentile_00_5 < stats.percentile_99_5):
         raise RecipeError(f"{source}: data.ct_intensity needs std > 0 and percentile_00_5 < percentile_99_5, "
                           f"got {OmegaConf.to_container(stats)}")
-    if config.data.cache not in ("memory", "disk", "none"):
-        raise RecipeError(f"{source}: data.cache must be memory, disk or none, got {config.data.cache!r}")
-    if config.synthx.real_steps is not None:
-        from lightning_modules.data.exposure import matched_total_steps
-
-        expected = matched_total_steps(config.synthx.real_steps, config.synthx.ratio)
-        if config.synthx.real_steps < 1 or config.trainer.max_steps != expected:
-            raise RecipeError(f"{source}: synthx.real_steps={config.synthx.real_steps} at synthx.ratio={config.synthx.ratio} "
-                              f"needs trainer.max_steps={expected} (real steps x (1 + ratio)), got {config.trainer.max_steps}")
     if config.synthx.sham and (config.synthx.real_steps is None or config.synthx.ratio == 0):
         raise RecipeError(f"{source}: synthx.sham needs an exposure-matched schedule with synthetic slots "
                           "(synthx.real_steps and synthx.ratio > 0)")
-    try:
-        check_backbone_config(
-            config.model.backbone,
-            dict(OmegaConf.to_container(config.model.options, resolve=True)),
-            patch_size=tuple(int(p) for p in data.patch_size),
-            in_channels=1,
-            out_channels=len(data.classes) + 1,
-        )
-        if len(config.trainer.sw_roi_size):
-            if len(config.trainer.sw_roi_size) != 3:
-                raise ValueError("trainer.sw_roi_size needs 3 values (or none: data.patch_size)")
-            try:
-                check_backbone_config(
-                    config.model.backbone,
-                    dict(OmegaConf.to_container(config.model.options, resolve=True)),
-                    patch_size=tuple(int(p) for p in config.trainer.sw_roi_size),
-                    in_channels=1,
-                    out_channels=len(data.classes) + 1,
-                )
-            except ValueError as error:
-                raise ValueError(str(error).replace("data.patch_size", "trainer.sw_roi_size")) from None
-    except (TypeError, ValueError, KeyError) as error:
-        raise RecipeError(f"{source}: model: {error}") from error
+    if len(config.trainer.sw_roi_size) not in (0, 3):
+        raise RecipeError(f"{source}: trainer.sw_roi_size needs 3 values (or none: data.patch_size)")

@@ -16,7 +16,7 @@ item, so the evaluation callback can build one record per case.
 
 Example::
 
-    dm = CohortDataModule(recipe)     # recipe from lightning_modules.config.recipe.load_recipe
+    dm = CohortDataModule(recipe.data, seed=recipe.seed)  # recipe from lightning_modules.recipe.load_recipe
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
 """
@@ -24,7 +24,6 @@ Example::
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import socket
@@ -43,7 +42,6 @@ from monai.transforms import (
     ClassesToIndicesd,
     Compose,
     CropForegroundd,
-    EnsureChannelFirstd,
     EnsureTyped,
     LoadImaged,
     MapTransform,
@@ -52,10 +50,10 @@ from monai.transforms import (
     Spacingd,
     SpatialPadd,
 )
-from omegaconf import DictConfig
 from monai.data import DataLoader
 from monai.utils import convert_to_tensor
 
+from lightning_modules.config.recipe import CacheMode, DataConfig
 from lightning_modules.data.augmentation import (
     RandCropByLabelClassesPlaind,
     RandGaussianNoisePlaind,
@@ -66,8 +64,8 @@ from lightning_modules.data.augmentation import (
 from lightning_modules.data.cohort import Cohort, is_lesion_class, load_cohort
 from lightning_modules.data.intensity import intensity_transforms
 from lightning_modules.data.metadata import RECORD_COLUMNS
+from lightning_modules.data.splits import load_split
 
-CACHE_MODES = ("memory", "disk", "none")
 # Patch-centre candidates kept per class (evenly spaced in raster order, MONAI's
 # ``max_samples_per_class``): a lesion smaller than this keeps every voxel, the background and
 # large organs keep an even spread. Storing every voxel's index as int64 would cost 8 bytes per
@@ -113,13 +111,12 @@ class LoadLabelMapd(MapTransform):
         return item
 
 
-def preprocessing(recipe: DictConfig, with_label: bool = True) -> list:
+def preprocessing(data: DataConfig, with_label: bool = True) -> list:
     """Deterministic transforms shared by training, validation, test and inference (``with_label=False``).
 
-    Each is invertible (MONAI records them on the MetaTensor), so a prediction can be mapped back
-    onto the scan's own grid and affine.
+    ``data``: the recipe's data section. Each transform is invertible (MONAI records them on the
+    MetaTensor), so a prediction can be mapped back onto the scan's own grid and affine.
     """
-    data = recipe.data
     intensity, foreground = intensity_transforms(data)
     keys = ["image", "label"] if with_label else ["image"]
     load = [LoadImaged(keys=["image"], ensure_channel_first=True, image_only=True)]
@@ -140,9 +137,8 @@ def preprocessing(recipe: DictConfig, with_label: bool = True) -> list:
     return transforms
 
 
-def training_transforms(recipe: DictConfig) -> list:
-    """Random patch sampling weighted toward lesions, then light intensity augmentation."""
-    data = recipe.data
+def training_transforms(data: DataConfig) -> list:
+    """Random patch sampling weighted toward lesions, then light intensity augmentation (``data``: the data section)."""
     # Ratios per label value: background, then each class (lesions get `lesion_ratio`).
     ratios = [float(data.neg)] + [
         float(data.pos) * (float(data.lesion_ratio) if is_lesion_class(name) else 1.0) for name in data.classes
@@ -212,46 +208,49 @@ class SharedPersistentDataset(PersistentDataset):
         return item
 
 
-def cache_mode(recipe: DictConfig) -> str:
-    """``data.cache``, checked: memory, disk or none."""
-    mode = str(recipe.data.cache)
-    if mode not in CACHE_MODES:
-        raise ValueError(f"data.cache must be one of {', '.join(CACHE_MODES)} (got {mode!r})")
-    return mode
+def default_cache_dir(output_dir: str | Path) -> Path:
+    """Where ``data.cache: disk`` keeps its files when ``data.cache_dir`` is empty: ``<output_dir>/data-cache``."""
+    return Path(output_dir) / "data-cache"
 
 
-def disk_cache_folder(recipe: DictConfig) -> Path:
-    """``data.cache_dir`` (default ``<tracking.output_dir>/data-cache``), one sub-folder per cohort root."""
-    root = Path(recipe.data.cache_dir or Path(recipe.tracking.output_dir) / "data-cache")
-    cohort = hashlib.sha256(str(Path(recipe.data.root).resolve()).encode()).hexdigest()[:12]
-    return root / f"{Path(recipe.data.root).name}-{cohort}"
+def disk_cache_folder(data: DataConfig, cache_dir: str | Path | None = None) -> Path:
+    """``data.cache_dir`` (else ``cache_dir``, the run's default), one sub-folder per cohort root."""
+    root = data.cache_dir or cache_dir
+    if not root:
+        raise ValueError("data.cache=disk needs data.cache_dir (or the run's default cache folder)")
+    cohort = hashlib.sha256(str(Path(data.root).resolve()).encode()).hexdigest()[:12]
+    return Path(root) / f"{Path(data.root).name}-{cohort}"
 
 
-def cached_dataset(items: list[dict], compose: Compose, recipe: DictConfig, cache: bool = True) -> Dataset:
+def cached_dataset(
+    items: list[dict], compose: Compose, data: DataConfig, seed: int, cache: bool = True, cache_dir: str | Path | None = None,
+) -> Dataset:
     """A dataset over ``items`` that caches the deterministic part of ``compose`` as ``data.cache`` says.
 
     Args:
         items: one dict per case (``case_items``).
         compose: the transforms (deterministic preprocessing first, random ones after).
-        recipe: the loaded recipe (``data.cache``, ``data.cache_dir``).
+        data: the recipe's data section (``cache``, ``cache_dir``).
+        seed: the recipe's seed (the random transforms are re-seeded with it).
         cache: False forces no caching (e.g. the test split, read once).
+        cache_dir: the disk cache's folder when ``data.cache_dir`` is empty (:func:`default_cache_dir`).
 
     The disk cache's file names hash each item and the deterministic transforms with their
     settings (MONAI's ``hash_transform``), so a changed spacing or window never reuses old files.
     """
-    mode = cache_mode(recipe)
-    if not cache or mode == "none":
+    mode = CacheMode(data.cache)
+    if not cache or mode == CacheMode.none:
         return Dataset(items, compose)
-    if mode == "memory":
+    if mode == CacheMode.memory:
         return CacheDataset(items, compose, cache_rate=1.0, num_workers=None, progress=False, copy_cache=False)
-    folder = disk_cache_folder(recipe)
+    folder = disk_cache_folder(data, cache_dir)
     folder.mkdir(parents=True, exist_ok=True)
     dataset = SharedPersistentDataset(
         items, compose, cache_dir=folder, hash_transform=pickle_hashing, track_meta=True, weights_only=False
     )
     # Hashing the transforms builds a flattened Compose, and a new Compose re-seeds the transforms
     # it holds: seed them again, so the patches are the recipe seed's, as with the other modes.
-    compose.set_random_state(seed=int(recipe.seed))
+    compose.set_random_state(seed=int(seed))
     return dataset
 
 
@@ -282,77 +281,86 @@ def _collate_eval(batch: list[dict]) -> dict:
 
 
 class CohortDataModule(pl.LightningDataModule):
-    """Train / val / test loaders for one cohort + split, as the recipe says.
+    """Train / val / test loaders for one cohort + split, as the recipe's data section says.
 
     Args:
-        recipe: a loaded recipe (``lightning_modules.config.recipe.load_recipe``).
-        cohort: an already-loaded cohort (default: ``recipe.data.root``).
-        split: an already-loaded split table (default: ``recipe.data.split``).
+        data: the recipe's data section (``recipe.data`` of ``lightning_modules.recipe.load_recipe``).
+        seed: the recipe's seed (patch sampling and augmentation draw from it).
+        cohort: an already-loaded cohort (default: ``data.root``).
+        split: an already-loaded split table (default: ``data.split``).
         train_dataset_factory: ``f(datamodule, transforms) -> Dataset`` building the training set
             (used for SynthX ratio mixing); a dataset with a ``sampler`` attribute gets that sampler
             instead of shuffling. Default: the split's real training cases.
+        cache_dir: the disk cache's folder when ``data.cache_dir`` is empty (:func:`default_cache_dir`).
     """
 
     def __init__(
         self,
-        recipe: DictConfig,
+        data: DataConfig,
+        seed: int = 0,
         cohort: Cohort | None = None,
         split: pd.DataFrame | None = None,
         train_dataset_factory=None,
+        cache_dir: str | Path | None = None,
     ):
         super().__init__()
-        self.recipe = recipe
+        self.data = data
+        self.seed = int(seed)
         self.cohort = cohort
         self.split = split
         self.train_dataset_factory = train_dataset_factory
+        self.cache_dir = cache_dir
         self.datasets: dict[str, Dataset] = {}
 
-    def _load(self) -> None:
-        from lightning_modules.data.splits import load_split
-
+    def load(self) -> None:
+        """Read the cohort and the split table (once); checks of the split happen here."""
         if self.cohort is None:
-            self.cohort = load_cohort(self.recipe.data.root)
+            self.cohort = load_cohort(self.data.root)
         if self.split is None:
-            self.split = load_split(self.recipe.data.split, self.cohort)
+            self.split = load_split(self.data.split, self.cohort)
 
     def case_ids(self, stage: str) -> list[str]:
-        self._load()
+        self.load()
         return list(self.split.loc[self.split["split"] == stage, "case_id"])
 
+    def cached(self, items: list[dict], transforms: list, cache: bool = True) -> Dataset:
+        """``items`` through ``transforms`` seeded with the recipe's seed, cached as ``data.cache`` says."""
+        return cached_dataset(items, seeded_compose(transforms, self.seed), self.data, self.seed, cache, self.cache_dir)
+
     def _dataset(self, stage: str, transforms: list, cache: bool) -> Dataset:
-        items = case_items(self.cohort, self.case_ids(stage), list(self.recipe.data.classes))
+        items = case_items(self.cohort, self.case_ids(stage), list(self.data.classes))
         if not items:
-            raise ValueError(f"split {self.recipe.data.split} has no {stage} cases")
-        return cached_dataset(items, seeded_compose(transforms, int(self.recipe.seed)), self.recipe, cache)
+            raise ValueError(f"split {self.data.split} has no {stage} cases")
+        return self.cached(items, transforms, cache)
 
     def setup(self, stage: str | None = None) -> None:
-        self._load()
-        recipe = self.recipe
+        self.load()
+        data = self.data
         if stage in ("fit", None) and "train" not in self.datasets:
-            train_transforms = preprocessing(recipe) + training_transforms(recipe)
+            train_transforms = preprocessing(data) + training_transforms(data)
             if self.train_dataset_factory is not None:
                 self.datasets["train"] = self.train_dataset_factory(self, train_transforms)
             else:
                 self.datasets["train"] = self._dataset("train", train_transforms, cache=True)
         if stage in ("fit", "validate", None) and "val" not in self.datasets:
-            self.datasets["val"] = self._dataset("val", preprocessing(recipe), cache=True)
+            self.datasets["val"] = self._dataset("val", preprocessing(data), cache=True)
         if stage in ("test", None) and "test" not in self.datasets:
-            self.datasets["test"] = self._dataset("test", preprocessing(recipe), cache=False)
+            self.datasets["test"] = self._dataset("test", preprocessing(data), cache=False)
 
     def train_dataloader(self) -> DataLoader:
         dataset = self.datasets["train"]
         sampler = getattr(dataset, "sampler", None)
         return DataLoader(
             dataset,
-            batch_size=int(self.recipe.data.batch_size),
+            batch_size=int(self.data.batch_size),
             shuffle=sampler is None,
             sampler=sampler,
-            num_workers=int(self.recipe.data.num_workers),
+            num_workers=int(self.data.num_workers),
             collate_fn=list_data_collate,
-            persistent_workers=int(self.recipe.data.num_workers) > 0,
+            persistent_workers=int(self.data.num_workers) > 0,
             # Full batches only, unless the training set is smaller than one batch (then every
             # epoch would be empty and training would silently do nothing).
-            drop_last=len(dataset) > int(self.recipe.data.batch_size),
+            drop_last=len(dataset) > int(self.data.batch_size),
         )
 
     def _eval_loader(self, name: str) -> DataLoader:

@@ -30,12 +30,28 @@ import numpy as np
 import pandas as pd
 from torch.utils.data import Sampler
 
+from lightning_modules.config.recipe import RecipeError, SynthXMixConfig, TrainerConfig
+
 EXPOSURE_ARTIFACT = "exposure/cases.csv"
 
 
 def matched_total_steps(real_steps: int, ratio: float) -> int:
     """The optimizer steps of an arm with synthetic share ``ratio`` (synthetic per real draw) and equal real draws."""
     return int(real_steps) + int(round(float(ratio) * int(real_steps)))
+
+
+def check_schedule(mixing: SynthXMixConfig, trainer: TrainerConfig, source: str = "recipe") -> None:
+    """An exposure-matched recipe (``synthx.real_steps`` set) trains ``real_steps x (1 + ratio)`` steps.
+
+    Raises:
+        RecipeError: naming ``source``, the settings and the ``trainer.max_steps`` they need.
+    """
+    if mixing.real_steps is None:
+        return
+    expected = matched_total_steps(mixing.real_steps, mixing.ratio)
+    if mixing.real_steps < 1 or trainer.max_steps != expected:
+        raise RecipeError(f"{source}: synthx.real_steps={mixing.real_steps} at synthx.ratio={mixing.ratio} "
+                          f"needs trainer.max_steps={expected} (real steps x (1 + ratio)), got {trainer.max_steps}")
 
 
 class ExposureMatchedSampler(Sampler[int]):

@@ -36,10 +36,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 from monai.data import Dataset
-from monai.transforms import Compose
-from omegaconf import DictConfig
 from torch.utils.data import Sampler
 
+from lightning_modules.config.recipe import DataConfig, SynthXMixConfig
 from lightning_modules.data.cohort import Cohort, CohortError, load_cohort
 from lightning_modules.data.splits import split_sha256
 from lightning_modules.data.synthetic_provenance import (
@@ -48,7 +47,7 @@ from lightning_modules.data.synthetic_provenance import (
     read_provenance,
 )
 from lightning_modules.data.exposure import ExposureMatchedSampler, sham_substitutes
-from lightning_modules.data.datamodule import CohortDataModule, cached_dataset, case_items, seeded_compose
+from lightning_modules.data.datamodule import CohortDataModule, case_items
 
 MIXING_MODES = ("add", "displace")
 
@@ -61,7 +60,7 @@ class MixingSampler(Sampler[int]):
         n_synthetic: synthetic cases (indices n_real..n_real+n_synthetic-1).
         ratio: ``add``: synthetic draws per real case and epoch (>= 0); ``displace``: probability
             that a draw is synthetic (0..1). Its range is checked where the recipe is validated
-            (:func:`lightning_modules.config.recipe.check_recipe`).
+            (:func:`lightning_modules.config.recipe.check_values`).
         seed: base seed; epoch e (``set_epoch``, called by Lightning) uses seed + e, so runs are
             reproducible and epochs differ.
         mode: ``add`` or ``displace``.
@@ -157,15 +156,15 @@ def generator_mismatches(synthetic: Cohort) -> list[str]:
 
 
 class MixedTrainingSet(Dataset):
-    """Real training items followed by synthetic items, with a :class:`MixingSampler` as ``sampler``."""
+    """Real training items followed by synthetic items, with a :class:`MixingSampler` as ``sampler``.
 
-    def __init__(
-        self, items: list[dict], transforms: Compose, n_real: int, ratio: float, seed: int, recipe: DictConfig,
-        mode: str = "add", report=None,
-    ):
-        self.inner = cached_dataset(items, transforms, recipe)
+    ``inner``: the items as a (cached) dataset, e.g. :meth:`CohortDataModule.cached`.
+    """
+
+    def __init__(self, inner: Dataset, n_real: int, ratio: float, seed: int, mode: str = "add", report=None):
+        self.inner = inner
         self.n_real = n_real
-        self.n_synthetic = len(items) - n_real
+        self.n_synthetic = len(inner) - n_real
         self.sampler = MixingSampler(n_real, self.n_synthetic, ratio, seed, mode, report)
 
     def __len__(self) -> int:
@@ -175,41 +174,56 @@ class MixedTrainingSet(Dataset):
         return self.inner[index]
 
 
-def mixing_datamodule(recipe: DictConfig, synthetic_root: Path | None = None) -> CohortDataModule:
+def mixing_datamodule(
+    data: DataConfig,
+    mixing: SynthXMixConfig,
+    *,
+    seed: int,
+    max_steps: int,
+    synthetic_root: Path | None = None,
+    cache_dir: str | Path | None = None,
+) -> CohortDataModule:
     """The recipe's datamodule; with ``synthx.ratio > 0`` its training set mixes in the synthetic cohort.
 
-    ``synthetic_root``: the synthetic cohort's folder (default: ``synthx.cohort``). A cohort named by
-    its generator run (``synthx.generator_run``) is found in the tracking store by the training
-    workflow (:func:`lightning_modules.tracking.datasets.resolve_synthetic_cohort`), not here.
+    Args:
+        data: the recipe's data section.
+        mixing: its ``synthx`` section (ratio, mode, cohort, exposure-matched schedule, sham).
+        seed: the recipe's seed.
+        max_steps: ``trainer.max_steps`` (the length of an exposure-matched schedule).
+        synthetic_root: the synthetic cohort's folder (default: ``synthx.cohort``). A cohort named by
+            its generator run (``synthx.generator_run``) is found in the tracking store by the training
+            workflow (:func:`lightning_modules.tracking.datasets.resolve_synthetic_cohort`), not here.
+        cache_dir: the disk cache's folder when ``data.cache_dir`` is empty.
     """
-    if synthetic_root is None and recipe.synthx.cohort:
-        synthetic_root = Path(recipe.synthx.cohort)
-    if synthetic_root is None and recipe.synthx.generator_run and float(recipe.synthx.ratio) > 0:
-        raise CohortError([f"synthx.generator_run={recipe.synthx.generator_run}: its cohort is found in the tracking "
+    if synthetic_root is None and mixing.cohort:
+        synthetic_root = Path(mixing.cohort)
+    if synthetic_root is None and mixing.generator_run and float(mixing.ratio) > 0:
+        raise CohortError([f"synthx.generator_run={mixing.generator_run}: its cohort is found in the tracking "
                            "store; pass lightning_modules.tracking.datasets.resolve_synthetic_cohort(recipe) "
                            "(benchx train does)"])
-    ratio = float(recipe.synthx.ratio)
-    if recipe.synthx.real_steps is not None:
-        return matched_datamodule(recipe, synthetic_root if ratio > 0 else None)
+    ratio = float(mixing.ratio)
+    if mixing.real_steps is not None:
+        return matched_datamodule(data, mixing, seed=seed, max_steps=max_steps,
+                                  synthetic_root=synthetic_root if ratio > 0 else None, cache_dir=cache_dir)
     if ratio == 0.0 or synthetic_root is None:
         if ratio > 0:
             raise CohortError(["synthx.ratio > 0 needs synthx.cohort or synthx.generator_run"])
-        return CohortDataModule(recipe)
+        return CohortDataModule(data, seed, cache_dir=cache_dir)
     synthetic = load_cohort(synthetic_root)
 
     def build(datamodule: CohortDataModule, transforms: list):
-        classes = list(recipe.data.classes)
+        classes = list(data.classes)
         real_items = case_items(datamodule.cohort, datamodule.case_ids("train"), classes)
         synth_items = case_items(synthetic, synthetic.case_ids, classes)
         return MixedTrainingSet(
-            real_items + synth_items, seeded_compose(transforms, int(recipe.seed)), len(real_items), ratio,
-            int(recipe.seed), recipe, str(recipe.synthx.mode), exposure_logger(datamodule),
+            datamodule.cached(real_items + synth_items, transforms), len(real_items), ratio,
+            int(seed), str(mixing.mode), exposure_logger(datamodule),
         )
 
-    datamodule = CohortDataModule(recipe, train_dataset_factory=build)
+    datamodule = CohortDataModule(data, seed, train_dataset_factory=build, cache_dir=cache_dir)
     # Checked here, before any run is opened (training refuses before it touches MLflow).
-    datamodule._load()
-    check_synthetic_cohort(synthetic, datamodule.split, datamodule.cohort, split_sha256(recipe.data.split))
+    datamodule.load()
+    check_synthetic_cohort(synthetic, datamodule.split, datamodule.cohort, split_sha256(data.split))
     datamodule.synthetic_cohort = synthetic
     return datamodule
 
@@ -217,9 +231,8 @@ def mixing_datamodule(recipe: DictConfig, synthetic_root: Path | None = None) ->
 class MatchedTrainingSet(Dataset):
     """Real training items, then synthetic ones, drawn by an :class:`ExposureMatchedSampler` (``sampler``)."""
 
-    def __init__(self, items: list[dict], transforms: Compose, sampler: ExposureMatchedSampler, recipe: DictConfig,
-                 sham_match: pd.Series | None = None):
-        self.inner = cached_dataset(items, transforms, recipe)
+    def __init__(self, items: list[dict], inner: Dataset, sampler: ExposureMatchedSampler, sham_match: pd.Series | None = None):
+        self.inner = inner
         self.case_ids = [item["case_id"] for item in items]
         self.synthetic = [int(i >= sampler.n_real) for i in range(len(items))]
         self.sampler = sampler
@@ -239,19 +252,28 @@ class MatchedTrainingSet(Dataset):
         return table.drop(columns="index")
 
 
-def matched_datamodule(recipe: DictConfig, synthetic_root: Path | None) -> CohortDataModule:
-    """The datamodule of an exposure-matched arm (:mod:`lightning_modules.data.exposure`).
+def matched_datamodule(
+    data: DataConfig,
+    mixing: SynthXMixConfig,
+    *,
+    seed: int,
+    max_steps: int,
+    synthetic_root: Path | None,
+    cache_dir: str | Path | None = None,
+) -> CohortDataModule:
+    """The datamodule of an exposure-matched arm (:mod:`lightning_modules.data.exposure`); the
+    arguments are :func:`mixing_datamodule`'s.
 
     ``synthetic_root`` None: the baseline (real draws only). With ``synthx.sham`` the synthetic cohort
     only says which cells the slots belong to; its cases are never loaded for training.
     """
-    if float(recipe.synthx.ratio) > 0 and synthetic_root is None:
+    if float(mixing.ratio) > 0 and synthetic_root is None:
         raise CohortError(["synthx.ratio > 0 needs synthx.cohort or synthx.generator_run"])
     synthetic = load_cohort(synthetic_root) if synthetic_root is not None else None
-    sham = bool(recipe.synthx.sham)
+    sham = bool(mixing.sham)
 
     def build(datamodule: CohortDataModule, transforms: list):
-        classes = list(recipe.data.classes)
+        classes = list(data.classes)
         train_ids = datamodule.case_ids("train")
         real_items = case_items(datamodule.cohort, train_ids, classes)
         synth_items, substitutes, match = [], None, None
@@ -259,22 +281,23 @@ def matched_datamodule(recipe: DictConfig, synthetic_root: Path | None) -> Cohor
             if sham:
                 real = datamodule.cohort.subset(train_ids)
                 if (pd.to_numeric(real["tumor"], errors="coerce").fillna(-1) < 0).any():
-                    real["tumor"] = datamodule.cohort.resolve_tumor_labels(str(recipe.data.tumor_class)).loc[train_ids].to_numpy()
+                    real["tumor"] = datamodule.cohort.resolve_tumor_labels(str(data.tumor_class)).loc[train_ids].to_numpy()
                 substitutes, match = sham_substitutes(synthetic.metadata, real)
                 match.index = list(synthetic.metadata["case_id"])
             else:
                 synth_items = case_items(synthetic, synthetic.case_ids, classes)
         sampler = ExposureMatchedSampler(
-            len(real_items), int(recipe.data.batch_size), int(recipe.synthx.real_steps), int(recipe.trainer.max_steps),
-            int(recipe.seed), n_synthetic=len(synthetic.metadata) if synthetic is not None else 0, substitutes=substitutes,
+            len(real_items), int(data.batch_size), int(mixing.real_steps), int(max_steps),
+            int(seed), n_synthetic=len(synthetic.metadata) if synthetic is not None else 0, substitutes=substitutes,
         )
-        return MatchedTrainingSet(real_items + synth_items, seeded_compose(transforms, int(recipe.seed)), sampler, recipe, match)
+        items = real_items + synth_items
+        return MatchedTrainingSet(items, datamodule.cached(items, transforms), sampler, match)
 
-    datamodule = CohortDataModule(recipe, train_dataset_factory=build)
+    datamodule = CohortDataModule(data, seed, train_dataset_factory=build, cache_dir=cache_dir)
     if synthetic is not None:
         # Checked before any run is opened, for the sham arm too: its slots follow the same cohort.
-        datamodule._load()
-        check_synthetic_cohort(synthetic, datamodule.split, datamodule.cohort, split_sha256(recipe.data.split))
+        datamodule.load()
+        check_synthetic_cohort(synthetic, datamodule.split, datamodule.cohort, split_sha256(data.split))
     if synthetic is not None and not sham:
         datamodule.synthetic_cohort = synthetic
     return datamodule

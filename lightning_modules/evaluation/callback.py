@@ -26,6 +26,7 @@ import lightning.pytorch as pl
 import pandas as pd
 from lightning.pytorch.callbacks import Callback
 
+from lightning_modules.config.recipe import DetectionConfig
 from lightning_modules.evaluation.artifacts import log_evaluation_artifacts
 from lightning_modules.evaluation.bootstrap import bootstrap_subgroup_metrics
 from lightning_modules.evaluation.detection import subgroup_metrics
@@ -81,8 +82,8 @@ class SubgroupEvaluation(Callback):
         self.records: dict[str, pd.DataFrame] = {}
 
     @classmethod
-    def from_recipe(cls, recipe, **kwargs) -> "SubgroupEvaluation":
-        detection = recipe.detection
+    def from_detection(cls, detection: DetectionConfig, **kwargs) -> "SubgroupEvaluation":
+        """The evaluation of the recipe's ``detection`` section (operating point, score, intervals)."""
         return cls(
             threshold_mm3=float(detection.threshold_mm3),
             threshold_rule=str(detection.threshold_rule),

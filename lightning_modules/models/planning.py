@@ -42,7 +42,6 @@ Example::
 from __future__ import annotations
 
 import copy
-import math
 from pathlib import Path
 from typing import Sequence
 
@@ -51,9 +50,9 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from lightning_modules.config.recipe import check_recipe
+from lightning_modules.config.recipe import check_values
 from lightning_modules.data.cohort import load_cohort
-from lightning_modules.models.backbones import get_backbone
+from lightning_modules.models.backbones import check_model_section, get_backbone
 from lightning_modules.models.topology import MIN_FEATURE_MAP_EDGE, network_topology, shape_divisors  # noqa: F401 (re-exported)
 from lightning_modules.models.backbones.nnunet import (
     RESENC_PRESETS,
@@ -330,7 +329,7 @@ def resolve_planned_recipe(recipe, case_ids: Sequence[str] | None = None):
     Training calls this before building the backbone and logs the plan.
 
     Args:
-        recipe: a loaded recipe (``lightning_modules.config.recipe.load_recipe``).
+        recipe: a loaded recipe (``lightning_modules.recipe.load_recipe``).
         case_ids: the training cases to plan from; ``None``: the whole cohort.
 
     Returns:
@@ -364,5 +363,7 @@ def resolve_planned_recipe(recipe, case_ids: Sequence[str] | None = None):
         resolved.data.spacing = [round(float(s), 4) for s in plan["spacing"]]
     for key in TOPOLOGY_OPTIONS:
         resolved.model.options[key] = plan[key]
-    check_recipe(resolved, source=f"{recipe.name} (planned)")
+    # What planning changed: the patch and spacing values, and the topology against the builder.
+    check_values(resolved, source=f"{recipe.name} (planned)")
+    check_model_section(resolved.model, resolved.data, resolved.trainer, source=f"{recipe.name} (planned)")
     return resolved, plan

@@ -302,10 +302,10 @@ def log_dataset_input(client: MlflowClient, run_id: str, frame, source: str, nam
 
 def log_evaluation_inputs(client: MlflowClient, run_id: str, datamodule, stages) -> None:
     """The cases an evaluation run scored, one dataset input per stage (``evaluation-val``, ``evaluation-test``)."""
-    datamodule._load()
+    datamodule.load()
     source = str(Path(datamodule.cohort.root).resolve())
     for stage in stages:
         cases = datamodule.case_ids(stage)
         if cases:
             frame = datamodule.cohort.subset(cases)
-            log_dataset_input(client, run_id, frame, source, f"{stage}:{Path(str(datamodule.recipe.data.split)).name}", f"evaluation-{stage}")
+            log_dataset_input(client, run_id, frame, source, f"{stage}:{Path(str(datamodule.data.split)).name}", f"evaluation-{stage}")

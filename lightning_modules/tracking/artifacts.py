@@ -19,7 +19,7 @@ from mlflow.models import Model
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig
 
-from lightning_modules.config.recipe import load_recipe
+from lightning_modules.recipe import load_recipe
 from lightning_modules.models.checkpoints import CHECKPOINT_ARTIFACT, RECIPE_ARTIFACT, ModelSourceError
 from lightning_modules.tracking import tracking_uri as resolve_uri
 

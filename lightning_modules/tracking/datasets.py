@@ -71,7 +71,7 @@ def log_exposures(client: MlflowClient, run_id: str, datamodule: CohortDataModul
 
 def log_dataset_inputs(client: MlflowClient, run_id: str, datamodule: CohortDataModule, split_path: str) -> None:
     """Log the real training split and (when mixing) the synthetic cohort as MLflow dataset inputs."""
-    datamodule._load()
+    datamodule.load()
     inputs = []
     train_ids = datamodule.case_ids("train")
     real = mlflow.data.from_pandas(

@@ -112,7 +112,7 @@ class SegmentationModel(mlflow.pyfunc.PythonModel):
     """
 
     def load_context(self, context) -> None:
-        from lightning_modules.config.recipe import load_recipe
+        from lightning_modules.recipe import load_recipe
         from lightning_modules.models.checkpoints import load_module_from_checkpoint
 
         self.recipe = load_recipe(context.artifacts[RECIPE_ARTIFACT], resolved=True)
@@ -155,7 +155,7 @@ class SegmentationModel(mlflow.pyfunc.PythonModel):
                 if not Path(path).is_file():
                     raise ValueError(f"{path}: no such file")
                 try:
-                    labels, affine = predict_scan(self.module, self.recipe, path)
+                    labels, affine = predict_scan(self.module, self.recipe.data, path)
                 except NonFiniteScanError:
                     raise
                 except Exception as error:
@@ -195,7 +195,7 @@ class SegmentationModel(mlflow.pyfunc.PythonModel):
             path = Path(folder) / "ct.nii.gz"
             nib.save(nib.Nifti1Image(volume, affine), str(path))
             try:
-                return predict_scan(self.module, self.recipe, path)
+                return predict_scan(self.module, self.recipe.data, path)
             except ValueError as error:
                 raise ValueError(str(error).replace(str(path), "ct")) from error
 

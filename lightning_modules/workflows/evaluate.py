@@ -41,7 +41,7 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig
 
-from lightning_modules.data.datamodule import CohortDataModule
+from lightning_modules.data.datamodule import CohortDataModule, default_cache_dir
 from lightning_modules.data.splits import split_sha256
 from lightning_modules.evaluation.artifacts import download_records, log_evaluation_artifacts
 from lightning_modules.evaluation.bootstrap import bootstrap_subgroup_metrics, evaluation_set_hash, paired_differences
@@ -266,8 +266,8 @@ def evaluate(
     except ValueError as error:
         raise EvaluationError(str(error)) from error
     uri = tracking_uri(recipe.tracking.uri)
-    datamodule = CohortDataModule(recipe)
-    datamodule._load()
+    datamodule = CohortDataModule(recipe.data, int(recipe.seed), cache_dir=default_cache_dir(recipe.tracking.output_dir))
+    datamodule.load()
     evaluated = datamodule.split[datamodule.split["split"].isin({"val", *stages})]
 
     def start_evaluation_run() -> str:
@@ -291,7 +291,7 @@ def evaluate(
     with ended_run(uri, run_id, writer=writer):
         module = load_module_from_checkpoint(recipe, checkpoint)
         logger = RunLogger(experiment_name=str(recipe.tracking.experiment), tracking_uri=uri, run_id=run_id)
-        callback = SubgroupEvaluation.from_recipe(recipe, tables_on_val=True, headline_only=True)
+        callback = SubgroupEvaluation.from_detection(recipe.detection, tables_on_val=True, headline_only=True)
         trainer = build_trainer(recipe.trainer, None, logger=logger, callbacks=[callback, FailWithLaunchedProcesses(uri, run_id)],
                                 enable_model_summary=False, enable_progress_bar=sys.stderr.isatty())
         if datamodule.case_ids("val"):

@@ -40,9 +40,9 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.cohorts.audit import check_split_leakage
-from lightning_modules.config.recipe import recipe_to_yaml, recipe_variant
+from lightning_modules.recipe import recipe_to_yaml, recipe_variant
 from lightning_modules.data.cohort import atomic_write_bytes, CohortError, load_cohort
-from lightning_modules.data.datamodule import CohortDataModule
+from lightning_modules.data.datamodule import CohortDataModule, default_cache_dir
 from lightning_modules.data.intensity import ct_intensity_properties
 from lightning_modules.data.mixing import mixing_datamodule
 from lightning_modules.data.splits import load_split, split_sha256
@@ -169,7 +169,7 @@ def train(recipe: DictConfig, settings: TrainSettings | None = None, **options) 
             record_run_start(logger, recipe, plan, datamodule, start, settings)
         module = build_module(recipe)
         best, periodic = checkpoint_callbacks(recipe, checkpoint_dir)
-        evaluation = [SubgroupEvaluation.from_recipe(recipe)] if settings.evaluation else []
+        evaluation = [SubgroupEvaluation.from_detection(recipe.detection)] if settings.evaluation else []
         trainer = build_trainer(
             recipe.trainer,
             output_dir,
@@ -211,10 +211,19 @@ def prepare_data(recipe: DictConfig, datamodule: CohortDataModule | None = None)
     recipe, plan = resolve_planned_recipe(recipe, case_ids=train_ids)
     recipe = measured_intensity(recipe, train_ids)
     if datamodule is not None:
-        datamodule.recipe = recipe
-    datamodule = datamodule or mixing_datamodule(recipe, resolve_synthetic_cohort(recipe))
-    datamodule._load()
+        datamodule.data = recipe.data
+    datamodule = datamodule or recipe_datamodule(recipe, resolve_synthetic_cohort(recipe))
+    datamodule.load()
     return recipe, plan, datamodule
+
+
+def recipe_datamodule(recipe: DictConfig, synthetic_root: Path | None = None) -> CohortDataModule:
+    """The data layer of a recipe: its data and mixing sections, seed and schedule length, and the
+    disk cache's default folder under ``tracking.output_dir``."""
+    return mixing_datamodule(
+        recipe.data, recipe.synthx, seed=int(recipe.seed), max_steps=int(recipe.trainer.max_steps),
+        synthetic_root=synthetic_root, cache_dir=default_cache_dir(recipe.tracking.output_dir),
+    )
 
 
 def measured_intensity(recipe: DictConfig, train_ids: list[str]) -> DictConfig:
@@ -291,7 +300,7 @@ def record_run_start(
         client.set_tag(run_id, "resumed", "true")
         client.update_run(run_id, status="RUNNING")
         return
-    logger.log_hyperparams(flatten(OmegaConf.to_container(recipe, resolve=True)))
+    logger.log_hyperparams(flatten(OmegaConf.to_container(recipe, resolve=True, enum_to_str=True)))
     client.log_text(run_id, recipe_to_yaml(recipe), "recipe.yaml")
     if plan is not None:
         client.log_dict(run_id, plan, "nnunet_plan.json")

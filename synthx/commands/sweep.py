@@ -12,7 +12,7 @@ import sys
 from typing import Sequence
 
 from lightning_modules.commands.common import add_overrides_argument, parse_command_line, split_overrides
-from lightning_modules.config.recipe import load_recipe
+from lightning_modules.recipe import load_recipe
 from synthx.workflows.sweep import DEFAULT_HEARTBEAT_S, DEFAULT_STORAGE, OBJECTIVES, PARENT_ATTR, SweepError, SweepSettings, safe_url, sweep
 
 

@@ -15,8 +15,8 @@ ranks draw the same number of patches per epoch so their steps stay in lockstep.
 
 Example::
 
-    cases = recipe_training_cases(recipe, cohort, split)
-    datamodule = TumorPatchDataModule(recipe, cases)  # each rank loads cases[rank::world_size] in setup
+    cases = recipe_training_cases(recipe.data, cohort, split)
+    datamodule = TumorPatchDataModule(recipe.data, recipe.seed, cases)  # each rank loads cases[rank::world_size] in setup
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import lightning.pytorch as pl
 import numpy as np
 import pandas as pd
 import torch
-from omegaconf import DictConfig
 from scipy import ndimage
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_modules.data.cohort import Cohort, load_cohort
+from synthx.config import SynthXDataConfig
 from synthx.model import CONDITION_NAMES, ORGAN_OF_LESION, encode_age_band, encode_organ, encode_phase, encode_sex
 from synthx.pipeline import inpainting_region, normalize_hu
 
@@ -249,19 +249,18 @@ class TumorPatchDataset(Dataset):
         return item
 
 
-def recipe_training_cases(recipe: DictConfig, cohort: Cohort, split: pd.DataFrame) -> list[str]:
-    """The recipe's training cases: ``data.case_ids`` when given (each checked), else every training tumor case."""
-    return training_tumor_cases(cohort, split, recipe.data.tumor_class, list(recipe.data.case_ids) or None)
+def recipe_training_cases(data: SynthXDataConfig, cohort: Cohort, split: pd.DataFrame) -> list[str]:
+    """The training cases of the ``data`` section: ``case_ids`` when given (each checked), else every training tumor case."""
+    return training_tumor_cases(cohort, split, data.tumor_class, list(data.case_ids) or None)
 
 
-def build_dataset(recipe: DictConfig, cohort: Cohort, split: pd.DataFrame) -> TumorPatchDataset:
-    """The recipe's patch dataset over all its training cases (one process)."""
-    return patch_dataset(recipe, cohort, recipe_training_cases(recipe, cohort, split))
+def build_dataset(data: SynthXDataConfig, cohort: Cohort, split: pd.DataFrame) -> TumorPatchDataset:
+    """The patch dataset of the ``data`` section over all its training cases (one process)."""
+    return patch_dataset(data, cohort, recipe_training_cases(data, cohort, split))
 
 
-def patch_dataset(recipe: DictConfig, cohort: Cohort, case_ids: Sequence[str]) -> TumorPatchDataset:
-    """The recipe's patch dataset over ``case_ids`` (section ``data``)."""
-    data = recipe.data
+def patch_dataset(data: SynthXDataConfig, cohort: Cohort, case_ids: Sequence[str]) -> TumorPatchDataset:
+    """The patch dataset of the ``data`` section over ``case_ids``."""
     return TumorPatchDataset(
         cohort,
         case_ids,
@@ -336,13 +335,15 @@ class TumorPatchDataModule(pl.LightningDataModule):
     """The training patches of one rank: cases ``case_ids[rank::world_size]``, loaded in ``setup``.
 
     Args:
-        recipe: the SynthX recipe (``data`` section, ``seed``).
+        data: the SynthX recipe's ``data`` section.
+        seed: the recipe's seed (the draw order of each rank).
         case_ids: every training case (:func:`training_tumor_cases`), the same list on every rank.
     """
 
-    def __init__(self, recipe: DictConfig, case_ids: Sequence[str]):
+    def __init__(self, data: SynthXDataConfig, seed: int, case_ids: Sequence[str]):
         super().__init__()
-        self.recipe = recipe
+        self.data = data
+        self.seed = int(seed)
         self.case_ids = list(case_ids)
         self.dataset: TumorPatchDataset | None = None
         self.total_lesions = 0
@@ -354,7 +355,7 @@ class TumorPatchDataModule(pl.LightningDataModule):
         share = self.case_ids[rank::world]
         if not share:
             raise ValueError(f"SynthX training: {len(self.case_ids)} training cases cannot feed {world} processes")
-        self.dataset = patch_dataset(self.recipe, load_cohort(self.recipe.data.root), share)
+        self.dataset = patch_dataset(self.data, load_cohort(self.data.root), share)
         self.world, self.rank = world, rank
         self.longest_share = len(self.dataset)
         self.total_lesions = len(self.dataset)
@@ -363,18 +364,18 @@ class TumorPatchDataModule(pl.LightningDataModule):
             self.longest_share, self.total_lesions = int(counts.max()), int(counts.sum())
 
     def train_dataloader(self) -> DataLoader:
-        data = self.recipe.data
+        data = self.data
         batch_size, workers = int(data.batch_size), int(data.num_workers)
         if data.balance_phases:
             # Every phase equally often; all ranks draw the same number of patches (lockstep).
             length = self.longest_share
-            sampler = BalancedDraws(self.dataset.phase_weights(), length, int(self.recipe.seed) + self.rank)
+            sampler = BalancedDraws(self.dataset.phase_weights(), length, self.seed + self.rank)
             shuffle, drop_last = None, length >= batch_size
         elif self.world == 1:
             # One process: every lesion once per epoch in a shuffled order.
             sampler, shuffle, drop_last = None, True, len(self.dataset) >= batch_size
         else:
-            sampler = EqualLengthShuffle(len(self.dataset), self.longest_share, int(self.recipe.seed) + self.rank)
+            sampler = EqualLengthShuffle(len(self.dataset), self.longest_share, self.seed + self.rank)
             shuffle, drop_last = None, self.longest_share >= batch_size
         return DataLoader(
             self.dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, num_workers=workers,

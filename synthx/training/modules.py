@@ -30,14 +30,15 @@ from diffusers.training_utils import EMAModel
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
+from synthx.config import SynthXDataConfig, SynthXModelConfig
 from synthx.model import CONDITION_NAMES, SynthXAutoencoder, SynthXDenoiser
 from synthx.pipeline import SynthXPipeline, cpu_layout
 from synthx.schedulers import build_noise_scheduler, sampling_scheduler
 
 
-def build_denoiser(recipe: DictConfig, in_channels: int = 1) -> SynthXDenoiser:
-    """The recipe's denoiser, with the data contract (HU window, spacing, margin) in its config."""
-    model, data = recipe.model, recipe.data
+def build_denoiser(model: SynthXModelConfig, data: SynthXDataConfig, in_channels: int = 1) -> SynthXDenoiser:
+    """The denoiser of the ``model`` section, with the data contract of the ``data`` section (HU
+    window, spacing, margin) in its config."""
     return SynthXDenoiser(
         in_channels=in_channels,
         channels=list(model.channels),
@@ -53,17 +54,17 @@ def build_denoiser(recipe: DictConfig, in_channels: int = 1) -> SynthXDenoiser:
     )
 
 
-def load_autoencoder(recipe: DictConfig) -> SynthXAutoencoder | None:
-    """The frozen autoencoder of latent mode, or None in pixel space."""
-    if not recipe.model.latent:
+def load_autoencoder(model: SynthXModelConfig, data: SynthXDataConfig) -> SynthXAutoencoder | None:
+    """The frozen autoencoder of latent mode (``model.latent``), or None in pixel space."""
+    if not model.latent:
         return None
-    path = Path(recipe.model.vae_path)
+    path = Path(model.vae_path)
     if not path.is_dir():
         raise ValueError(f"model.vae_path {path} is not a saved SynthXAutoencoder folder")
     vae = SynthXAutoencoder.from_pretrained(str(path))
-    factor = vae.downsampling_factor * 2 ** (len(recipe.model.channels) - 1)
-    if any(int(p) % factor for p in recipe.data.patch_size):
-        raise ValueError(f"latent mode: every data.patch_size value must be divisible by {factor}; got {list(recipe.data.patch_size)}")
+    factor = vae.downsampling_factor * 2 ** (len(model.channels) - 1)
+    if any(int(p) % factor for p in data.patch_size):
+        raise ValueError(f"latent mode: every data.patch_size value must be divisible by {factor}; got {list(data.patch_size)}")
     vae.requires_grad_(False)
     return vae.eval()
 
@@ -133,11 +134,11 @@ class SynthXTrainingModule(pl.LightningModule):
 
     @classmethod
     def from_recipe(cls, recipe: DictConfig) -> "SynthXTrainingModule":
-        vae = load_autoencoder(recipe)
+        vae = load_autoencoder(recipe.model, recipe.data)
         in_channels = vae.config.latent_channels if vae is not None else 1
         return cls(
-            build_denoiser(recipe, in_channels=in_channels),
-            build_noise_scheduler(recipe),
+            build_denoiser(recipe.model, recipe.data, in_channels=in_channels),
+            build_noise_scheduler(recipe.scheduler),
             tumor_weight=recipe.loss.tumor_weight,
             dropout_each=recipe.condition_dropout.each,
             dropout_all=recipe.condition_dropout.all,

@@ -71,7 +71,7 @@ class AutoencoderTrainResult:
 def recipe_key(recipe: DictConfig) -> str:
     """A short hash of what the trained weights depend on: the resolved recipe without tracking,
     profiles and step counts (so a longer run of the same recipe continues the shorter one)."""
-    container = OmegaConf.to_container(recipe, resolve=True)
+    container = OmegaConf.to_container(recipe, resolve=True, enum_to_str=True)
     for key in ("tracking", "profiles"):
         container.pop(key, None)
     container["trainer"].pop("max_steps", None)
@@ -157,7 +157,7 @@ def _logger(recipe: DictConfig, variant: str, run_id: str | None) -> MLFlowLogge
 def _describer(recipe: DictConfig, case_ids: list[str], datamodule: TumorPatchDataModule, extra: dict):
     def describe(logger: MLFlowLogger, trainer: pl.Trainer) -> None:
         run_id, client = logger.run_id, logger.experiment
-        logger.log_hyperparams(flatten(OmegaConf.to_container(recipe, resolve=True)))
+        logger.log_hyperparams(flatten(OmegaConf.to_container(recipe, resolve=True, enum_to_str=True)))
         client.log_text(run_id, recipe_to_yaml(recipe), "recipe.yaml")
         client.log_text(run_id, "case_id\n" + "\n".join(case_ids) + "\n", "training_cases.csv")
         for key, value in {"n_training_cases": len(case_ids), "n_training_lesions": datamodule.total_lesions, **extra}.items():
@@ -191,8 +191,8 @@ def _fit(recipe: DictConfig, module: pl.LightningModule, variant: str, max_steps
     """Data, run folder (its lock entered into ``held``), logger, trainer and fit, shared by the
     generator and the autoencoder."""
     cohort = load_cohort(recipe.data.root)
-    case_ids = recipe_training_cases(recipe, cohort, load_split(recipe.data.split, cohort))
-    datamodule = TumorPatchDataModule(recipe, case_ids)
+    case_ids = recipe_training_cases(recipe.data, cohort, load_split(recipe.data.split, cohort))
+    datamodule = TumorPatchDataModule(recipe.data, recipe.seed, case_ids)
     folder, run_id = run_folder(recipe, output_dir, variant, resume)
     if global_rank() == 0:
         # One training per folder, until the caller has logged the result (the other ranks of this

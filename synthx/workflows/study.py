@@ -68,7 +68,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.cohorts.phantom import DEFAULT_CASES, generate_phantom_cohort, PARAMS_FILE
-from lightning_modules.config.recipe import load_recipe, recipe_variant
+from lightning_modules.recipe import load_recipe, recipe_variant
 from lightning_modules.data.cohort import load_cohort, write_metadata
 from lightning_modules.data.exposure import matched_total_steps
 from lightning_modules.data.metadata import normalize_phase, PHASES
@@ -286,7 +286,7 @@ def _generator_recipe(settings: StudySettings, root: Path, split: Path, uri: str
 
 
 def _recipe_params(recipe) -> dict:
-    container = OmegaConf.to_container(recipe, resolve=True)
+    container = OmegaConf.to_container(recipe, resolve=True, enum_to_str=True)
     container.pop("tracking", None)
     container.pop("profiles", None)
     return container

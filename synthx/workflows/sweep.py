@@ -59,7 +59,7 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from lightning_modules.config.recipe import recipe_variant
+from lightning_modules.recipe import recipe_variant
 from lightning_modules.evaluation.callback import SubgroupEvaluation
 from lightning_modules.tracking import (
     database_url,
@@ -278,7 +278,7 @@ def make_objective(
 
             callbacks.append(PyTorchLightningPruningCallback(trial, monitor="val/f1/overall"))
 
-        evaluation = SubgroupEvaluation.from_recipe(trial_recipe)
+        evaluation = SubgroupEvaluation.from_detection(trial_recipe.detection)
         folder = (output_root or Path(trial_recipe.tracking.output_dir)) / f"sweep-{study_name}" / f"trial-{trial.number}"
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         try:

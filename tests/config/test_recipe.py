@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import RECIPES
-from lightning_modules.config.recipe import RANGES, RecipeError, load_recipe
+from lightning_modules.config.recipe import RANGES, RecipeError
+from lightning_modules.recipe import load_recipe, recipe_to_yaml
 
 
 @pytest.mark.parametrize(
@@ -24,13 +25,54 @@ from lightning_modules.config.recipe import RANGES, RecipeError, load_recipe
         ("detection.threshold_mm3=inf", "detection.threshold_mm3 must be a finite number"),
         ("data.hu_window=[250,-175]", "data.hu_window must be two finite HU values, low < high"),
         ("trainer.gradient_clip_val=0", "trainer.gradient_clip_val must be a finite number > 0"),
-        ("data.cache=ram", "data.cache must be memory, disk or none"),
         ("synthx.ratio=-0.1", r"synthx.ratio must be in \[0, 1\] \(displace\) or \[0, 10\] \(add\)"),
     ],
 )
 def test_a_value_out_of_range_is_refused_naming_the_key(override, message):
     with pytest.raises(RecipeError, match=rf"unet.yaml: {message}"):
         load_recipe(RECIPES / "unet.yaml", ["profile=cpu", override])
+
+
+ENUM_FIELDS = [
+    ("data.normalization", "window or ct"), ("data.cache", "memory, disk or none"), ("optim.name", "sgd or adamw"),
+    ("optim.schedule", "poly, cosine or constant"), ("detection.threshold_rule", "fixed, f1 or youden"),
+    ("detection.score", "volume or max_prob"), ("synthx.mode", "add or displace"),
+]
+
+
+@pytest.mark.parametrize("key, choices", ENUM_FIELDS)
+def test_a_choice_outside_its_enum_is_refused_by_the_schema_naming_the_key_and_the_choices(key, choices):
+    with pytest.raises(RecipeError, match=rf"^command line: {key} must be {choices}, got 'ram'$"):
+        load_recipe(RECIPES / "unet.yaml", ["profile=cpu", f"{key}=ram"])
+
+
+def test_a_choice_in_a_recipe_file_is_named_with_the_file_and_a_valid_one_compares_as_its_text(tmp_path):
+    (tmp_path / "bad.yaml").write_text("data:\n  cache: ram\n")
+    with pytest.raises(RecipeError, match=rf"^{tmp_path / 'bad.yaml'}: data.cache must be memory, disk or none"):
+        load_recipe(tmp_path / "bad.yaml", base=False)
+    recipe = load_recipe(RECIPES / "unet.yaml", ["profile=cpu", "data.cache=disk", "synthx.mode=displace"])
+    assert recipe.data.cache == "disk" and f"{recipe.synthx.mode}" == "displace"
+    from lightning_modules.config.recipe import CacheMode, MixingMode
+
+    assert recipe.data.cache is CacheMode.disk and recipe.synthx.mode is MixingMode.displace
+    assert "cache: disk" in recipe_to_yaml(recipe), "a resolved recipe spells the choice as the file did"
+
+
+def test_every_enum_field_of_the_schema_is_listed():
+    import dataclasses
+    import enum
+    import typing
+
+    from lightning_modules.config.recipe import Recipe
+
+    found = []
+    for section in dataclasses.fields(Recipe):
+        kind = typing.get_type_hints(Recipe)[section.name]
+        if dataclasses.is_dataclass(kind):
+            for name, hint in typing.get_type_hints(kind).items():
+                if isinstance(hint, type) and issubclass(hint, enum.Enum):
+                    found.append(f"{section.name}.{name}")
+    assert sorted(found) == sorted(key for key, _ in ENUM_FIELDS)
 
 
 def test_every_range_names_a_key_of_the_schema_and_the_shipped_recipes_pass():
@@ -75,7 +117,7 @@ def test_a_directory_as_recipe_is_refused(tmp_path):
 def test_a_variant_is_merged_in_memory_typed_and_checked_like_a_file():
     from omegaconf import OmegaConf
 
-    from lightning_modules.config.recipe import recipe_variant
+    from lightning_modules.recipe import recipe_variant
 
     base = load_recipe(RECIPES / "unet.yaml", ["profile=cpu"])
     before = OmegaConf.to_yaml(base)

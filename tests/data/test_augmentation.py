@@ -21,7 +21,7 @@ from monai.data import MetaTensor, get_track_meta, set_track_meta
 from monai.transforms import Compose, RandCropByLabelClassesd, RandGaussianNoised, RandScaleIntensityd, RandShiftIntensityd
 
 from conftest import RECIPES, tiny_overrides
-from lightning_modules.config.recipe import load_recipe
+from lightning_modules.recipe import load_recipe
 from lightning_modules.data import augmentation as aug
 from lightning_modules.data import datamodule as dm
 
@@ -91,9 +91,9 @@ def test_plain_label_crops_equal_monais_crops_tensor_for_tensor(tiny_phantom, tm
     output (metadata included) with tracking on; the random states end equal."""
     recipe = _recipe(tiny_phantom, tmp_path)
     cohort = dm.load_cohort(recipe.data.root)
-    head = dm.seeded_compose(dm.preprocessing(recipe) + dm.training_transforms(recipe)[:1], 0)
+    head = dm.seeded_compose(dm.preprocessing(recipe.data) + dm.training_transforms(recipe.data)[:1], 0)
     items = [head(item) for item in dm.case_items(cohort, cohort.case_ids[:3], list(recipe.data.classes))]
-    crop = next(t for t in dm.training_transforms(recipe) if isinstance(t, aug.RandCropByLabelClassesPlaind))
+    crop = next(t for t in dm.training_transforms(recipe.data) if isinstance(t, aug.RandCropByLabelClassesPlaind))
     settings = dict(keys=["image", "label"], label_key="label", spatial_size=crop.cropper.spatial_size,
                     ratios=crop.cropper.ratios, num_classes=crop.cropper.num_classes, num_samples=3,
                     indices_key="label_cls_indices", warn=False)
@@ -128,7 +128,7 @@ def test_plain_crops_take_monais_path_where_the_fast_one_does_not_hold(tiny_phan
     larger than the volume (``allow_smaller``), the crops are still MONAI's."""
     recipe = _recipe(tiny_phantom, tmp_path)
     cohort = dm.load_cohort(recipe.data.root)
-    head = dm.seeded_compose(dm.preprocessing(recipe), 0)
+    head = dm.seeded_compose(dm.preprocessing(recipe.data), 0)
     items = [head(item) for item in dm.case_items(cohort, cohort.case_ids[:2], list(recipe.data.classes))]
     depth = int(items[0]["image"].shape[-1])
     for extra in ({}, {"spatial_size": (16, 16, depth + 8), "allow_smaller": True}):  # the second overhangs
@@ -152,9 +152,9 @@ def test_training_chain_equals_monais_classes_in_a_plain_compose(tiny_phantom, t
     """``seeded_compose`` over the training chain (fast paths, direct dispatch, metadata off) gives the
     crops of MONAI's own classes in a plain Compose with the same seed, crop for crop, over many draws."""
     recipe = _recipe(tiny_phantom, tmp_path, "data.samples_per_volume=2")
-    chain = dm.preprocessing(recipe) + dm.training_transforms(recipe)
+    chain = dm.preprocessing(recipe.data) + dm.training_transforms(recipe.data)
     assert [type(t).__module__ for t in chain].count(aug.__name__) == 4, "crop, scale, shift and noise"
-    reference = Compose([_as_monai(t) for t in dm.preprocessing(recipe) + dm.training_transforms(recipe)])
+    reference = Compose([_as_monai(t) for t in dm.preprocessing(recipe.data) + dm.training_transforms(recipe.data)])
     reference.set_random_state(seed=7)
     ours = dm.seeded_compose(chain, 7)
     cohort = dm.load_cohort(recipe.data.root)

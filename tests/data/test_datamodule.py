@@ -14,7 +14,7 @@ import torch
 from monai.data import MetaTensor
 
 from conftest import RECIPES, tiny_overrides
-from lightning_modules.config.recipe import load_recipe
+from lightning_modules.recipe import load_recipe
 from lightning_modules.data import datamodule as dm
 
 
@@ -28,14 +28,16 @@ N_CASES = 4  # cases per stage read in the cache tests (the tiny phantom's first
 
 def _datasets(recipe) -> dict:
     """The training (patch sampling) and validation (whole volume) datasets over N_CASES cases each."""
-    module = dm.CohortDataModule(recipe)
-    module._load()
-    chains = {"train": dm.preprocessing(recipe) + dm.training_transforms(recipe), "val": dm.preprocessing(recipe)}
+    module = dm.CohortDataModule(recipe.data, recipe.seed)
+    module.load()
+    chains = {"train": dm.preprocessing(recipe.data) + dm.training_transforms(recipe.data), "val": dm.preprocessing(recipe.data)}
     return {
         stage: dm.cached_dataset(
             dm.case_items(module.cohort, module.case_ids(stage)[:N_CASES], list(recipe.data.classes)),
             dm.seeded_compose(chain, int(recipe.seed)),
-            recipe,
+            recipe.data,
+            recipe.seed,
+            cache_dir=dm.default_cache_dir(recipe.tracking.output_dir),
         )
         for stage, chain in chains.items()
     }
@@ -113,7 +115,7 @@ def test_disk_cache_keys_change_with_preprocessing(tiny_phantom, tmp_path):
 def test_class_indices_are_capped_per_class_and_labels_stay_uint8(tiny_phantom, tmp_path, monkeypatch):
     monkeypatch.setattr(dm, "CLASS_INDICES_PER_CLASS", 100)
     recipe = _recipe(tiny_phantom, tmp_path)
-    transforms = dm.preprocessing(recipe) + dm.training_transforms(recipe)[:1]
+    transforms = dm.preprocessing(recipe.data) + dm.training_transforms(recipe.data)[:1]
     cohort = dm.load_cohort(recipe.data.root)
     case_id = cohort.case_ids[0]
     item = dm.seeded_compose(transforms, 0)(dm.case_items(cohort, [case_id], list(recipe.data.classes))[0])
@@ -135,10 +137,10 @@ def test_training_crops_drop_metadata_but_not_the_crops_and_restore_the_switch(t
     from monai.transforms import Compose, Lambdad
 
     recipe = _recipe(tiny_phantom, tmp_path)
-    chain = dm.preprocessing(recipe) + dm.training_transforms(recipe)
+    chain = dm.preprocessing(recipe.data) + dm.training_transforms(recipe.data)
     cohort = dm.load_cohort(recipe.data.root)
     items = dm.case_items(cohort, cohort.case_ids[:2], list(recipe.data.classes))
-    with_metadata = Compose(dm.preprocessing(recipe) + dm.training_transforms(recipe))  # own transform objects
+    with_metadata = Compose(dm.preprocessing(recipe.data) + dm.training_transforms(recipe.data))  # own transform objects
     with_metadata.set_random_state(seed=7)
     without = dm.seeded_compose(chain, 7)
     for item in items:
@@ -150,7 +152,7 @@ def test_training_crops_drop_metadata_but_not_the_crops_and_restore_the_switch(t
             assert torch.equal(e["image"].as_tensor(), c["image"]) and torch.equal(e["label"].as_tensor(), c["label"])
 
     # whole volumes (no random transform) keep their affine
-    volume = dm.seeded_compose(dm.preprocessing(recipe), 0)(dict(items[0]))
+    volume = dm.seeded_compose(dm.preprocessing(recipe.data), 0)(dict(items[0]))
     assert isinstance(volume["image"], MetaTensor) and volume["image"].affine.shape == (4, 4)
     assert isinstance(volume["label"], MetaTensor) and torch.equal(volume["label"].affine, volume["image"].affine)
 

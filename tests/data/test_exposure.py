@@ -10,7 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import RECIPES, tiny_overrides
-from lightning_modules.config.recipe import RecipeError, load_recipe
+from lightning_modules.recipe import RecipeError, load_recipe
 from lightning_modules.data.exposure import ExposureMatchedSampler, matched_total_steps, sham_substitutes
 
 

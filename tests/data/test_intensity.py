@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import RECIPES, tiny_overrides
-from lightning_modules.config.recipe import RecipeError, load_recipe
+from lightning_modules.recipe import RecipeError, load_recipe
 from lightning_modules.data.cohort import load_cohort
 from lightning_modules.data.intensity import ct_intensity_properties, intensity_transforms
 
@@ -89,6 +89,6 @@ def test_training_measures_the_statistics_once_into_the_recipe_it_logs(tiny_phan
     expected = ct_intensity_properties(load_cohort(root), list(table.loc[table["split"] == "train", "case_id"]),
                                        list(recipe.data.classes))
     assert OmegaConf.to_container(prepared.data.ct_intensity) == pytest.approx(expected)
-    assert datamodule.recipe.data.ct_intensity == prepared.data.ct_intensity
+    assert datamodule.data.ct_intensity == prepared.data.ct_intensity
     # A recipe that carries them (the resolved recipe a run logs) is not measured again.
     assert prepare_data(prepared)[0].data.ct_intensity == prepared.data.ct_intensity

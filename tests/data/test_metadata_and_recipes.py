@@ -12,7 +12,7 @@ import pytest
 
 from lightning_modules.data.cohort import CohortError, load_cohort, write_case, write_metadata
 from lightning_modules.data.metadata import age_band, normalize_age, normalize_metadata, normalize_phase, normalize_sex
-from lightning_modules.config.recipe import RecipeError, load_recipe
+from lightning_modules.recipe import RecipeError, load_recipe
 from conftest import RECIPES
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_modules.config.recipe import RecipeError, load_recipe
+from lightning_modules.recipe import RecipeError, load_recipe
 from lightning_modules.data.mixing import MixingSampler
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "unet.yaml"

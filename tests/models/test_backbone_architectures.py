@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,7 +28,7 @@ from lightning_modules.models.backbones.universal_model import (
     load_class_embeddings,
 )
 from lightning_modules.models.backbones.vsmtrans import WindowShapeAttention, build_vsmtrans, window_shapes
-from lightning_modules.config.recipe import RecipeError, load_recipe
+from lightning_modules.recipe import RecipeError, load_recipe
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 PATCH = (32, 32, 32)

@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import RECIPES, tiny_overrides
 from lightning_modules.models.backbones import BACKBONES
-from lightning_modules.config.recipe import load_recipe
+from lightning_modules.recipe import load_recipe
 from lightning_modules.workflows.train import train
 
 

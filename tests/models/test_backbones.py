@@ -30,7 +30,7 @@ from lightning_modules.models.planning import (
     target_spacing,
 )
 from lightning_modules.data.cohort import write_case, write_metadata
-from lightning_modules.config.recipe import RecipeError, load_recipe
+from lightning_modules.recipe import RecipeError, load_recipe
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 NAMES = sorted(BACKBONES)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_modules.config.recipe import load_recipe
+from lightning_modules.recipe import load_recipe
 from lightning_modules.models.backbones import BACKBONES
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"

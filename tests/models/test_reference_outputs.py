@@ -21,7 +21,7 @@ import zlib
 import pytest
 import torch
 
-from lightning_modules.config.recipe import RecipeError, load_recipe
+from lightning_modules.recipe import RecipeError, load_recipe
 from lightning_modules.models.backbones.mednext import build_mednext
 from lightning_modules.models.backbones.mednext import reference_key as mednext_key
 from lightning_modules.models.backbones.stunet import build_stunet

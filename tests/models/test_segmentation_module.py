@@ -13,7 +13,7 @@ from monai.losses import DiceCELoss
 from omegaconf import OmegaConf
 from torch import nn
 
-from lightning_modules.config.recipe import load_recipe
+from lightning_modules.recipe import load_recipe
 from lightning_modules.data.lesions import largest_lesion_extent_mm
 from lightning_modules.models.segmentation_module import (
     SegmentationModule,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from monai.data import MetaTensor
 
-from lightning_modules.config.recipe import load_recipe
+from lightning_modules.recipe import load_recipe
 from lightning_modules.models.checkpoints import build_module
 from lightning_modules.models.tumor_outputs import (
     predicted_labels,

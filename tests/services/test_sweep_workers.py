@@ -25,7 +25,7 @@ from service_fixtures import postgres_database, services  # noqa: F401 (pytest f
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "synthx"))
 from test_synthx_study import fake_synthetic_cohort  # noqa: E402
 
-from lightning_modules.config.recipe import load_recipe  # noqa: E402
+from lightning_modules.recipe import load_recipe  # noqa: E402
 from synthx.commands.sweep import main as sweep_main  # noqa: E402
 from synthx.workflows.sweep import PARENT_ATTR, create_sweep, make_objective, make_storage, sqlite_worker_slot  # noqa: E402
 

@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import RECIPES, tiny_overrides
 from service_fixtures import postgres_database, services  # noqa: F401 (pytest fixtures)
-from lightning_modules.config.recipe import load_recipe
+from lightning_modules.recipe import load_recipe
 from lightning_modules.workflows.evaluate import compare, evaluate
 from lightning_modules.workflows.train import train
 

@@ -19,10 +19,10 @@ from conftest import RECIPES, new_sqlite_store, tiny_overrides  # noqa: E402
 from test_synthx_generation import cohort, run, tiny_pipeline  # noqa: E402,F401  (fixtures)
 
 from lightning_modules.cli import main as benchx  # noqa: E402
-from lightning_modules.config.recipe import load_recipe  # noqa: E402
+from lightning_modules.recipe import load_recipe  # noqa: E402
 from lightning_modules.cohorts.audit import check_split_leakage  # noqa: E402
 from lightning_modules.data.cohort import CohortError, load_cohort, write_metadata  # noqa: E402
-from lightning_modules.data.mixing import mixing_datamodule  # noqa: E402
+from lightning_modules.workflows.train import recipe_datamodule  # noqa: E402
 from lightning_modules.tracking.datasets import SYNTHETIC_COHORT_TAG, log_dataset_inputs  # noqa: E402
 from lightning_modules.data.synthetic_provenance import (  # noqa: E402
     PROVENANCE_FILE,
@@ -68,7 +68,7 @@ def test_synthesize_records_the_generators_provenance_in_the_cohort(attack, tmp_
     provenance = read_provenance(synthetic)
     assert provenance.training_cases == ["T1"] and provenance.trained
     # Under the split the generator was trained on, the cohort mixes in.
-    datamodule = mixing_datamodule(_recipe(root, split, tmp_path, synthetic))
+    datamodule = recipe_datamodule(_recipe(root, split, tmp_path, synthetic))
     assert datamodule.synthetic_cohort.root == synthetic
 
 
@@ -94,7 +94,7 @@ def test_mixing_refuses_a_cohort_without_provenance_or_with_a_second_generator(a
     shutil.copytree(synthetic, unknown)
     (unknown / PROVENANCE_FILE).unlink()
     with pytest.raises(CohortError, match=f"has no {PROVENANCE_FILE}"):
-        mixing_datamodule(_recipe(root, split, tmp_path, unknown))
+        recipe_datamodule(_recipe(root, split, tmp_path, unknown))
     mixed = tmp_path / "mixed"
     shutil.copytree(synthetic, mixed)
     GeneratorProvenance(training_cases=["T1"], generator_run_id="a" * 32).write(mixed)
@@ -103,7 +103,7 @@ def test_mixing_refuses_a_cohort_without_provenance_or_with_a_second_generator(a
     rows.loc[1, "generator_run_id"] = "b" * 32
     write_metadata(mixed, rows)
     with pytest.raises(CohortError, match=f"{rows.loc[1, 'case_id']}: made by generator run {'b' * 32}"):
-        mixing_datamodule(_recipe(root, split, tmp_path, mixed))
+        recipe_datamodule(_recipe(root, split, tmp_path, mixed))
 
 
 def test_the_audit_reports_the_generator_leak(attack):
@@ -123,7 +123,7 @@ def test_evaluation_refuses_cases_the_generator_learned_from(attack, tmp_path):
     table = pd.read_csv(new_split, dtype=str)
     # What training logs: the dataset inputs (with the generator's cases) of a legitimate mixed run...
     legit = client.create_run(client.create_experiment("leak")).info.run_id
-    datamodule = mixing_datamodule(_recipe(root, split, tmp_path, synthetic))
+    datamodule = recipe_datamodule(_recipe(root, split, tmp_path, synthetic))
     log_dataset_inputs(client, legit, datamodule, str(split))
     logged = pd.read_csv(client.download_artifacts(legit, GENERATOR_CASES_ARTIFACT, str(tmp_path)), dtype=str)
     assert logged.to_dict("records") == [{"case_id": "T1", "patient_id": "P4"}]

@@ -19,11 +19,11 @@ from mlflow.tracking import MlflowClient
 from conftest import RECIPES, REPO_ROOT, new_sqlite_store, tiny_overrides
 from lightning_modules.data.cohort import CohortError, load_cohort, write_metadata
 from lightning_modules.data.datamodule import CohortDataModule
-from lightning_modules.config.recipe import load_recipe
-from lightning_modules.data.mixing import MixingSampler, mixing_datamodule
+from lightning_modules.recipe import load_recipe
+from lightning_modules.data.mixing import MixingSampler
 from lightning_modules.data.splits import split_sha256
 from lightning_modules.data.synthetic_provenance import GeneratorProvenance
-from lightning_modules.workflows.train import train
+from lightning_modules.workflows.train import recipe_datamodule, train
 
 
 def fake_synthetic_cohort(root, split, out, canvas_split: str = "train", n: int = 3):
@@ -69,7 +69,7 @@ def test_ratio_zero_is_exactly_the_baseline_data(tiny_phantom, tmp_path):
     synthetic = fake_synthetic_cohort(root, split, tmp_path / "synthetic")
     base = load_recipe(RECIPES / "unet.yaml", tiny_overrides(root, split, tmp_path))
     zero = load_recipe(RECIPES / "unet.yaml", [*tiny_overrides(root, split, tmp_path), "synthx.ratio=0", f"synthx.cohort={synthetic}"])
-    mixed_dm, plain_dm = mixing_datamodule(zero), CohortDataModule(base)
+    mixed_dm, plain_dm = recipe_datamodule(zero), CohortDataModule(base.data, base.seed)
     assert type(mixed_dm) is CohortDataModule and mixed_dm.train_dataset_factory is None
     mixed_dm.setup("fit")
     plain_dm.setup("fit")
@@ -82,16 +82,16 @@ def test_synthetic_canvases_outside_training_are_refused(tiny_phantom, tmp_path)
     bad = fake_synthetic_cohort(root, split, tmp_path / "from_test", canvas_split="test", n=1)
     recipe = load_recipe(RECIPES / "unet.yaml", [*tiny_overrides(root, split, tmp_path), "synthx.ratio=0.5", f"synthx.cohort={bad}"])
     with pytest.raises(CohortError, match="validation/test case"):
-        mixing_datamodule(recipe).setup("fit")
+        recipe_datamodule(recipe).setup("fit")
     stray = fake_synthetic_cohort(root, split, tmp_path / "stray", n=1)
     rows = load_cohort(stray).metadata
     rows.loc[0, "source_case_id"] = "NOT_IN_SPLIT"
     write_metadata(stray, rows)
     recipe = load_recipe(RECIPES / "unet.yaml", [*tiny_overrides(root, split, tmp_path), "synthx.ratio=0.5", f"synthx.cohort={stray}"])
     with pytest.raises(CohortError, match="not a real training case"):
-        mixing_datamodule(recipe).setup("fit")
+        recipe_datamodule(recipe).setup("fit")
     with pytest.raises(CohortError, match="needs synthx.cohort"):
-        mixing_datamodule(load_recipe(RECIPES / "unet.yaml", [*tiny_overrides(root, split, tmp_path), "synthx.ratio=0.5"]))
+        recipe_datamodule(load_recipe(RECIPES / "unet.yaml", [*tiny_overrides(root, split, tmp_path), "synthx.ratio=0.5"]))
 
 
 def test_augmented_training_logs_the_synthetic_cohort_as_a_dataset_input(tiny_phantom, tmp_path):
@@ -471,7 +471,7 @@ def test_the_study_loads_its_recipe_once_and_builds_the_arms_in_memory(tmp_path,
     """Every arm's recipe is the loaded recipe with the arm's typed values merged in; the YAML is read
     once, and the arms equal what the same values as command-line overrides give."""
     import synthx.workflows.study as study
-    from lightning_modules.config.recipe import load_recipe
+    from lightning_modules.recipe import load_recipe
 
     settings = _study_settings(tmp_path / "cohort", tmp_path / "split.csv", tmp_path)
     study._loaded_recipe.cache_clear()

@@ -11,7 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import RECIPES, tiny_overrides
-from lightning_modules.config.recipe import load_recipe
+from lightning_modules.recipe import load_recipe
 from lightning_modules.data.cohort import CohortError
 from synthx.commands.sweep import main as sweep_main
 from synthx.workflows.sweep import PARENT_ATTR, SweepSettings, make_objective, sweep

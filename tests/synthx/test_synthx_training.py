@@ -128,7 +128,7 @@ def test_only_real_training_cases_with_tumors_are_used(cohort_dir):
     with pytest.raises(ValueError, match="C004: .*pancreatic_lesion.nii.gz is missing or empty"):
         training_tumor_cases(cohort, split, "pancreatic_lesion", ["C004"])
     with pytest.raises(ValueError, match="V000: in the 'val' split"):
-        build_dataset(tiny_recipe(cohort_dir, "data.case_ids=[V000]"), cohort, split)
+        build_dataset(tiny_recipe(cohort_dir, "data.case_ids=[V000]").data, cohort, split)
 
 
 def test_patches_are_tumor_centred_with_conditions_from_metadata(cohort_dir):
@@ -173,7 +173,7 @@ def test_a_few_training_steps_lower_the_loss_and_the_pipeline_carries_the_ema_we
     pl.seed_everything(0)
     recipe = tiny_recipe(cohort_dir, "data.augment=false", "optim.warmup_steps=0", "ema.decay=0.9")
     cohort = load_cohort(recipe.data.root)
-    dataset = build_dataset(recipe, cohort, load_split(recipe.data.split, cohort))
+    dataset = build_dataset(recipe.data, cohort, load_split(recipe.data.split, cohort))
     loader = DataLoader(dataset, batch_size=2, shuffle=True)
     module = SynthXTrainingModule.from_recipe(recipe)
     batch = next(iter(DataLoader(dataset, batch_size=4)))
@@ -313,7 +313,7 @@ def test_each_rank_loads_only_its_share_and_all_ranks_draw_equally_many_patches(
     cases = ["C000", "C001", "C002", "C003"]
     shares = {}
     for rank in (0, 1, 2):
-        datamodule = TumorPatchDataModule(recipe, cases)
+        datamodule = TumorPatchDataModule(recipe.data, recipe.seed, cases)
         # The rank and world size a DDP trainer gives; the gather returns every rank's lesion count.
         gather = SimpleNamespace(all_gather=lambda value: torch.tensor([2, 1, 1]))
         datamodule.trainer = SimpleNamespace(global_rank=rank, world_size=3, strategy=gather)
@@ -336,7 +336,7 @@ def test_balanced_draws_give_every_phase_an_equal_share_of_the_patches(cohort_di
     from synthx.training import TumorPatchDataModule
     from synthx.training.dataset import BalancedDraws
 
-    datamodule = TumorPatchDataModule(tiny_recipe(cohort_dir, "data.num_workers=0"), ["C000", "C001", "C001", "C001", "C002"])
+    datamodule = TumorPatchDataModule(tiny_recipe(cohort_dir, "data.num_workers=0").data, 0, ["C000", "C001", "C001", "C001", "C002"])
     datamodule.setup("fit")
     dataset = datamodule.dataset
     phases = [dataset.regions[r].conditions["phase"] for r, _ in dataset.items]
@@ -357,7 +357,7 @@ def test_balanced_draws_give_every_phase_an_equal_share_of_the_patches(cohort_di
     sampler.set_epoch(1)
     assert list(sampler) != first
     # Under DDP every rank draws the longest share, so steps stay in lockstep.
-    datamodule = TumorPatchDataModule(tiny_recipe(cohort_dir, "data.num_workers=0"), ["C000", "C001", "C002", "C003"])
+    datamodule = TumorPatchDataModule(tiny_recipe(cohort_dir, "data.num_workers=0").data, 0, ["C000", "C001", "C002", "C003"])
     datamodule.trainer = SimpleNamespace(global_rank=1, world_size=3, strategy=SimpleNamespace(all_gather=lambda value: torch.tensor([2, 1, 1])))
     datamodule.setup("fit")
     assert len(datamodule.train_dataloader().sampler) == 2

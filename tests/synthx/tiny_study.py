@@ -19,7 +19,7 @@ _CACHE: dict[str, object] = {}
 def finished_study(tiny_phantom, tmp_path_factory):
     """(settings, tracking uri, parent run id) of a finished tiny study (run once per session)."""
     if "study" not in _CACHE:
-        from lightning_modules.config.recipe import load_recipe
+        from lightning_modules.recipe import load_recipe
         from synthx.workflows.study import run_study
 
         from conftest import RECIPES

@@ -15,7 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import RECIPES, REPO_ROOT, tiny_overrides
-from lightning_modules.config.recipe import load_recipe
+from lightning_modules.recipe import load_recipe
 from lightning_modules.tracking.pyfunc import model_version_tags, set_aliases
 from lightning_modules.workflows.train import train
 

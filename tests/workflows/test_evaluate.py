@@ -18,7 +18,7 @@ from lightning_modules.cli import main as benchx
 from lightning_modules.commands.compare import main as compare_main
 from lightning_modules.commands.compare import parser as compare_parser
 from lightning_modules.commands.evaluate import main as evaluate_main
-from lightning_modules.config.recipe import load_recipe
+from lightning_modules.recipe import load_recipe
 from lightning_modules.tracking.provenance import TRAINING_CASES_ARTIFACT, training_overlap
 from lightning_modules.workflows.evaluate import (
     OVERLAP_CHECK_TAG,

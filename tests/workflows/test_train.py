@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 from conftest import RECIPES, REPO_ROOT, tiny_overrides
 from lightning_modules.data.cohort import CohortError
 from lightning_modules.data.datamodule import CohortDataModule
-from lightning_modules.config.recipe import load_recipe
+from lightning_modules.recipe import load_recipe
 from lightning_modules.models.checkpoints import build_module
 from lightning_modules.run_folder import RunRecord
 from lightning_modules.workflows.train import default_output_dir, train
@@ -161,7 +161,7 @@ def test_ddp_two_processes_count_every_case_once(tiny_phantom, tmp_path):
         path = tmp_path / f"{name}.csv"
         trainer = pl.Trainer(accelerator="cpu", logger=False, callbacks=[RecordsToDisk(path)], enable_progress_bar=False,
                              enable_model_summary=False, **kwargs)
-        trainer.validate(module, datamodule=CohortDataModule(recipe))
+        trainer.validate(module, datamodule=CohortDataModule(recipe.data, recipe.seed))
         tables[name] = pd.read_csv(path, keep_default_na=False, na_values=[""])
     single, ddp = tables["single"], tables["ddp"]
     assert len(single) == n_val and len(ddp) == n_val and ddp["case_id"].is_unique

@@ -25,8 +25,10 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from omegaconf import OmegaConf
 from torch import nn
 
+from lightning_modules.config.recipe import DataConfig, ModelConfig, RecipeError, TrainerConfig
 from lightning_modules.models.backbones.mednext import build_mednext, check_mednext_options, mednext_divisor
 from lightning_modules.models.backbones.nnunet import build_nnunet, build_resenc, check_nnunet_options
 from lightning_modules.models.backbones.swin_unetr import (
@@ -197,6 +199,25 @@ def check_backbone_config(
             tuple(int(p) for p in patch_size),
         )
     return bound
+
+
+def check_model_section(model: ModelConfig, data: DataConfig, trainer: TrainerConfig, source: str = "recipe") -> None:
+    """The recipe's backbone and its options (``model``) against the builder's signature and shape
+    rules, at the training patch (``data.patch_size``) and at the sliding window (``trainer.sw_roi_size``).
+
+    Raises:
+        RecipeError: naming ``source`` and what is wrong.
+    """
+    options = dict(OmegaConf.to_container(model.options, resolve=True))
+    sizes = [("data.patch_size", data.patch_size)]
+    if len(trainer.sw_roi_size):
+        sizes.append(("trainer.sw_roi_size", trainer.sw_roi_size))
+    for key, size in sizes:
+        try:
+            check_backbone_config(model.backbone, options, patch_size=tuple(int(p) for p in size), in_channels=1,
+                                  out_channels=len(data.classes) + 1)
+        except (TypeError, ValueError, KeyError) as error:
+            raise RecipeError(f"{source}: model: {str(error).replace('data.patch_size', key)}") from error
 
 
 def build_backbone(

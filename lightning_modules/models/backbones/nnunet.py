@@ -29,7 +29,6 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import numpy as np
-import torch
 from torch import nn
 
 from lightning_modules.models.backbones.deep_supervision import DeepSupervisionOutput
