@@ -32,7 +32,6 @@ from monai.transforms import ScaleIntensityRanged
 
 from lightning_modules.data.cohort import Cohort
 
-NORMALIZATIONS = ("window", "ct")
 CT_INTENSITY_KEYS = ("mean", "std", "percentile_00_5", "percentile_99_5")
 # nnU-Net's fingerprint: 10^8 foreground samples over the dataset, seeded.
 FOREGROUND_SAMPLES_TOTAL = 10**8

@@ -38,7 +38,7 @@ import torch
 from monai.data import Dataset
 from torch.utils.data import Sampler
 
-from lightning_modules.config.recipe import DataConfig, SynthXMixConfig
+from lightning_modules.config.recipe import DataConfig, MixingMode, SynthXMixConfig
 from lightning_modules.data.cohort import Cohort, CohortError, load_cohort
 from lightning_modules.data.splits import split_sha256
 from lightning_modules.data.synthetic_provenance import (
@@ -48,8 +48,6 @@ from lightning_modules.data.synthetic_provenance import (
 )
 from lightning_modules.data.exposure import ExposureMatchedSampler, sham_substitutes
 from lightning_modules.data.datamodule import CohortDataModule, case_items
-
-MIXING_MODES = ("add", "displace")
 
 
 class MixingSampler(Sampler[int]):
@@ -69,8 +67,8 @@ class MixingSampler(Sampler[int]):
     """
 
     def __init__(self, n_real: int, n_synthetic: int, ratio: float, seed: int = 0, mode: str = "add", report=None):
-        if mode not in MIXING_MODES:
-            raise ValueError(f"synthx.mode must be one of {', '.join(MIXING_MODES)}, got {mode!r}")
+        if mode not in set(MixingMode):
+            raise ValueError(f"synthx.mode must be one of {', '.join(MixingMode)}, got {mode!r}")
         if n_synthetic == 0 and ratio > 0:
             raise ValueError("synthesis ratio > 0 but the synthetic cohort has no cases")
         self.n_real, self.n_synthetic, self.ratio, self.seed, self.mode = n_real, n_synthetic, float(ratio), int(seed), mode
