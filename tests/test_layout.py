@@ -230,6 +230,51 @@ def library_violations(imports: dict[str, set[str]]) -> list[str]:
     return problems
 
 
+# The library functions still built from a whole recipe: what is made of all of it (the
+# SegmentationModule: backbone, loss, optimizer, inference settings; planning rewrites data and
+# model together; SynthX's Lightning modules). Every other library function takes its own section.
+WHOLE_RECIPE_LIBRARY_FUNCTIONS = {
+    "lightning_modules.models.checkpoints.build_module",
+    "lightning_modules.models.checkpoints.load_module_from_checkpoint",
+    "lightning_modules.models.planning.resolve_planned_recipe",
+    "synthx.training.modules.SynthXTrainingModule.from_recipe",
+    "synthx.training.modules.SynthXAutoencoderModule.from_recipe",
+}
+
+
+def whole_recipe_functions(sources: dict[str, Path]) -> set[str]:
+    """``module.function`` (``module.Class.method``) of every library function with a ``recipe`` parameter."""
+    found = set()
+    for module, path in sources.items():
+        is_library = any(_within(module, p) for p in LIBRARY_IMPORTS if p != "lightning_modules.recipe") or any(
+            _within(module, library) for library in SYNTHX_LIBRARIES)
+        if not is_library:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        scopes = [(node, "") for node in tree.body]
+        while scopes:
+            node, prefix = scopes.pop()
+            if isinstance(node, ast.ClassDef):
+                scopes += [(child, f"{prefix}{node.name}.") for child in node.body]
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                if any(argument.arg == "recipe" for argument in arguments):
+                    found.add(f"{module}.{prefix}{node.name}")
+    return found
+
+
+def test_libraries_take_their_own_recipe_section_not_the_whole_recipe():
+    assert whole_recipe_functions(_sources()) == WHOLE_RECIPE_LIBRARY_FUNCTIONS
+
+
+def test_the_section_check_finds_a_library_function_taking_the_whole_recipe(tmp_path):
+    planted = tmp_path / "datamodule.py"
+    planted.write_text("class Loader:\n    def __init__(self, recipe, seed):\n        pass\n\ndef f(data):\n    return data\n")
+    assert whole_recipe_functions({"lightning_modules.data.datamodule": planted}) == {
+        "lightning_modules.data.datamodule.Loader.__init__"}
+    assert whole_recipe_functions({"lightning_modules.workflows.train": planted}) == set(), "a workflow may"
+
+
 def test_libraries_import_neither_mlflow_nor_a_workflow_nor_a_layer_above():
     violations = library_violations(all_imports())
     assert not violations, violations
