@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,7 +29,21 @@ from synthx.schedulers import SAMPLING_SCHEDULERS
 
 __all__ = ["SynthXRecipe", "load_synthx_recipe", "check_synthx_recipe", "recipe_to_yaml", "RecipeError"]
 
-PREDICTION_TYPES = ("epsilon", "sample", "v_prediction")
+
+# The schema's choices (names equal values, so recipes spell them as before).
+class PredictionType(StrEnum):
+    epsilon = "epsilon"
+    sample = "sample"
+    v_prediction = "v_prediction"
+
+
+# One member per scheduler class of synthx.schedulers, so the two cannot disagree.
+SamplingScheduler = StrEnum("SamplingScheduler", {name: name for name in SAMPLING_SCHEDULERS})
+
+
+class SizeSource(StrEnum):
+    training = "training"  # in proportion to the real training tumors
+    weights = "weights"  # mask_prior.size_class_weights
 
 
 @dataclass
@@ -87,7 +102,7 @@ class NoiseSchedulerConfig:
     beta_schedule: str = "linear"
     beta_start: float = 1.0e-4
     beta_end: float = 2.0e-2
-    prediction_type: str = "epsilon"
+    prediction_type: PredictionType = PredictionType.epsilon
     clip_sample: bool = True
 
 
@@ -140,7 +155,7 @@ class SynthXTrainerConfig:
 class SamplingConfig:
     # The scheduler saved with the pipeline and swapped in at generation (built from the training
     # scheduler's config); generation reads all three (benchx synthesize --recipe ... key=value).
-    scheduler: str = "ddim"
+    scheduler: SamplingScheduler = SamplingScheduler.ddim
     num_inference_steps: int = 50
     # Classifier-free guidance; > 1 needs a generator trained with condition_dropout.all > 0.
     guidance_scale: float = 2.0
@@ -148,7 +163,6 @@ class SamplingConfig:
 
 # DiffTumor-like: mostly small tumors (mask_prior.size_source "weights").
 DIFFTUMOR_SIZE_WEIGHTS = {"tiny": 1.0, "small": 2.0, "medium": 1.0, "large": 0.0}
-SIZE_SOURCES = ("training", "weights")
 
 
 @dataclass
@@ -157,7 +171,7 @@ class MaskPriorConfig:
     erosion_mm: float = 1.5
     # Where the drawn tumors' size classes come from: "training" (in proportion to the real training
     # tumors, synthx.generation.canvases.training_tumor_diameters) or "weights" (size_class_weights).
-    size_source: str = "training"
+    size_source: SizeSource = SizeSource.training
     # Relative frequency of each size class among the drawn tumors (synthx.mask_prior.SIZE_CLASSES),
     # read with size_source "weights" only (a changed value with "training" is refused).
     size_class_weights: dict[str, float] = field(default_factory=lambda: dict(DIFFTUMOR_SIZE_WEIGHTS))
@@ -220,10 +234,6 @@ def check_synthx_recipe(config: DictConfig, source: str = "recipe") -> None:
         raise RecipeError(f"{source}: autoencoder.channels {list(autoencoder.channels)} must be multiples of autoencoder.norm_num_groups={autoencoder.norm_num_groups}")
     if model.latent and not model.vae_path:
         raise RecipeError(f"{source}: model.latent=true needs model.vae_path (a saved SynthXAutoencoder)")
-    if config.scheduler.prediction_type not in PREDICTION_TYPES:
-        raise RecipeError(f"{source}: scheduler.prediction_type must be one of {', '.join(PREDICTION_TYPES)}")
-    if config.sampling.scheduler not in SAMPLING_SCHEDULERS:
-        raise RecipeError(f"{source}: sampling.scheduler must be one of {', '.join(SAMPLING_SCHEDULERS)}")
     for name in ("each", "all"):
         value = config.condition_dropout[name]
         if not 0.0 <= value < 1.0:
@@ -232,8 +242,6 @@ def check_synthx_recipe(config: DictConfig, source: str = "recipe") -> None:
         raise RecipeError(f"{source}: loss.tumor_weight must be >= 1, got {config.loss.tumor_weight}")
     prior = config.mask_prior
     weights = prior.size_class_weights
-    if prior.size_source not in SIZE_SOURCES:
-        raise RecipeError(f"{source}: mask_prior.size_source must be one of {', '.join(SIZE_SOURCES)}, got {prior.size_source!r}")
     if prior.size_source == "training" and dict(weights) != DIFFTUMOR_SIZE_WEIGHTS:
         raise RecipeError(
             f"{source}: mask_prior.size_class_weights {dict(weights)} would be ignored: tumor sizes follow the "

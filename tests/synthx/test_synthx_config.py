@@ -99,5 +99,27 @@ def test_size_weights_are_read_only_from_the_weights_source():
     assert chosen.mask_prior.size_class_weights.tiny == 0
     with pytest.raises(RecipeError, match="size_class_weights .* would be ignored"):
         load_synthx_recipe(RECIPE, ["profile=cpu", "mask_prior.size_class_weights.tiny=0"])
-    with pytest.raises(RecipeError, match="size_source must be one of training, weights"):
+    with pytest.raises(RecipeError, match="mask_prior.size_source must be training or weights, got 'test'"):
         load_synthx_recipe(RECIPE, ["profile=cpu", "mask_prior.size_source=test"])
+
+
+@pytest.mark.parametrize("key, choices", [
+    ("scheduler.prediction_type", "epsilon, sample or v_prediction"),
+    ("sampling.scheduler", "ddpm, ddim or dpm_solver"),
+    ("mask_prior.size_source", "training or weights"),
+])
+def test_a_choice_outside_its_enum_is_refused_naming_the_key_and_the_choices(key, choices):
+    from synthx.config import RecipeError
+
+    with pytest.raises(RecipeError, match=rf"^command line: {key} must be {choices}, got 'nope'$"):
+        load_synthx_recipe(RECIPE, ["profile=cpu", f"{key}=nope"])
+
+
+def test_the_sampling_scheduler_choices_are_the_scheduler_classes():
+    from synthx.config import SamplingScheduler
+    from synthx.schedulers import SAMPLING_SCHEDULER_CLASSES, sampling_scheduler
+
+    recipe = load_synthx_recipe(RECIPE, ["profile=cpu", "sampling.scheduler=dpm_solver"])
+    assert [member.value for member in SamplingScheduler] == list(SAMPLING_SCHEDULER_CLASSES)
+    scheduler = sampling_scheduler(recipe.sampling.scheduler, build_noise_scheduler(recipe.scheduler))
+    assert type(scheduler) is SAMPLING_SCHEDULER_CLASSES["dpm_solver"]
