@@ -22,8 +22,6 @@ from omegaconf import DictConfig
 
 from lightning_modules.config.loader import RecipeError, load_config, recipe_to_yaml, with_values
 from lightning_modules.config.recipe import Recipe, check_values
-from lightning_modules.data.exposure import check_schedule
-from lightning_modules.models.backbones import check_model_section
 
 __all__ = ["RecipeError", "check_recipe", "load_recipe", "recipe_to_yaml", "recipe_variant"]
 
@@ -31,6 +29,11 @@ __all__ = ["RecipeError", "check_recipe", "load_recipe", "recipe_to_yaml", "reci
 def check_recipe(config: DictConfig, source: str = "recipe") -> None:
     """Every check of a recipe, without building weights: values, exposure schedule, backbone options."""
     check_values(config, source)
+    # The data and model layers import torch (the backbone registry holds the networks' builders):
+    # imported once the schema and the values have passed, so those errors come before torch loads.
+    from lightning_modules.data.exposure import check_schedule
+    from lightning_modules.models.backbones import check_model_section
+
     check_schedule(config.synthx, config.trainer, source)
     check_model_section(config.model, config.data, config.trainer, source)
 
