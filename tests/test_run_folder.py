@@ -78,6 +78,22 @@ def test_another_recipe_is_refused_with_the_keys_that_differ(tmp_path):
     assert "--fresh" in message and "--out" in message
 
 
+def test_a_recipe_record_spells_enum_choices_as_text_so_folders_recorded_with_text_still_resume(tmp_path):
+    from lightning_modules.run_folder import recipe_fingerprint, recipe_keys
+
+    recipe = load_recipe(RECIPES / "unet.yaml", ["profile=cpu", "data.cache=disk", "synthx.mode=displace"])
+    keys = recipe_keys(recipe)
+    assert keys["data.cache"] == '"disk"' and keys["synthx.mode"] == '"displace"' and keys["optim.name"] == '"adamw"'
+    # A record written when these settings were plain text: the same keys, the same fingerprint.
+    from omegaconf import OmegaConf
+
+    as_text = OmegaConf.create(OmegaConf.to_container(recipe, resolve=True, enum_to_str=True))
+    assert recipe_keys(as_text) == keys and recipe_fingerprint(as_text) == recipe_fingerprint(recipe)
+    record = RunRecord.for_recipe(as_text, "abc123", "sqlite:///m.db")
+    record.write(tmp_path)
+    check_same_recipe(tmp_path, RunRecord.read(tmp_path), recipe)
+
+
 def _checkpoint(path, step):
     torch.save({"global_step": step, "state_dict": {"w": torch.zeros(64)}}, path)
 
