@@ -163,3 +163,14 @@ def test_training_crops_drop_metadata_but_not_the_crops_and_restore_the_switch(t
     with pytest.raises(RuntimeError):
         broken(dict(items[0]))
     assert get_track_meta(), "the switch is restored when a random transform fails"
+
+
+def test_the_disk_cache_folder_is_data_cache_dir_else_the_runs_default_and_never_guessed(tmp_path):
+    recipe = load_recipe(RECIPES / "unet.yaml", ["profile=cpu", "data.cache=disk", f"data.root={tmp_path / 'cohort'}"])
+    with pytest.raises(ValueError, match="data.cache=disk needs data.cache_dir"):
+        dm.disk_cache_folder(recipe.data)
+    default = dm.disk_cache_folder(recipe.data, dm.default_cache_dir(tmp_path / "outputs"))
+    assert default.parent == tmp_path / "outputs" / "data-cache" and default.name.startswith("cohort-")
+    chosen = load_recipe(RECIPES / "unet.yaml", ["profile=cpu", "data.cache=disk", f"data.root={tmp_path / 'cohort'}",
+                                                 f"data.cache_dir={tmp_path / 'shared'}"])
+    assert dm.disk_cache_folder(chosen.data, tmp_path / "outputs").parent == tmp_path / "shared", "data.cache_dir wins"
