@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -105,17 +106,18 @@ def test_pruned_trial_ends_its_run_killed(tiny_phantom, tmp_path):
 
 def test_sqlite_refuses_a_second_parallel_worker(tmp_path):
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    lock = tmp_path / "optuna.sweep-worker.lock"
     with sqlite_worker_slot(storage):
+        assert lock.read_text() == f"pid {os.getpid()} on {socket.gethostname()}", "the slot names its holder"
         with pytest.raises(RuntimeError, match=f"pid {os.getpid()}.*use PostgreSQL"):
             with sqlite_worker_slot(storage):
-                pass
+                raise AssertionError("a second worker entered the slot")
     with sqlite_worker_slot(storage):  # free again once the first worker is done
-        pass
+        assert lock.read_text() == f"pid {os.getpid()} on {socket.gethostname()}"
 
 
 def test_optuna_dashboard_reads_the_sweep_storage(postgres_database, tiny_phantom, tmp_path):
     import json
-    import socket
     import urllib.request
 
     recipe = load_recipe(RECIPES / "unet.yaml", tiny_overrides(*tiny_phantom, tmp_path))
