@@ -48,7 +48,6 @@ from lightning_modules.data.splits import load_split
 from lightning_modules.tracking import experiment_id, tracking_uri as resolve_uri
 
 
-
 PERCENTILES = (5, 25, 50, 75, 95)
 # Per-tumor quantiles that stand for its HU distribution in the Wasserstein distance.
 _QUANTILE_LEVELS = np.linspace(0.0, 1.0, 101)

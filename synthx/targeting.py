@@ -269,7 +269,6 @@ def plan_match_fillable(train_counts: pd.DataFrame, canvases: pd.DataFrame, targ
     return table
 
 
-
 def parse_rule(rule: str) -> tuple[str, str]:
     """Split a rule into (kind, argument): ``min_positives:4`` -> (``min_positives``, ``4``).
 

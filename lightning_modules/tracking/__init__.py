@@ -290,7 +290,6 @@ def ended_run(uri: str, run_id: str, writer: bool = True) -> Iterator[None]:
         end_run(uri, run_id, "FINISHED")
 
 
-
 def log_dataset_input(client: MlflowClient, run_id: str, frame, source: str, name: str, context: str) -> None:
     """Log a metadata table as an MLflow dataset input of a run (``mlflow.data`` public API), with
     its ``mlflow.data.context`` tag (e.g. ``evaluation-test``)."""

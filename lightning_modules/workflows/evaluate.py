@@ -88,7 +88,6 @@ from lightning_modules.trainer import (
 )
 
 
-
 log = logging.getLogger(__name__)
 OVERLAP_OVERRIDE_TAG = "training_overlap_override"
 OVERLAP_CHECK_TAG = "training_overlap_check"

@@ -76,7 +76,6 @@ from lightning_modules.trainer import (
 )
 
 
-
 __all__ = ["TrainResult", "TrainSettings", "default_output_dir", "recipe_fingerprint", "train"]
 
 log = logging.getLogger(__name__)

@@ -84,7 +84,6 @@ from synthx.schedulers import SAMPLING_SCHEDULERS
 from synthx.targeting import log_targets, resolve_targets
 
 
-
 log = logging.getLogger(__name__)
 
 

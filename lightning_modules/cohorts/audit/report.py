@@ -81,7 +81,6 @@ class AuditReport:
         return bool(self.leaks)
 
 
-
 # ----------------------------------------------------------------------------------------------
 # Reading the cohort and its split once, and the two fast layers.
 

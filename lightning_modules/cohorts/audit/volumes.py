@@ -117,7 +117,6 @@ def read_case(cohort: Cohort, case_id: str, lesion_class: str, coarse_size: int,
     return record
 
 
-
 def read_volumes(
     cohorts: Sequence[Cohort],
     cases: pd.DataFrame,

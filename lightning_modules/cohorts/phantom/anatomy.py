@@ -102,7 +102,6 @@ def _tube(
     return box, nearest <= 1.0
 
 
-
 def _paint(labels: np.ndarray, shape_voxels, tissue: Tissue, allowed: np.ndarray) -> int:
     """Set ``tissue`` where the shape covers an allowed label; returns the number of voxels painted."""
     if shape_voxels is None:

@@ -163,7 +163,6 @@ def _attenuation_table(plan: ScanPlan, rng: np.random.Generator) -> tuple[np.nda
     return hu, amplitude
 
 
-
 # The phases whose tumors carry the designed gaps (see the package docstring).
 SCARCITY_PHASE = "arterial"
 PHYSICS_PHASE = "non-contrast"

@@ -42,8 +42,6 @@ METADATA_COLUMNS = (
 )
 
 
-
-
 @dataclass(frozen=True)
 class Site:
     """A simulated source site: scanner, image quality, phase mix and demographic mix.
