@@ -30,20 +30,11 @@ from synthx.schedulers import SAMPLING_SCHEDULERS
 __all__ = ["SynthXRecipe", "load_synthx_recipe", "check_synthx_recipe", "recipe_to_yaml", "RecipeError"]
 
 
-# The schema's choices (names equal values, so recipes spell them as before).
-class PredictionType(StrEnum):
-    epsilon = "epsilon"
-    sample = "sample"
-    v_prediction = "v_prediction"
-
-
-# One member per scheduler class of synthx.schedulers, so the two cannot disagree.
-SamplingScheduler = StrEnum("SamplingScheduler", {name: name for name in SAMPLING_SCHEDULERS})
-
-
-class SizeSource(StrEnum):
-    training = "training"  # in proportion to the real training tumors
-    weights = "weights"  # mask_prior.size_class_weights
+# The schema's choices (names equal values, so recipes spell them as before); the sampling
+# schedulers are one member per scheduler class of synthx.schedulers, so the two cannot disagree.
+PredictionType = StrEnum("PredictionType", ["epsilon", "sample", "v_prediction"], module=__name__)
+SamplingScheduler = StrEnum("SamplingScheduler", list(SAMPLING_SCHEDULERS), module=__name__)
+SizeSource = StrEnum("SizeSource", ["training", "weights"], module=__name__)
 
 
 @dataclass

@@ -39,42 +39,13 @@ __all__ = [
 
 # The choices of the schema. Member names equal their values, so a recipe spells them as before
 # (``cache: disk``) and a resolved recipe is written the same; each compares equal to its text.
-class Normalization(StrEnum):
-    window = "window"  # hu_window -> [0, 1] (Touchstone)
-    ct = "ct"  # nnU-Net's CT normalisation
-
-
-class CacheMode(StrEnum):
-    memory = "memory"
-    disk = "disk"
-    none = "none"
-
-
-class OptimizerName(StrEnum):
-    sgd = "sgd"
-    adamw = "adamw"
-
-
-class Schedule(StrEnum):
-    poly = "poly"
-    cosine = "cosine"
-    constant = "constant"
-
-
-class ThresholdRule(StrEnum):
-    fixed = "fixed"
-    f1 = "f1"
-    youden = "youden"
-
-
-class DetectionScore(StrEnum):
-    volume = "volume"
-    max_prob = "max_prob"
-
-
-class MixingMode(StrEnum):
-    add = "add"
-    displace = "displace"
+Normalization = StrEnum("Normalization", ["window", "ct"], module=__name__)
+CacheMode = StrEnum("CacheMode", ["memory", "disk", "none"], module=__name__)
+OptimizerName = StrEnum("OptimizerName", ["sgd", "adamw"], module=__name__)
+Schedule = StrEnum("Schedule", ["poly", "cosine", "constant"], module=__name__)
+ThresholdRule = StrEnum("ThresholdRule", ["fixed", "f1", "youden"], module=__name__)
+DetectionScore = StrEnum("DetectionScore", ["volume", "max_prob"], module=__name__)
+MixingMode = StrEnum("MixingMode", ["add", "displace"], module=__name__)
 
 
 @dataclass
