@@ -86,26 +86,15 @@ def build_nnunet(
         target_spacing: ``recipe`` (plan at ``data.spacing``) or ``median`` (plan at the cohort's
             median spacing as nnU-Net does, and train at it); planning only.
     """
+    from dynamic_network_architectures.architectures.unet import PlainConvUNet
+
     topology = _explicit_topology(
         "nnunet", spatial_dims, n_stages, strides, kernel_sizes, features_per_stage, patch_size
     )
-    from dynamic_network_architectures.architectures.unet import PlainConvUNet
-
-    network = PlainConvUNet(
-        in_channels,
-        topology["n_stages"],
-        topology["features_per_stage"],
-        _conv_op(spatial_dims),
-        topology["kernel_sizes"],
-        topology["strides"],
-        n_conv_per_stage,
-        out_channels,
-        n_conv_per_stage_decoder,
-        deep_supervision=deep_supervision,
-        **_nnunet_layers(spatial_dims),
+    return _build_network(
+        PlainConvUNet, spatial_dims, in_channels, out_channels, topology, n_conv_per_stage,
+        n_conv_per_stage_decoder, deep_supervision,
     )
-    network.apply(network.initialize)
-    return DeepSupervisionOutput(network, _set_decoder_deep_supervision) if deep_supervision else network
 
 
 def build_resenc(
@@ -146,20 +135,40 @@ def build_resenc(
             memory target the planner uses (planning only; the network is the same).
         target_spacing: ``recipe`` or ``median`` (see :func:`build_nnunet`); planning only.
     """
+    from dynamic_network_architectures.architectures.unet import ResidualEncoderUNet
+
     topology = _explicit_topology(
         "resenc", spatial_dims, n_stages, strides, kernel_sizes, features_per_stage, patch_size
     )
-    blocks = resenc_blocks(topology["n_stages"], n_blocks_per_stage)
-    from dynamic_network_architectures.architectures.unet import ResidualEncoderUNet
+    return _build_network(
+        ResidualEncoderUNet, spatial_dims, in_channels, out_channels, topology,
+        resenc_blocks(topology["n_stages"], n_blocks_per_stage), n_conv_per_stage_decoder, deep_supervision,
+    )
 
-    network = ResidualEncoderUNet(
+
+def _build_network(
+    network_class: type[nn.Module],
+    spatial_dims: int,
+    in_channels: int,
+    out_channels: int,
+    topology: dict,
+    encoder_depth: int | list[int],
+    n_conv_per_stage_decoder: int,
+    deep_supervision: bool,
+) -> nn.Module:
+    """One of dynamic_network_architectures' U-Nets with nnU-Net's layers and initialization.
+
+    ``encoder_depth`` is what the class takes per encoder stage: convolutions (PlainConvUNet) or
+    residual blocks (ResidualEncoderUNet).
+    """
+    network = network_class(
         in_channels,
         topology["n_stages"],
         topology["features_per_stage"],
         _conv_op(spatial_dims),
         topology["kernel_sizes"],
         topology["strides"],
-        blocks,
+        encoder_depth,
         out_channels,
         n_conv_per_stage_decoder,
         deep_supervision=deep_supervision,
