@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from lightning_modules.data.cohort import ORGAN_CLASSES
-from lightning_modules.data.metadata import UNKNOWN
+from lightning_modules.data.metadata import OPTIONAL_COLUMNS, STANDARD_COLUMNS, UNKNOWN
 
 CASE_ID_PREFIX = "PH"
 PATIENT_ID_PREFIX = "PT"
@@ -25,20 +25,10 @@ REFERENCE_FOV_MM = (240.0, 240.0, 192.0)
 MIN_SHAPE = 16
 # The main job's cohort: its committed split (splits/phantom.csv) holds 176 test scans.
 DEFAULT_CASES = 440
-METADATA_COLUMNS = (
-    "case_id",
-    "patient_id",
-    "cohort",
-    "age",
-    "sex",
-    "race",
-    "phase",
-    "scanner",
-    "spacing",
-    "tumor",
-    "tumor_diameter_mm",
-    "tumor_location",
-    "synthetic",
+# The metadata the phantom writes: the data layer's standard columns less those only synthetic cases
+# carry, and the optional columns it knows.
+METADATA_COLUMNS = tuple(
+    c for c in (*STANDARD_COLUMNS, *OPTIONAL_COLUMNS) if c not in ("source_case_id", "generator_run_id", "kvp")
 )
 
 
