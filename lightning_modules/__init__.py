@@ -8,3 +8,8 @@ bootstrap, evaluate/compare) and ``commands`` (argparse for ``benchx``). The bas
 """
 
 __version__ = "0.1.0"
+
+from lightning_modules.config.numerics import pin_cpu_environment
+
+# Machine-independent CPU arithmetic (lightning_modules.config.numerics), before torch runs anything.
+pin_cpu_environment()
