@@ -187,6 +187,7 @@ SYNTHX_LIBRARIES = (
     "synthx.config", "synthx.endpoint", "synthx.verdict", "synthx.power", "synthx.provenance",
     "synthx.training.dataset", "synthx.training.modules", "synthx.generation.canvases",
     "synthx.generation.painting", "synthx.generation.phantom_painter", "synthx.generation.writing",
+    "synthx.generation.copy_paste", "synthx.decomposition",
 )
 SERVICE_CLIENTS = ("mlflow", "optuna")
 ABOVE_LIBRARIES = ("lightning_modules.tracking", "lightning_modules.workflows", "lightning_modules.commands",

@@ -15,7 +15,7 @@ cases. A case that fails is reported and quarantined, and nothing of it is writt
 Synthetic cases are training data only: the output cohort gets no split file, and the mixing code
 (:mod:`lightning_modules.data.mixing`) checks that each canvas is a real training case of the split
 in use. The generator's provenance is copied into the cohort (``synthx_provenance.json``; the
-phantom painter's says it learned from no case), so that mixing, the audit and evaluation check
+phantom painter's says it learned from no case, the copy-paste painter's lists the training tumors it may copy), so that mixing, the audit and evaluation check
 what the generator learned from against their own split
 (:mod:`lightning_modules.data.synthetic_provenance`). Metadata: ``synthetic=1``, ``tumor=1``, ``source_case_id`` (the canvas), the canvas'
 ``patient_id``, ``cohort``, ``sex``, ``age``, ``race`` and ``phase``, ``tumor_diameter_mm``,
@@ -62,6 +62,7 @@ from synthx.generation.canvases import (
     SynthesisRequest,
     training_tumor_diameters,
 )
+from synthx.generation.copy_paste import CopyPastePainter
 from synthx.generation.painting import generate_case, PaintSettings
 from synthx.generation.phantom_painter import PhantomPainter
 from synthx.generation.source import load_pipeline, set_scheduler
@@ -78,7 +79,7 @@ from synthx.generation.writing import (
     remove_stale_staging,
 )
 from synthx.mask_prior import size_class_weights
-from synthx.painters import PAINTERS, PHANTOM_PAINTER, SYNTHX_PAINTER
+from synthx.painters import COPY_PASTE_PAINTER, PAINTERS, PHANTOM_PAINTER, SYNTHX_PAINTER
 from synthx.provenance import check_provenance, GeneratorProvenance, read_provenance
 from synthx.schedulers import SAMPLING_SCHEDULERS
 from synthx.targeting import log_targets, resolve_targets
@@ -118,7 +119,12 @@ class SynthesisSettings:
         progress: show a tqdm progress bar.
         painter: ``synthx`` (the diffusion generator in ``pipeline``) or ``phantom`` (the phantom's
             own renderer paints real-appearance tumors into phantom canvases: the study's positive
-            control, :mod:`synthx.generation.phantom_painter`; sampling settings do not apply).
+            control, :mod:`synthx.generation.phantom_painter`; sampling settings do not apply) or
+            ``copy_paste`` (real training tumors pasted at the sites SynthX paints: the same seed, mask
+            prior and canvases give the same sites; :mod:`synthx.generation.copy_paste`; sampling
+            settings do not apply).
+        copy_paste_scale / copy_paste_feather_mm: the copy-paste painter's zoom of each source tumor
+            to the site's size, and its blended edge (mm inside the mask; 0: a hard paste).
     """
 
     cohort_root: Path | str
@@ -145,6 +151,8 @@ class SynthesisSettings:
     device: str = "cpu"
     progress: bool = True
     painter: str = SYNTHX_PAINTER
+    copy_paste_scale: bool = True
+    copy_paste_feather_mm: float = 0.0
 
     @classmethod
     def from_recipe(cls, recipe: DictConfig, cohort_root, split_path, pipeline, out_root, **values) -> "SynthesisSettings":
@@ -196,8 +204,10 @@ class SynthesisSummary:
 def check_settings(settings: SynthesisSettings) -> None:
     if settings.painter not in PAINTERS:
         raise GenerationError(f"unknown painter {settings.painter!r} (expected one of {', '.join(PAINTERS)})")
-    if settings.painter == PHANTOM_PAINTER and settings.pipeline is not None:
-        raise GenerationError(f"the phantom painter uses no generator, but pipeline {settings.pipeline!r} was given")
+    if settings.painter != SYNTHX_PAINTER and settings.pipeline is not None:
+        raise GenerationError(f"the {settings.painter} painter uses no generator, but pipeline {settings.pipeline!r} was given")
+    if settings.copy_paste_feather_mm < 0:
+        raise GenerationError(f"the copy-paste feather must be >= 0 mm, got {settings.copy_paste_feather_mm}")
     if settings.scheduler not in SAMPLING_SCHEDULERS:
         raise GenerationError(f"unknown scheduler {settings.scheduler!r} (expected one of {', '.join(SAMPLING_SCHEDULERS)})")
     if settings.size_classes is not None:
@@ -264,6 +274,9 @@ def _manifest(settings: SynthesisSettings, source: str, run_id: str, provenance:
         "erosion_mm": float(settings.erosion_mm),
         "cohort_root": str(Path(settings.cohort_root).resolve()),
         "split_sha256": split_hash,
+        # Only the copy-paste painter's manifest has the key, so earlier folders keep resuming.
+        **({"copy_paste": {"scale_to_site": bool(settings.copy_paste_scale), "feather_mm": float(settings.copy_paste_feather_mm)}}
+           if settings.painter == COPY_PASTE_PAINTER else {}),
     }
 
 
@@ -374,7 +387,7 @@ def synthesize(settings: SynthesisSettings, requests) -> SynthesisSummary:
     split = load_split(settings.split_path, cohort)
     split_hash = file_sha256(settings.split_path)
     canvases = canvas_table(cohort, split, settings.canvas_ids)
-    if settings.painter == SYNTHX_PAINTER and settings.size_classes is None:
+    if settings.painter in (SYNTHX_PAINTER, COPY_PASTE_PAINTER) and settings.size_classes is None:
         settings = replace(settings, size_classes=training_size_classes(cohort, split))
     targets = _targets(settings, cohort, requests)
     fillable, unfillable = partition_requests(as_requests(targets if targets is not None else requests), canvases)
@@ -383,6 +396,11 @@ def synthesize(settings: SynthesisSettings, requests) -> SynthesisSummary:
                     cell["sex"], cell["age_band"], cell["phase"], cell["requested"])
     if settings.painter == PHANTOM_PAINTER:
         painter, pipeline, source, generator_run_id, provenance = PhantomPainter(settings.cohort_root), None, PHANTOM_PAINTER, "", None
+    elif settings.painter == COPY_PASTE_PAINTER:
+        painter = CopyPastePainter(cohort, split, settings.paint_settings(), settings.copy_paste_scale, settings.copy_paste_feather_mm)
+        pipeline, source, generator_run_id = None, COPY_PASTE_PAINTER, ""
+        # It copies real tumors: the cohort's provenance lists them, checked against the split wherever it is used.
+        provenance = GeneratorProvenance(training_cases=painter.source_case_ids, split_sha256=split_hash)
     else:
         painter = None
         pipeline, source, generator_run_id, provenance = _generator(settings, split, split_hash, uri)

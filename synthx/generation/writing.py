@@ -45,6 +45,7 @@ MANIFEST_KEYS = (
     "erosion_mm",
     "cohort_root",
     "split_sha256",
+    "copy_paste",
 )
 
 

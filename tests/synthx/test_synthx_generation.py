@@ -169,6 +169,28 @@ def test_generated_cases_are_valid_layout_a_with_full_metadata(cohort, tiny_pipe
     assert not (out / "split.csv").exists()  # synthetic cases are training data by construction
 
 
+def test_the_copy_paste_painter_pastes_at_the_sites_synthx_paints(cohort, tiny_pipeline, tmp_path):
+    """Same seed and mask prior: each slot gets SynthX's canvas, size class and tumor center, and a real training tumor."""
+    root, split = cohort
+    painted = run(root, split, tiny_pipeline, tmp_path / "synthx", REQUESTS, seed=3)
+    pasted = run(root, split, None, tmp_path / "pasted", REQUESTS, seed=3, painter="copy_paste")
+    assert painted.complete and pasted.complete and sorted(painted.generated) == sorted(pasted.generated)
+    synthx_cases, pasted_cases = load_cohort(tmp_path / "synthx"), load_cohort(tmp_path / "pasted")
+    synthx_rows, pasted_rows = (c.metadata.set_index("case_id") for c in (synthx_cases, pasted_cases))
+    for case_id in painted.generated:
+        for column in ("source_case_id", "synthx_size_class", "synthx_request", "patient_id", "phase"):
+            assert pasted_rows.loc[case_id, column] == synthx_rows.loc[case_id, column], (case_id, column)
+        centers = []
+        for cases in (synthx_cases, pasted_cases):
+            lesion = np.argwhere(np.asarray(nib.load(cases.case(case_id).mask_path("pancreatic_lesion")).dataobj) > 0)
+            centers.append((lesion.min(axis=0) + lesion.max(axis=0)) / 2)
+        assert np.abs(centers[0] - centers[1]).max() <= 1.0, case_id
+        # The fixture's only training tumor is T1 (F 60-80 venous): its cell, else its phase, else any.
+        match = {"F/60-80/venous": "cell", "M/40-60/venous": "phase", "F/20-40/arterial": "any"}
+        assert pasted_rows.loc[case_id, "tumor_source_case_id"] == "T1"
+        assert pasted_rows.loc[case_id, "copy_paste_match"] == match[synthx_rows.loc[case_id, "synthx_request"].split("#")[0]]
+
+
 def test_val_and_test_canvases_are_refused(cohort, tiny_pipeline, tmp_path):
     root, split = cohort
     with pytest.raises(GenerationError, match="canvas X1 is in the test split"):
