@@ -1,8 +1,8 @@
-"""How often the pooled seed interval excludes 0 when the arms do not differ (docs/design.md "Seeds
-as the unit of inference"): simulated null studies of K paired replicates, pooled by Student's t
-over the seeds (:func:`~lightning_modules.evaluation.seed_pooling.seed_t_interval`, the headline)
-and by the two-level bootstrap (:func:`~lightning_modules.evaluation.seed_pooling.pool_deltas`'
-secondary interval).
+"""How often the pooled seed interval excludes 0 when the arms do not differ
+(docs/design.md "Seeds as the unit of inference"): simulated null studies of K paired replicates,
+pooled by Student's t over the seeds (the headline,
+:func:`~lightning_modules.evaluation.seed_pooling.seed_t_interval`) and by the two-level
+bootstrap (the secondary interval of :func:`~lightning_modules.evaluation.seed_pooling.pool_deltas`).
 
 A null study: T tumors (one per patient) with a difficulty z shared by every seed and arm (the
 same test patients); each seed k trains both arms, each arm with its own quality q ~ N(0, tau^2);
