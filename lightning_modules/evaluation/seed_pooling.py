@@ -137,8 +137,9 @@ def seed_t_interval(per_seed: np.ndarray, confidence: float = 0.95) -> dict[str,
     Returns:
         per row: ``seeds`` (defined values k), ``mean_delta``, ``ci_low``, ``ci_high`` (mean -+
         t(k-1) quantile x sd / sqrt(k)) and ``p_value`` (the one-sample t-test of mean 0). NaN
-        with fewer than two defined seeds. Seeds that all agree have no spread: the interval is
-        the mean itself, and p is 1 at a mean of 0 and 0 otherwise (the t statistic's limit).
+        with fewer than two defined seeds. Seeds that all agree have no spread to estimate the
+        variance from: at a difference of 0 the interval is [0, 0] with p = 1; at any other
+        difference the interval and p are NaN (the t-test cannot judge it).
     """
     per_seed = np.asarray(per_seed, dtype=float)
     defined = ~np.isnan(per_seed)
@@ -152,8 +153,8 @@ def seed_t_interval(per_seed: np.ndarray, confidence: float = 0.95) -> dict[str,
         statistic = np.abs(mean) / error
         p = 2 * scipy.stats.t.sf(statistic, count - 1)
     spreadless = error <= 1e-12 * np.maximum(1.0, np.abs(mean))
-    p = np.where(spreadless, np.where(np.abs(mean) <= 1e-12, 1.0, 0.0), p)
-    half = np.where(spreadless, 0.0, quantile * error)
+    p = np.where(spreadless, np.where(np.abs(mean) <= 1e-12, 1.0, np.nan), p)
+    half = np.where(spreadless, np.where(np.abs(mean) <= 1e-12, 0.0, np.nan), quantile * error)
     enough = count >= 2
     return {"seeds": count, "mean_delta": np.where(count > 0, mean, np.nan),
             "ci_low": np.where(enough, mean - half, np.nan), "ci_high": np.where(enough, mean + half, np.nan),
@@ -172,7 +173,9 @@ def pool_deltas(per_seed: np.ndarray, resampled: np.ndarray, counts: np.ndarray,
 
     Returns:
         per row: ``seeds`` (seeds defining the difference), ``mean_delta``, ``ci_low``, ``ci_high``
-        and ``p_value`` (:func:`seed_t_interval`, the headline), ``boot_ci_low``, ``boot_ci_high``
+        and ``p_value`` (the headline: :func:`seed_t_interval`, or the bootstrap's where the seeds
+        all agree on a difference other than 0, e.g. replicates that are one model),
+        ``interval`` (``t`` or ``bootstrap``: which one the headline is), ``boot_ci_low``, ``boot_ci_high``
         (percentile interval of :func:`pooled_resamples`; NaN where the mean is undefined),
         ``defined_fraction``, ``p_bootstrap``
         (:func:`~lightning_modules.evaluation.bootstrap.bootstrap_p_values`), ``seeds_up`` and ``seeds_down``.
@@ -182,12 +185,19 @@ def pool_deltas(per_seed: np.ndarray, resampled: np.ndarray, counts: np.ndarray,
     samples = pooled_resamples(resampled, counts)
     low, high = percentile_interval(samples, confidence)
     undefined = np.isnan(mean)
+    boot_low, boot_high = np.where(undefined, np.nan, low), np.where(undefined, np.nan, high)
+    p_bootstrap = bootstrap_p_values(samples, mean)
+    agree = (pooled["seeds"] >= 2) & np.isnan(pooled["p_value"])  # every seed the same difference, not 0
     return {
         **pooled,
-        "boot_ci_low": np.where(undefined, np.nan, low),
-        "boot_ci_high": np.where(undefined, np.nan, high),
+        "ci_low": np.where(agree, boot_low, pooled["ci_low"]),
+        "ci_high": np.where(agree, boot_high, pooled["ci_high"]),
+        "p_value": np.where(agree, p_bootstrap, pooled["p_value"]),
+        "interval": np.where(agree, "bootstrap", "t"),
+        "boot_ci_low": boot_low,
+        "boot_ci_high": boot_high,
         "defined_fraction": (~np.isnan(samples)).mean(axis=0),
-        "p_bootstrap": bootstrap_p_values(samples, mean),
+        "p_bootstrap": p_bootstrap,
         "seeds_up": (per_seed > 0).sum(axis=0),
         "seeds_down": (per_seed < 0).sum(axis=0),
     }
@@ -222,7 +232,8 @@ def pool_seeds(
         One row per (comparison, attribute, group, metric): ``comparison``, ``arm``, ``reference``,
         the key, ``n_patients``, ``positives``, ``negatives``, ``seeds`` (replicates whose
         difference is defined), ``mean_delta``, ``ci_low``, ``ci_high`` and ``p_value`` (the
-        t-interval over seeds), ``boot_ci_low``, ``boot_ci_high``, ``defined_fraction`` and
+        t-interval over seeds; the bootstrap's where the seeds all agree on a difference other
+        than 0), ``interval`` (which of the two), ``boot_ci_low``, ``boot_ci_high``, ``defined_fraction`` and
         ``p_bootstrap`` (the two-level bootstrap), ``seeds_up`` / ``seeds_down`` (seeds whose
         difference is above / below 0), ``supported`` and ``significant`` (the t-interval excludes
         0 and the subgroup supports it), then ``delta <seed>`` per replicate.
@@ -298,7 +309,8 @@ def format_pooled(table: pd.DataFrame) -> str:
             pooled, p = "-", "-"
         else:
             mark = "*" if row["significant"] else ("~" if (row["ci_low"] > 0 or row["ci_high"] < 0) else "")
-            pooled = f"{row['mean_delta']:+.3f} [{row['ci_low']:+.3f}, {row['ci_high']:+.3f}]{mark}"
+            method = " b" if row.get("interval") == "bootstrap" else ""
+            pooled = f"{row['mean_delta']:+.3f} [{row['ci_low']:+.3f}, {row['ci_high']:+.3f}]{method}{mark}"
             p = f"{row['p_value']:.3f}"
         cells = [row["comparison"], f"{row['attribute']}:{row['group']}", row["metric"], str(row["n_patients"]),
                  str(row["positives"]), str(row["negatives"]), pooled, p, f"{row['seeds_up']}/{row['seeds_down']}"]
@@ -308,6 +320,7 @@ def format_pooled(table: pd.DataFrame) -> str:
     shown = "\n".join("  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in [header, *lines])
     notes = [f"mean: the difference averaged over {len(seeds)} seeds; CI and p: Student's t over the seeds' differences "
              "(k - 1 degrees of freedom for the k seeds that define a row; docs/design.md \"Seeds as the unit of inference\").",
+             "b: the seeds all agree on one difference, so the CI and p are the two-level bootstrap's.",
              "* the CI excludes 0 and the subgroup supports it; ~ the CI excludes 0 below the support rule.",
              "seeds +/-: seeds whose own difference is above / below 0."]
     return "\n".join([shown, "", *notes])

@@ -24,7 +24,7 @@ from lightning_modules.evaluation.pooling_level import (
     t_false_positive_rate,
     training_sd_for_spread,
 )
-from lightning_modules.evaluation.seed_pooling import pool_seeds, seed_t_interval
+from lightning_modules.evaluation.seed_pooling import format_pooled, pool_seeds, seed_t_interval
 
 NULLS = 20_000
 
@@ -67,8 +67,9 @@ def test_seed_t_interval_is_the_one_sample_t_test_per_row():
         assert pooled["p_value"][row] == pytest.approx(test.pvalue)
         assert pooled["seeds"][row] == len(values) and pooled["mean_delta"][row] == pytest.approx(values.mean())
     assert pooled["ci_high"][0] < 0  # the arterial row: every seed below 0, about -0.44
-    # Seeds that all agree: the interval is the mean itself; p is 1 at 0 and 0 elsewhere.
-    assert (pooled["ci_low"][1], pooled["ci_high"][1], pooled["p_value"][1]) == pytest.approx((0.1, 0.1, 0.0))
+    # Seeds that all agree: no spread to judge by; [0, 0] with p = 1 at 0, nothing elsewhere.
+    assert np.isnan([pooled["ci_low"][1], pooled["ci_high"][1], pooled["p_value"][1]]).all()
+    assert pooled["mean_delta"][1] == pytest.approx(0.1)
     assert (pooled["ci_low"][3], pooled["ci_high"][3], pooled["p_value"][3]) == pytest.approx((0.0, 0.0, 1.0))
     # One seed: a mean, no interval.
     assert pooled["mean_delta"][4] == pytest.approx(0.1) and np.isnan(pooled["ci_low"][4]) and np.isnan(pooled["p_value"][4])
@@ -88,6 +89,23 @@ def test_pool_seeds_headline_is_the_t_interval_and_the_bootstrap_is_kept_beside_
     assert (table["significant"] == (excludes & table["supported"])).all()
     assert {"boot_ci_low", "boot_ci_high", "p_bootstrap", "defined_fraction"} <= set(table.columns)
     assert not np.allclose(table["boot_ci_low"].dropna(), table["ci_low"].dropna())
+    assert set(table["interval"]) == {"t"}
+
+
+def test_replicates_that_all_agree_fall_back_to_the_bootstrap_interval():
+    from test_seed_pooling import cohort, replicates  # the simulated replicates of the pooling tests
+
+    rng = np.random.default_rng(19)
+    one = replicates(cohort(80, rng), 1, rng, training_sd=1.0)["0"]
+    table = pool_seeds({"0": one, "1": one, "2": one}, [("synthx", "sham")], n_resamples=300, attributes=("phase",))
+    moved = table["mean_delta"].notna() & (table["mean_delta"] != 0)
+    assert moved.any()
+    rows = table[moved]
+    assert (rows["interval"] == "bootstrap").all()
+    assert rows["ci_low"].to_numpy() == pytest.approx(rows["boot_ci_low"].to_numpy())
+    assert rows["p_value"].to_numpy() == pytest.approx(rows["p_bootstrap"].to_numpy())
+    assert (rows["ci_low"] < rows["ci_high"]).all()  # the patients' spread, not a point
+    assert " b" in format_pooled(table)
 
 
 def test_the_grid_entry_prints_its_table_and_refuses_bad_settings(capsys):
