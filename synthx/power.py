@@ -266,7 +266,8 @@ def recommended_locked_cases(shams=SHAM_SENSITIVITIES, effect: float = DESIGNED_
     sham = max(shams)
     synthx = min(1.0, sham + effect)
     tumors = tumors_needed(lambda n: superiority_power(sham, synthx, n, n_simulations=n_simulations))
-    return {"sham": sham, "synthx": synthx, "tumors": tumors, "cases": locked_cases_for(tumors, seed), "seed": seed}
+    cases = None if tumors is None else locked_cases_for(tumors, seed)
+    return {"sham": sham, "synthx": synthx, "tumors": tumors, "cases": cases, "seed": seed}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,8 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nnon-inferiority (secondary): Newcombe 95% lower limit of SynthX - sham above -{args.margin:.2f}, "
           "SynthX as sensitive as sham")
     print(non_inferiority.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    print(f"\nrecommended locked cohort: {plan['cases']} scans ({plan['tumors']} arterial tumors), 80% power for "
-          f"the designed rise at sham {plan['sham']:.2f}")
+    if plan["tumors"] is None:
+        print(f"\nno locked cohort of a sensible size gives 80% power for the rise at sham {plan['sham']:.2f}")
+    else:
+        print(f"\nrecommended locked cohort: {plan['cases']} scans ({plan['tumors']} arterial tumors), 80% power "
+              f"for the designed rise at sham {plan['sham']:.2f}")
     print(f"with K = {args.seeds} seeds: the mean per-seed difference must reach {seed_effect_sd(args.seeds):.2f} "
           "standard deviations of the per-seed differences")
     return 0
