@@ -14,6 +14,7 @@ import argparse
 import logging
 import sys
 
+from lightning_modules.commands.common import CommandParser
 from lightning_modules.cohorts.example_ct import (
     CACHE_ENVIRONMENT_VARIABLE,
     DEFAULT_OUT,
@@ -25,7 +26,7 @@ from lightning_modules.cohorts.example_ct import (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="benchx fetch-example", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="benchx fetch-example", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="cohort root to import TS_EXAMPLE into")
     parser.add_argument(
         "--cache", default=None, help=f"download cache (default ${CACHE_ENVIRONMENT_VARIABLE} or ~/.cache/benchx)"
