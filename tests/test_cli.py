@@ -272,10 +272,10 @@ def test_the_commands_help_defaults_are_the_libraries_defaults():
     """The commands name their defaults themselves (importing the library would make --help slow)."""
     from dataclasses import fields
 
-    from lightning_modules.cohorts import importers
+    from lightning_modules.cohorts import example_ct, importers
     from lightning_modules.cohorts.audit import DEFAULT_THRESHOLD
     from lightning_modules.cohorts.phantom import DEFAULT_CASES
-    from lightning_modules.commands import audit, import_cohort, phantom
+    from lightning_modules.commands import audit, fetch_example, import_cohort, phantom
     from synthx.commands import replicates, study, sweep
     from synthx.workflows import replicates as replicates_workflow
     from synthx.workflows import sweep as sweep_workflow
@@ -288,6 +288,8 @@ def test_the_commands_help_defaults_are_the_libraries_defaults():
     assert replicates.OPERATING_POINTS == replicates_workflow.OPERATING_POINTS
     assert (audit.DEFAULT_THRESHOLD, phantom.DEFAULT_CASES) == (DEFAULT_THRESHOLD, DEFAULT_CASES)
     assert import_cohort.SOURCE_KINDS == importers.SOURCE_KINDS
+    assert (fetch_example.DEFAULT_OUT, fetch_example.CACHE_ENVIRONMENT_VARIABLE) == (
+        str(example_ct.DEFAULT_OUT), example_ct.CACHE_ENVIRONMENT_VARIABLE)
 
 
 def test_an_abbreviated_option_is_refused_with_exit_2(capsys):

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import pandas as pd
-
 from lightning_modules.commands.common import CommandParser, add_overrides_argument, parse_command_line
 
 
@@ -67,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.seed is not None:
         values["seed"] = args.seed
     if args.baseline_records:
+        import pandas as pd
+
         values["baseline_records"] = pd.read_csv(args.baseline_records, keep_default_na=False, na_values=[""])
     settings = SynthesisSettings.from_recipe(recipe, args.root, args.split, args.pipeline, args.out, **values)
     summary = synthesize(settings, args.target)

@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import pandas as pd
-
 from lightning_modules.commands.common import CommandParser
 
 
@@ -37,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import pandas as pd
+
     from synthx.quality import assess_synthetic_cohort
 
     report, run_id = assess_synthetic_cohort(
