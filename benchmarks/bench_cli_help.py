@@ -1,13 +1,16 @@
-"""Benchmark: wall time of ``benchx --help`` and ``benchx <command> --help`` in fresh processes.
+"""Benchmark: wall time of ``benchx <command> --help`` and of a mistyped recipe key, in fresh processes.
 
-A help text should appear in well under a second, which needs each command module to import heavy
-libraries (torch, Lightning, MONAI, MLflow, diffusers) inside the function that uses them. This
-prints the median of a few runs per command; it asserts nothing (timing depends on the machine).
+A help text, and the refusal of a command line with a mistyped recipe key, should appear in well
+under a second: each command parses its arguments and checks its recipe before it imports the heavy
+libraries (torch, Lightning, MONAI, MLflow, Optuna, diffusers). This prints, per command, the median
+of a few runs of ``--help`` and, for the commands that read a recipe, of the same command with the
+unknown key ``zz_mistyped.key=1`` (which must exit 2); it asserts nothing (timing depends on the
+machine).
 
 Run::
 
     .venv/bin/python benchmarks/bench_cli_help.py
-    .venv/bin/python benchmarks/bench_cli_help.py --repeat 5 train predict
+    .venv/bin/python benchmarks/bench_cli_help.py --repeat 5 train study
 
 Not collected by pytest (no ``test_`` prefix).
 """
@@ -19,20 +22,42 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+MISTYPED = "zz_mistyped.key=1"
+SEGMENTATION = str(REPO_ROOT / "recipes" / "unet.yaml")
+GENERATOR = str(REPO_ROOT / "recipes" / "generator" / "synthx.yaml")
+# The command line of each command that reads a recipe, with a mistyped key (exit code 2 expected).
+MISTYPED_KEY = {
+    "recipe": ["recipe", "show", "--recipe", SEGMENTATION, MISTYPED],
+    "train": ["train", "--recipe", SEGMENTATION, MISTYPED],
+    "study": ["study", "--recipe", SEGMENTATION, MISTYPED],
+    "sweep": ["sweep", "--recipe", SEGMENTATION, MISTYPED],
+    "synthx-train": ["synthx-train", "--recipe", GENERATOR, MISTYPED],
+}
 
 
-def time_help(args: list[str], repeat: int) -> float:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+def time_command(args: list[str], repeat: int, expected: int, env: dict[str, str]) -> float:
+    """Median wall seconds of ``benchx <args>`` (NaN when it did not exit with ``expected``)."""
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "lightning_modules.cli", *args], env=env, capture_output=True, check=True)
+        done = subprocess.run([sys.executable, "-m", "lightning_modules.cli", *args], env=env, cwd=REPO_ROOT,
+                              capture_output=True, text=True)
         times.append(time.perf_counter() - started)
+        if done.returncode != expected:
+            print(f"  benchx {' '.join(args)}: exit {done.returncode}, not {expected}: {done.stderr.strip()[-300:]}")
+            return float("nan")
     return statistics.median(times)
+
+
+def cell(seconds: float | None) -> str:
+    if seconds is None:
+        return f"{'-':>12}"
+    return f"{seconds:>10.2f}{' !' if seconds >= 1.0 else '  '}"
 
 
 def main() -> None:
@@ -43,11 +68,15 @@ def main() -> None:
     parser.add_argument("commands", nargs="*", default=["", *COMMANDS], help="commands to time ('' = benchx --help)")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    print(f"{'command':<28}{'median s':>10}")
-    for command in args.commands:
-        argv = ["--help"] if not command else ([command, "show", "--help"] if command == "recipe" else [command, "--help"])
-        seconds = time_help(argv, args.repeat)
-        print(f"{('benchx ' + ' '.join(argv)):<28}{seconds:>10.2f}{'' if seconds < 1.0 else '   (over 1 s)'}")
+    with tempfile.TemporaryDirectory() as folder:
+        # A store that is never created: a refusal must come before any store exists.
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{folder}/mlflow.db"}
+        print(f"{'command':<16}{'--help s':>12}{'mistyped key s':>16}   (median of {args.repeat}; ! = 1 s or more)")
+        for command in args.commands:
+            argv = ["--help"] if not command else ([command, "show", "--help"] if command == "recipe" else [command, "--help"])
+            help_s = time_command(argv, args.repeat, 0, env)
+            key_s = time_command(MISTYPED_KEY[command], args.repeat, 2, env) if command in MISTYPED_KEY else None
+            print(f"{command or '(benchx)':<16}{cell(help_s)}{'':>4}{cell(key_s)}")
 
 
 if __name__ == "__main__":

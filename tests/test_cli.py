@@ -244,3 +244,108 @@ def test_the_command_line_drops_diffusers_accelerate_advice_from_its_log(caplog)
         logger.warning("Cannot initialize model with low cpu memory usage because `accelerate` was not found in the environment.")
         logger.warning("Some weights of the model checkpoint were not used")
     assert [r.getMessage() for r in caplog.records] == ["Some weights of the model checkpoint were not used"]
+
+
+HEAVY = ("torch", "lightning", "mlflow", "optuna", "diffusers", "monai")
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_help_answers_without_importing_torch_lightning_or_mlflow(command):
+    """Structural, not timed: ``--help`` parses arguments only, so no heavy library may be imported."""
+    args = [command, "show", "--help"] if command == "recipe" else [command, "--help"]
+    probe = (
+        "import sys\n"
+        "from lightning_modules.cli import main\n"
+        "try:\n"
+        f"    code = main({args!r})\n"
+        "except SystemExit as exit_:\n"
+        "    code = exit_.code\n"
+        f"print(code, sorted(name for name in {HEAVY!r} if name in sys.modules), file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert done.stderr.strip().splitlines()[-1] == "0 []", done.stderr[-2000:]
+    assert "usage: benchx" in done.stdout
+
+
+def test_the_commands_help_defaults_are_the_libraries_defaults():
+    """The commands name their defaults themselves (importing the library would make --help slow)."""
+    from dataclasses import fields
+
+    from lightning_modules.cohorts import example_ct, importers
+    from lightning_modules.cohorts.audit import DEFAULT_THRESHOLD
+    from lightning_modules.cohorts.phantom import DEFAULT_CASES
+    from lightning_modules.commands import audit, fetch_example, import_cohort, phantom
+    from synthx.commands import replicates, study, sweep
+    from synthx.workflows import replicates as replicates_workflow
+    from synthx.workflows import sweep as sweep_workflow
+    from synthx.workflows.study import StudySettings
+
+    defaults = {field.name: field.default for field in fields(StudySettings)}
+    assert study.DEFAULTS == {name: defaults[name] for name in study.DEFAULTS}
+    assert (sweep.DEFAULT_STORAGE, sweep.DEFAULT_HEARTBEAT_S) == (sweep_workflow.DEFAULT_STORAGE, sweep_workflow.DEFAULT_HEARTBEAT_S)
+    assert sorted(sweep.OBJECTIVE_NAMES) == sorted(sweep_workflow.OBJECTIVES)
+    assert replicates.OPERATING_POINTS == replicates_workflow.OPERATING_POINTS
+    assert (audit.DEFAULT_THRESHOLD, phantom.DEFAULT_CASES) == (DEFAULT_THRESHOLD, DEFAULT_CASES)
+    assert import_cohort.SOURCE_KINDS == importers.SOURCE_KINDS
+    assert (fetch_example.DEFAULT_OUT, fetch_example.CACHE_ENVIRONMENT_VARIABLE) == (
+        str(example_ct.DEFAULT_OUT), example_ct.CACHE_ENVIRONMENT_VARIABLE)
+
+
+def test_an_abbreviated_option_is_refused_with_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--recipe", str(RECIPES / "unet.yaml"), "--profil", "cpu"])
+    assert exit_.value.code == EXIT_USAGE
+    assert "unrecognized arguments: --profil" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["study", "--locked", "5"])  # would have been --locked-cases or --locked-seed
+    assert exit_.value.code == EXIT_USAGE
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_parser_refuses_abbreviations(command, monkeypatch, capsys):
+    import argparse
+
+    built = []
+    parse_known_args = argparse.ArgumentParser.parse_known_args
+
+    def recording(parser, *args, **kwargs):
+        built.append(parser)
+        return parse_known_args(parser, *args, **kwargs)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", recording)
+    with pytest.raises(SystemExit):
+        main([command, "show", "--help"] if command == "recipe" else [command, "--help"])
+    assert built and all(parser.allow_abbrev is False for parser in built), [p.prog for p in built if p.allow_abbrev]
+
+
+def test_a_mistyped_recipe_subcommand_gets_a_did_you_mean(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["recipe", "shwo", "--recipe", str(RECIPES / "unet.yaml")])
+    assert exit_.value.code == EXIT_USAGE
+    assert "unknown subcommand 'shwo'; did you mean 'show'?" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["recipe", "zzzz"])
+    assert exit_.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "unknown subcommand 'zzzz'" in err and "did you mean" not in err and "'show'" in err
+
+
+@pytest.mark.parametrize("command", [["train"], ["recipe", "show"]])
+def test_a_missing_recipe_file_is_named_as_a_missing_file(command, capsys):
+    missing = RECIPES / "unett.yaml"
+    assert main([*command, "--recipe", str(missing)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"recipe file {missing} does not exist; did you mean {RECIPES / 'unet.yaml'}?" in err
+    assert "check the key" not in err and "--recipe names a YAML file" in err and "Traceback" not in err
+    assert main([*command, "--recipe", str(RECIPES / "nothing-like-it.yaml")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "nothing-like-it.yaml does not exist" in err and "did you mean" not in err
+
+
+def test_train_help_states_the_exit_code_of_a_refusal(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"{EXIT_USAGE} refused" in text and "1 refused" not in text
+    assert main(["train", "--recipe", str(tmp_path)]) == EXIT_USAGE  # a refusal: what the help says

@@ -53,6 +53,7 @@ EXPECTED_ERRORS: frozenset[str] = frozenset(
 # What to do next, by error class name, when the message alone does not say it.
 HINTS: dict[str, str] = {
     "RecipeError": "check the key against 'benchx recipe show --recipe <recipe>'",
+    "RecipeFileError": "--recipe names a YAML file, e.g. recipes/unet.yaml or recipes/generator/synthx.yaml",
     "CohortError": "'benchx validate --root <cohort>' lists every problem",
     "SplitError": "'benchx make-splits' writes a patient-grouped split for the cohort",
     "FolderLockedError": "wait for that process, or give this run another --out folder",

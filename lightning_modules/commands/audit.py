@@ -14,14 +14,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_modules.cohorts.audit import DEFAULT_THRESHOLD, AuditSettings, audit
-from lightning_modules.data.cohort import CohortError
-from lightning_modules.data.splits import SplitError
-from lightning_modules.tracking.audit import log_audit
+from lightning_modules.commands.common import CommandParser
+
+# The near-duplicate threshold's default (lightning_modules.cohorts.audit.DEFAULT_THRESHOLD), named
+# here so that --help answers without importing the audit's image libraries.
+DEFAULT_THRESHOLD = 0.98
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="benchx audit", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="benchx audit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", required=True, help="cohort folder")
     parser.add_argument("--split", required=True, help="split CSV (case_id,patient_id,split)")
     parser.add_argument("--out", required=True, help="folder for the findings CSV and the summary")
@@ -37,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from lightning_modules.cohorts.audit import AuditSettings, audit
+    from lightning_modules.data.cohort import CohortError
+    from lightning_modules.data.splits import SplitError
+    from lightning_modules.tracking.audit import log_audit
+
     settings = AuditSettings(
         threshold=args.threshold, lesion_class=args.lesion_class, seed=args.seed, workers=args.workers
     )

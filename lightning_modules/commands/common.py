@@ -10,7 +10,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import re
+import shlex
 from typing import Iterable, Sequence
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of every ``benchx`` command: an abbreviated option (``--profil``) is refused, not
+    silently taken as the option it starts (``--profile``). Its subcommand parsers are of the same class."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -87,13 +97,29 @@ def command_help(command: str, doc: str | None):
         argparse.ArgumentParser.__init__ = original
 
 
+# One recipe override: a dotted key (OmegaConf's ``+key`` / ``~key`` spellings too), "=", a value.
+OVERRIDE = re.compile(r"[+~]?[\w.\[\]-]+=")
+
+
 def split_overrides(values: Iterable[str]) -> list[str]:
     """``key=value`` recipe overrides from positional arguments.
 
-    ``mlflow run`` passes all overrides as one space-separated parameter, so each value is split on
-    whitespace; empty values are dropped.
+    ``mlflow run`` passes all overrides as one parameter (``-P overrides="profile=cpu trainer.max_steps=5"``),
+    so an argument is split shell-style into several overrides when every part is itself ``key=value``;
+    a value with a space is quoted there (``data.root='/x/my data/ph'``). An argument whose parts are
+    not all ``key=value`` is one override as given, so ``"data.root=/x/my data/ph"`` stays one value.
+    Empty arguments are dropped.
     """
-    return [part for value in values for part in str(value).split()]
+    overrides = []
+    for value in map(str, values):
+        try:
+            parts = shlex.split(value)
+        except ValueError:  # an unbalanced quote: a value such as O'Brien, taken as written
+            parts = value.split()
+        if len(parts) > 1 and not all(OVERRIDE.match(part) for part in parts):
+            parts = [value.strip()]
+        overrides.extend(parts)
+    return overrides
 
 
 def add_overrides_argument(parser: argparse.ArgumentParser) -> None:
@@ -132,6 +158,24 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> 
         args.profile = named[-1]
     args.overrides = overrides
     return args
+
+
+def bounded(kind: type, minimum: float, *, above: bool = False):
+    """argparse type of a finite number from ``minimum`` up: ``bounded(int, 1)`` refuses ``0`` at parse
+    time with "must be an integer >= 1, got 0" (exit code 2). ``above``: the minimum itself is refused."""
+    wanted = f"{'an integer' if kind is int else 'a number'} {'>' if above else '>='} {minimum:g}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}") from None
+        if value != value or value in (float("inf"), float("-inf")) or (value <= minimum if above else value < minimum):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
 
 
 def run_id(text: str) -> str:

@@ -14,6 +14,8 @@ import argparse
 import sys
 from typing import Sequence
 
+from lightning_modules.commands.common import CommandParser
+
 DESCRIPTION = (
     "Compare evaluation runs on the same evaluation set with the first (the baseline): per subgroup the "
     "difference with its paired bootstrap CI at the fixed m, at the m chosen on validation and at matched "
@@ -24,7 +26,7 @@ DESCRIPTION = (
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="benchx compare", description=DESCRIPTION)
+    parser = CommandParser(prog="benchx compare", description=DESCRIPTION)
     parser.add_argument("run_ids", nargs="+", help="evaluation runs; the first is the baseline")
     parser.add_argument("--stage", default="test", choices=["val", "test"])
     parser.add_argument("--experiment", default="benchx", help="experiment to log the comparison run in ('' to skip)")

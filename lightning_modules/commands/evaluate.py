@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from lightning_modules.commands.common import add_model_source_arguments, add_overrides_argument, parse_command_line, split_overrides
+from lightning_modules.commands.common import CommandParser, add_model_source_arguments, add_overrides_argument, parse_command_line
 
 DESCRIPTION = (
     "Evaluate a trained model on a cohort + split into a new MLflow run linked to its training run: "
@@ -35,7 +35,7 @@ def _stages(text: str) -> list[str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="benchx evaluate", description=DESCRIPTION)
+    parser = CommandParser(prog="benchx evaluate", description=DESCRIPTION)
     add_model_source_arguments(parser)
     parser.add_argument("--stages", default="val,test", type=_stages,
                         help="comma-separated, from val and test (one value, so key=value overrides may follow)")
@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # model, a broken cohort or split) is a short message with exit 2 from the benchx dispatcher.
     with tempfile.TemporaryDirectory() as folder:
         recipe, checkpoint = resolve_model_source(
-            Path(folder), args.run_id, args.checkpoint, args.recipe, split_overrides(args.overrides)
+            Path(folder), args.run_id, args.checkpoint, args.recipe, args.overrides
         )
         run_id, results = evaluate(recipe, checkpoint, args.stages, training_run_id=args.run_id,
                                    allow_training_overlap=args.allow_training_overlap)

@@ -14,19 +14,17 @@ import argparse
 import logging
 import sys
 
-from lightning_modules.cohorts.example_ct import (
-    CACHE_ENVIRONMENT_VARIABLE,
-    DEFAULT_OUT,
-    EXAMPLE_CASE_ID,
-    ExampleFetchError,
-    fetch_example,
-    fetch_example_dicom,
-)
+from lightning_modules.commands.common import CommandParser
+
+# lightning_modules.cohorts.example_ct's DEFAULT_OUT and CACHE_ENVIRONMENT_VARIABLE, named here so
+# that --help answers without importing the readers.
+DEFAULT_OUT = "data/example_ct"
+CACHE_ENVIRONMENT_VARIABLE = "BENCHX_CACHE"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="benchx fetch-example", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(DEFAULT_OUT), help="cohort root to import TS_EXAMPLE into")
+    parser = CommandParser(prog="benchx fetch-example", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=DEFAULT_OUT, help="cohort root to import TS_EXAMPLE into")
     parser.add_argument(
         "--cache", default=None, help=f"download cache (default ${CACHE_ENVIRONMENT_VARIABLE} or ~/.cache/benchx)"
     )
@@ -36,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from lightning_modules.cohorts.example_ct import EXAMPLE_CASE_ID, ExampleFetchError, fetch_example, fetch_example_dicom
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         case_dir = fetch_example(args.out, args.cache)

@@ -17,11 +17,15 @@ import argparse
 import logging
 import sys
 
-from lightning_modules.cohorts.importers import SOURCE_KINDS, ImportSourceError, import_source
+from lightning_modules.commands.common import CommandParser
+
+# lightning_modules.cohorts.importers.SOURCE_KINDS, named here so that --help answers without
+# importing the image readers.
+SOURCE_KINDS = ("totalseg", "nnunet", "msd", "dicom")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="benchx import",
         description="Import a dataset into a cohort in AbdomenAtlas layout A (resumable; failures go to quarantine.csv).",
     )
@@ -38,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from lightning_modules.cohorts.importers import ImportSourceError, import_source
+
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         report = import_source(args.kind, args.src, args.out, args.cohort, args.class_map, args.metadata, args.salt)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_modules.data.splits import write_cohort_split
+from lightning_modules.commands.common import CommandParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="benchx make-splits", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="benchx make-splits", description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", required=True, help="cohort folder with metadata.csv")
     parser.add_argument("--out", required=True, help="split CSV to write (e.g. splits/phantom.csv)")
     parser.add_argument("--seed", type=int, default=0)
@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from lightning_modules.data.splits import write_cohort_split
+
     written = write_cohort_split(args.root, args.out, args.seed, args.val, args.test, args.tumor_class, args.force)
     print(f"wrote {args.out} (sha256 {written.sha256[:12]}, seed {args.seed})")
     print(written.summary.to_string(index=False))

@@ -15,16 +15,18 @@ import sys
 import time
 from pathlib import Path
 
-from lightning_modules.data.cohort import METADATA_FILE
-from lightning_modules.cohorts.phantom import DEFAULT_CASES, generate_phantom_cohort, summarize
-from lightning_modules.cohorts.phantom.writer import folder_size_bytes
+from lightning_modules.commands.common import CommandParser, bounded
+
+# The phantom's default size (lightning_modules.cohorts.phantom.DEFAULT_CASES), named here so that
+# --help answers without importing the renderer.
+DEFAULT_CASES = 440
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments, write the cohort, print a summary; exit code 2 on bad arguments."""
-    parser = argparse.ArgumentParser(prog="benchx phantom", description=__doc__.splitlines()[0])
+    parser = CommandParser(prog="benchx phantom", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="data/phantom", help="cohort folder (default: data/phantom)")
-    parser.add_argument("--cases", type=int, default=DEFAULT_CASES, help=f"number of scans (default: {DEFAULT_CASES})")
+    parser.add_argument("--cases", type=bounded(int, 1), default=DEFAULT_CASES, help=f"number of scans (default: {DEFAULT_CASES})")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--shape", type=int, nargs=3, default=[96, 96, 64], metavar=("X", "Y", "Z"),
                         help="volume shape in voxels (default: 96 96 64)")
@@ -32,10 +34,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="voxel spacing in mm (default: 2.5 2.5 3.0)")
     parser.add_argument("--overwrite", action="store_true",
                         help="rewrite every case and replace a phantom cohort made with other parameters")
-    parser.add_argument("--workers", type=int, default=None,
+    parser.add_argument("--workers", type=bounded(int, 1), default=None,
                         help="processes rendering cases (default: one per available CPU, at least 16 cases each); "
                              "the files are the same for any number")
     args = parser.parse_args(argv)
+    from lightning_modules.cohorts.phantom import generate_phantom_cohort, summarize
+    from lightning_modules.cohorts.phantom.writer import folder_size_bytes
+    from lightning_modules.data.cohort import METADATA_FILE
+
     start = time.perf_counter()
     try:
         table = generate_phantom_cohort(args.out, args.cases, args.seed, args.shape, args.spacing, args.overwrite,

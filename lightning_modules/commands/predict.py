@@ -27,7 +27,7 @@ EXIT_SKIPPED = 3
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(allow_abbrev=False, 
         prog="benchx predict",
         description="Segment CT scans with a trained model and write the masks on each scan's own grid and affine; "
         "unreadable files and scans with NaN or infinite voxels are skipped, listed at the end, and make "

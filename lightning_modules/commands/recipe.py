@@ -11,7 +11,7 @@ Example::
 
 from __future__ import annotations
 
-import argparse
+import difflib
 import sys
 from typing import Sequence
 
@@ -24,14 +24,18 @@ def show(path: str, overrides: Sequence[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from lightning_modules.commands.common import add_overrides_argument, parse_command_line
+    from lightning_modules.commands.common import CommandParser, add_overrides_argument, parse_command_line
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="benchx recipe", description="Recipes: print one as it is resolved.")
+    parser = CommandParser(prog="benchx recipe", description="Recipes: print one as it is resolved.")
     actions = parser.add_subparsers(dest="action", required=True, metavar="show")
     show_parser = actions.add_parser("show", help="print the resolved recipe", description=__doc__.split("\n\n")[0])
     show_parser.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/unet.yaml")
     add_overrides_argument(show_parser)
+    if argv and not argv[0].startswith("-") and argv[0] not in actions.choices:
+        close = difflib.get_close_matches(argv[0], list(actions.choices), n=1, cutoff=0.5)
+        guess = f"; did you mean {close[0]!r}?" if close else f" (choose from {', '.join(map(repr, actions.choices))})"
+        parser.error(f"unknown subcommand {argv[0]!r}{guess}")
     if not argv or argv[0] != "show":
         parser.parse_args(argv)  # prints the usage (or --help) and exits
     args = parse_command_line(show_parser, argv[1:])

@@ -7,9 +7,7 @@ Example::
     torchrun --standalone --nproc_per_node=2 -m lightning_modules.cli train --recipe recipes/unet.yaml profile=cpu trainer.devices=2 trainer.strategy=ddp
     mlflow run . -e train -P recipe=recipes/unet.yaml -P overrides="profile=cpu" --env-manager local
 
-Exit codes: 0 trained (or already finished), 1 refused (bad recipe, broken cohort, leaking split,
-folder in use, another recipe in the folder, damaged checkpoints), 128 + signal when stopped by
-SIGTERM (143) or Ctrl+C (130).
+Exit codes: see :data:`EXIT_CODES`.
 """
 
 from __future__ import annotations
@@ -19,15 +17,22 @@ import os
 import sys
 from typing import Sequence
 
-from lightning_modules.commands.common import add_overrides_argument, parse_command_line
+from lightning_modules.commands.common import CommandParser, add_overrides_argument, parse_command_line
+
+
+EXIT_CODES = (
+    "Exit status: 0 trained (or already finished); 2 refused, with a short message (bad arguments or recipe, "
+    "broken cohort, leaking split, folder in use, another recipe in the folder, damaged checkpoints); "
+    "128 + signal when stopped by SIGTERM (143) or Ctrl+C (130)."
+)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="benchx train",
         description="Train a backbone from a recipe. Trailing key=value pairs override the recipe "
         "(e.g. profile=cpu trainer.max_steps=100 data.root=/data/AbdomenAtlas). Rerunning the same "
-        "command resumes the run; another recipe in the same folder is refused.",
+        "command resumes the run; another recipe in the same folder is refused. " + EXIT_CODES,
     )
     parser.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/unet.yaml")
     parser.add_argument("--out", default=None, help="run folder (default: <tracking.output_dir>/<recipe>-<hash>)")

@@ -17,7 +17,7 @@ from lightning_modules.data.validation import DEFAULT_CLASSES, validate
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="benchx validate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="benchx validate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", required=True, help="cohort folder (layout A or B) with metadata.csv")
     parser.add_argument("--classes", nargs="+", default=list(DEFAULT_CLASSES), help="mask classes the recipe needs")
     parser.add_argument("--tumor-class", default=None, help="lesion class checked against the tumor column")

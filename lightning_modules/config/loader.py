@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import typing
 from pathlib import Path
@@ -34,6 +35,10 @@ OPEN_KEYS = ("model.options", "tracking.tags", "profiles")
 
 class RecipeError(ValueError):
     """A recipe that cannot be loaded: a mistyped key, a wrong type, a violated shape rule."""
+
+
+class RecipeFileError(RecipeError):
+    """A recipe path that names no file: missing, or a directory."""
 
 
 def load_config(
@@ -149,9 +154,9 @@ def _split_profiles(layers: list[tuple[str, DictConfig]]) -> tuple[DictConfig, l
 def _load_yaml(path: Path) -> DictConfig:
     """One layer: a YAML file whose top level is a mapping; anything else is a :class:`RecipeError`."""
     if not path.exists():
-        raise RecipeError(f"recipe file {path} does not exist")
+        raise RecipeFileError(f"recipe file {path} does not exist{_closest_file(path)}")
     if not path.is_file():
-        raise RecipeError(f"recipe {path} is not a file (a directory?): name a YAML file such as recipes/unet.yaml")
+        raise RecipeFileError(f"recipe {path} is not a file (a directory?): name a YAML file such as recipes/unet.yaml")
     try:
         layer = OmegaConf.load(path)
     except yaml.YAMLError as error:
@@ -164,6 +169,16 @@ def _load_yaml(path: Path) -> DictConfig:
     if not isinstance(layer, DictConfig):
         raise RecipeError(f"{path}: the top level must be a mapping of settings (key: value), not a list")
     return layer
+
+
+def _closest_file(path: Path) -> str:
+    """``"; did you mean <file>?"`` naming the YAML file beside ``path`` whose name is closest, else ``""``."""
+    folder = path.parent
+    if not folder.is_dir():
+        return ""
+    names = [child.name for child in folder.iterdir() if child.suffix in (".yaml", ".yml") and child.name != BASE_RECIPE]
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    return f"; did you mean {folder / close[0]}?" if close else ""
 
 
 def _merge(config: DictConfig, layer: DictConfig, source: str, open_keys: Sequence[str]) -> DictConfig:

@@ -18,11 +18,15 @@ import os
 import sys
 from typing import Sequence
 
+from lightning_modules.commands.common import CommandParser
+
+# synthx.workflows.replicates.OPERATING_POINTS, named here so that --help answers without importing
+# the workflow (and with it MLflow and the study).
+OPERATING_POINTS = ("fixed", "val_chosen", "matched_specificity")
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from synthx.workflows.replicates import OPERATING_POINTS
-
-    parser = argparse.ArgumentParser(prog="benchx replicates", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="benchx replicates", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_ids", nargs="+", metavar="RUN",
                         help="the studies' parent runs (two or more; one argument may hold several, space- or comma-separated)")
     parser.add_argument("--operating-point", default="fixed", choices=OPERATING_POINTS,

@@ -22,7 +22,7 @@ from typing import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchx report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="benchx report", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-id", required=True,
                         help="the study's parent run (its name is study-<backbone>), or a pooled run for --markdown")
     parser.add_argument("--out", default=None, help="HTML file to write (default: study_report_<run>.html here)")

@@ -17,13 +17,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-import pandas as pd
-
-from lightning_modules.commands.common import add_overrides_argument, parse_command_line, split_overrides
+from lightning_modules.commands.common import CommandParser, add_overrides_argument, parse_command_line
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="benchx synthesize",
         description="Paint conditioned synthetic tumors into healthy training scans of the requested cells and "
         "write a synthetic cohort (resumable). Trailing key=value pairs override the SynthX recipe.",
@@ -58,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from synthx.config import load_synthx_recipe
     from synthx.generation import SynthesisSettings, synthesize
 
-    recipe = load_synthx_recipe(args.recipe, split_overrides(args.overrides))
+    recipe = load_synthx_recipe(args.recipe, args.overrides)
     values = dict(
         budget=args.budget, phases=args.phases, max_cases=args.max_cases, generator_run_id=args.generator_run_id,
         need_threshold=args.need_threshold, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
@@ -67,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.seed is not None:
         values["seed"] = args.seed
     if args.baseline_records:
+        import pandas as pd
+
         values["baseline_records"] = pd.read_csv(args.baseline_records, keep_default_na=False, na_values=[""])
     settings = SynthesisSettings.from_recipe(recipe, args.root, args.split, args.pipeline, args.out, **values)
     summary = synthesize(settings, args.target)

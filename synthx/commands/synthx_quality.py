@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-import pandas as pd
+from lightning_modules.commands.common import CommandParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="benchx synthx-quality",
         description="Synthetic vs real tumors: HU statistics, contrast, phase faithfulness and diversity, logged to MLflow.",
     )
@@ -34,9 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import pandas as pd
+
     from synthx.quality import assess_synthetic_cohort
 
-    args = build_parser().parse_args(argv)
     report, run_id = assess_synthetic_cohort(
         args.root, args.split, args.synthetic, tracking_uri=args.tracking_uri, run_id=args.run_id,
         experiment=args.experiment, out=args.out, lesion_class=args.lesion_class, organ_class=args.organ_class,

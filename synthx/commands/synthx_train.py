@@ -18,11 +18,11 @@ import argparse
 import sys
 from typing import Sequence
 
-from lightning_modules.commands.common import add_overrides_argument, parse_command_line, split_overrides
+from lightning_modules.commands.common import CommandParser, add_overrides_argument, parse_command_line
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="benchx synthx-train",
         description="Train the SynthX tumor generator from a recipe. Trailing key=value pairs override the "
         "recipe (e.g. profile=cpu trainer.max_steps=300). A rerun with the same recipe and --out resumes "
@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from synthx.config import load_synthx_recipe
     from synthx.training import train_autoencoder, train_synthx
 
-    overrides = split_overrides(args.overrides)
+    overrides = args.overrides
     overrides += [f"data.root={args.root}"] if args.root else []
     overrides += [f"data.split={args.split}"] if args.split else []
     recipe = load_synthx_recipe(args.recipe, overrides)
