@@ -51,7 +51,8 @@ from synthx.workflows.report import (
     markdown_table,
     study_comparison as comparison_of,
 )
-from synthx.workflows.study import run_study, segmentation_recipe
+from synthx.workflows.study.run import run_study
+from synthx.workflows.study.settings import segmentation_recipe
 
 
 OPERATING_POINTS = ("fixed", "val_chosen", "matched_specificity")
@@ -232,7 +233,7 @@ def run_replicate(settings, seed: int) -> str:
     """Run replicate ``seed`` of a study unless it has finished; returns its parent run id.
 
     A killed replicate resumes: its finished steps are reused and an interrupted training resumes
-    from its checkpoint (:mod:`synthx.workflows.study`). A finished one is never run again.
+    from its checkpoint (:mod:`synthx.workflows.study.run`). A finished one is never run again.
     """
     uri, experiment, key = _store(settings)
     client = MlflowClient(tracking_uri=uri)
