@@ -141,8 +141,9 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
         raise KeyboardInterrupt("simulated kill during synthesis")
 
     monkeypatch.setattr(study, "synthesize", killed)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as stopped:
         run_study(settings)
+    assert stopped.value.code == 130, "Ctrl+C ends the study with the shell's code for SIGINT"
     first = capsys.readouterr().out
     for step in ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting", "synthx_train"):
         assert f"[study] {step}: done" in first, step
@@ -287,7 +288,7 @@ def test_primary_endpoint_is_logged_before_any_step(tiny_phantom, tmp_path, monk
         raise KeyboardInterrupt("stop before the first step")
 
     monkeypatch.setattr(study, "_baseline_steps", first_steps)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit):
         study.run_study(_study_settings(root, split, tmp_path))
     assert seen["steps"] == {}, "no step ran before"
     assert seen["params"]["endpoint.metric"] == "sensitivity" and seen["params"]["endpoint.group"] == "arterial"

@@ -8,11 +8,13 @@ Example::
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pandas as pd
 
 from lightning_modules.cohorts.phantom import PARAMS_FILE
+from lightning_modules.process import exit_on_signal, held_signals, raise_if_signalled, rerun_command, stop_code
 from lightning_modules.run_folder import RunFolderLock
 from synthx.endpoint import log_endpoint
 from synthx.painters import SYNTHX_PAINTER
@@ -81,14 +83,27 @@ def _synthx_steps(runner: StudyRunner, settings: StudySettings, root: Path, spli
 def run_study(settings: StudySettings, parent_tags: dict[str, str] | None = None) -> pd.DataFrame:
     """Run (or resume) the study, step by step (see the package docstring); returns the comparison table.
 
-    One study per output folder at a time: a second process is refused, naming the holder.
+    One study per output folder at a time: a second process is refused, naming the holder. Runs a
+    study left RUNNING when its process died are ended (KILLED) first (:meth:`StudyRunner.end_stale`).
     ``parent_tags`` go on the study's parent run (a replicate's set and seed, :mod:`synthx.workflows.replicates`).
+
+    Every run the study opened ends: on SIGTERM, SIGINT or Ctrl+C the step run in flight and the
+    parent run end KILLED and the process exits 143 or 130 (``SystemExit``) after one line naming the
+    step and the command that resumes it; on an error both end FAILED, a line names the step, and
+    the error is raised again (the ``benchx`` dispatcher prints a user-facing one in two lines).
     """
     settings.check()
-    with RunFolderLock(settings.output_dir, "benchx study") as lock:
-        if lock.takeover_note:
-            print(f"[study] {lock.takeover_note}")
-        return _run_study(settings, parent_tags)
+    stop = {"note": "no study run was opened; " + _resume_advice()}
+    with exit_on_signal("benchx study", lambda: stop["note"]):
+        with RunFolderLock(settings.output_dir, "benchx study") as lock:
+            if lock.takeover_note:
+                print(f"[study] {lock.takeover_note}")
+            return _run_study(settings, parent_tags, stop)
+
+
+def _resume_advice() -> str:
+    command = rerun_command()
+    return f"resume with: {command}" if command else "run the same command again to resume"
 
 
 def _evaluate_arm(runner: StudyRunner, settings: StudySettings, name: str, arm: str, trained: dict,
@@ -101,14 +116,20 @@ def _evaluate_arm(runner: StudyRunner, settings: StudySettings, name: str, arm: 
                        evaluate_action(recipe, trained, arm, "locked" if locked else "test"))
 
 
-def _run_study(settings: StudySettings, parent_tags: dict[str, str] | None = None) -> pd.DataFrame:
-    runner = open_runner(settings, parent_tags)
-    base = segmentation_recipe(settings)
-    root, split = Path(base.data.root), Path(base.data.split)
-    # The primary endpoint is fixed before anything is trained or evaluated.
-    log_endpoint(runner.client, runner.parent_id, settings.endpoint)
-    output_dir = Path(settings.output_dir)
+def _run_study(settings: StudySettings, parent_tags: dict[str, str] | None, stop: dict[str, str]) -> pd.DataFrame:
+    with held_signals():  # a signal here is raised once the runner can end the parent run
+        runner = open_runner(settings, parent_tags)
     try:
+        raise_if_signalled()
+        stale = runner.end_stale(settings.output_dir)
+        if stale:
+            print(f"[study] ended {len(stale)} run(s) that a study whose process is gone left RUNNING (KILLED): "
+                  f"{', '.join(stale)}")
+        base = segmentation_recipe(settings)
+        root, split = Path(base.data.root), Path(base.data.split)
+        # The primary endpoint is fixed before anything is trained or evaluated.
+        log_endpoint(runner.client, runner.parent_id, settings.endpoint)
+        output_dir = Path(settings.output_dir)
         _, baseline, baseline_evaluation, locked = _baseline_steps(runner, settings, root, split)
         synthesis = _synthx_steps(runner, settings, root, split, baseline_evaluation, str(base.detection.score),
                                   int(base.seed))
@@ -136,12 +157,19 @@ def _run_study(settings: StudySettings, parent_tags: dict[str, str] | None = Non
             print(side_by_side.to_string(index=False))
 
         print(f"[study] report: {publish_study(runner.uri, runner.parent_id, settings.output_dir)}")
-    except BaseException:
-        runner.finish("FAILED")
+        runner.finish()
+    except BaseException as error:
+        step = runner.current
+        status = runner.abort(error)
+        where = f"step {step}: its run and" if step else "between steps:"
+        note = f"{where} the study run {runner.parent_id} ended {status}; finished steps are kept, "
+        if stop_code(error) is not None:
+            stop["note"] = note + _resume_advice()
+        else:
+            print(f"[study] {step or 'the study'} failed ({type(error).__name__}); {note}fix the cause, then "
+                  f"{_resume_advice()}", file=sys.stderr, flush=True)
         raise
-    runner.finish()
     print(f"[study] parent run {runner.parent_id} in experiment '{settings.experiment}' ({runner.uri})")
     print(f"[study] MLflow UI: {ui_command(runner.uri, runner.experiment_id)}")
     print(verdict_text(table, settings.endpoint))
     return table
-

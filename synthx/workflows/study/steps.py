@@ -22,11 +22,13 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from lightning_modules.cohorts.phantom import DEFAULT_CASES, generate_phantom_cohort, PARAMS_FILE
-from lightning_modules.data.cohort import load_cohort, write_metadata
+from lightning_modules.data.cohort import CohortError, load_cohort, write_metadata
 from lightning_modules.data.splits import load_split, make_splits, split_sha256, write_split
 from lightning_modules.data.validation import validate_cohort
 from lightning_modules.evaluation.artifacts import download_records
+from lightning_modules.process import held_signals
 from lightning_modules.run_folder import content_key
+from lightning_modules.tracking import end_run, experiment_id, final_status
 from lightning_modules.workflows.evaluate import compare, evaluate, OPERATING_POINT_METRIC
 from lightning_modules.workflows.train import recipe_fingerprint, train
 from synthx.generation import SynthesisSettings, synthesize
@@ -51,7 +53,7 @@ def data_step(client: MlflowClient, experiment: str, tags: dict, root: Path, spl
     table = load_split(split, cohort)
     problems = validate_cohort(cohort)
     if problems:
-        raise RuntimeError("cohort problems:\n" + "\n".join(str(p) for p in problems))
+        raise CohortError(problems, root)
     for name, count in table["split"].value_counts().to_dict().items():
         client.log_metric(run_id, f"data/cases/{name}", count)
     client.log_param(run_id, "split_sha256", split_sha256(split))
@@ -256,11 +258,25 @@ def compare_action(evaluations: dict[str, dict], uri: str, experiment: str, resa
     """
 
     def action(tags: dict) -> dict:
-        _, run_id = compare([evaluations[arm]["run_id"] for arm in COMPARED_ARMS], "test", uri=uri,
-                            experiment=experiment, n_resamples=resamples)
+        runs = [evaluations[arm]["run_id"] for arm in COMPARED_ARMS]
+        try:
+            _, run_id = compare(runs, "test", uri=uri, experiment=experiment, n_resamples=resamples)
+        except BaseException as error:
+            _end_open_comparisons(uri, experiment, runs, final_status(error))
+            raise
         return {"run_id": run_id}
 
     return action
+
+
+def _end_open_comparisons(uri: str, experiment: str, runs: list[str], status: str) -> None:
+    """End the comparison run of these evaluation runs that a stopped or failed comparison left
+    RUNNING (it carries the study's tags only once it is complete)."""
+    client = MlflowClient(tracking_uri=uri)
+    with held_signals():
+        for run in client.search_runs([experiment_id(experiment, uri)],
+                                      filter_string=f"tags.compared_runs = '{','.join(runs)}' and attributes.status = 'RUNNING'"):
+            end_run(uri, run.info.run_id, status)
 
 
 def synthetic_folder(output_dir: Path, params: dict) -> Path:
