@@ -52,6 +52,18 @@ def wait_for(path: Path, text: str, process: subprocess.Popen | None = None, tim
     raise AssertionError(f"{text!r} not in {path} after {timeout} s")
 
 
+def wait_for_step_run(settings, step: str, process: subprocess.Popen, timeout: float = 600) -> None:
+    """Wait until the study's ``step`` has opened its MLflow run (so a signal lands inside the step)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _, runs = study_runs(settings)
+        if any(run.data.tags.get("study_step") == step for run in runs):
+            return
+        assert process.poll() is None, f"the study ended ({process.returncode}) before its {step} run was opened"
+        time.sleep(0.2)
+    raise AssertionError(f"no {step} run after {timeout} s")
+
+
 def gone(pid: int) -> bool:
     """True when the process has ended (no longer listed, or a zombie waiting for its reaper)."""
     try:
@@ -127,6 +139,7 @@ def test_a_signal_during_a_step_ends_its_runs_killed_and_the_rerun_resumes(tiny_
     settings = _study_settings(root, split, tmp_path)
     process, _, err = start(cli_arguments(settings), tmp_path / "first")
     wait_for(tmp_path / "first" / "stdout.txt", "[study] locked_cohort: running", process)
+    wait_for_step_run(settings, "locked_cohort", process)
     os.kill(process.pid, signum)
     assert process.wait(timeout=600) == (-signal.SIGKILL if signum == signal.SIGKILL else 128 + signum)
     _, runs = study_runs(settings)
