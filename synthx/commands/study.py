@@ -1,6 +1,6 @@
 """``benchx study``: the baseline-versus-SynthX study, the project's main job (MLproject ``main``).
 
-Parses the command line into :class:`synthx.workflows.study.StudySettings` and runs :func:`synthx.workflows.study.run_study`
+Parses the command line into :class:`synthx.workflows.study.settings.StudySettings` and runs :func:`synthx.workflows.study.run.run_study`
 (the steps and their resumability are described there).
 
 Example::
@@ -25,7 +25,7 @@ from typing import Sequence
 from lightning_modules.commands.common import CommandParser, add_overrides_argument, bounded, parse_command_line
 from synthx.painters import PAINTERS, SYNTHX_PAINTER
 
-# The defaults of synthx.workflows.study.StudySettings, named here so that --help and a refused
+# The defaults of synthx.workflows.study.settings.StudySettings, named here so that --help and a refused
 # command line answer without importing the workflow (and with it torch, Lightning and MLflow).
 DEFAULTS = {
     "recipe": "recipes/unet.yaml", "profile": "cpu", "synthx_recipe": "recipes/generator/synthx.yaml", "ratio": 0.3,
@@ -104,9 +104,9 @@ def study_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def study_settings(args: argparse.Namespace):
-    """The study's :class:`~synthx.workflows.study.StudySettings` from its parsed command line (every
+    """The study's :class:`~synthx.workflows.study.settings.StudySettings` from its parsed command line (every
     replicate parses the same ones)."""
-    from synthx.workflows.study import StudySettings
+    from synthx.workflows.study.settings import StudySettings
 
     return StudySettings(
         recipe=args.recipe, profile=args.profile or DEFAULTS["profile"], overrides=study_overrides(args),
@@ -120,7 +120,7 @@ def study_settings(args: argparse.Namespace):
 
 def check_recipe(args: argparse.Namespace) -> None:
     """Load the backbone recipe as the study will (profile, experiment, overrides) and check its values
-    and the augmented arm's ratio, so a mistyped key or a wrong value is refused at once, before torch
+    the augmented arm's ratio and the generator's recipe with its overrides, so a mistyped key or a wrong value is refused at once, before torch
     and the workflow are imported (the workflow checks the model section when it loads the recipe,
     before it opens a run). Raises :class:`~lightning_modules.config.loader.RecipeError`."""
     from lightning_modules.config.loader import with_values
@@ -131,11 +131,15 @@ def check_recipe(args: argparse.Namespace) -> None:
                                        f"tracking.experiment={args.experiment}", *study_overrides(args)],
                          checker=check_values)
     with_values(recipe, {"synthx": {"ratio": args.ratio}}, checker=check_values, source=f"--ratio {args.ratio:g} with {args.recipe}")
+    from synthx.config import load_synthx_recipe
+
+    # The generator's recipe as the study loads it (its cohort and store are the study's, set later).
+    load_synthx_recipe(args.synthx_recipe, [f"profile={args.profile or DEFAULTS['profile']}", *args.synthx_override])
 
 
 def run_study(settings) -> None:
-    """:func:`synthx.workflows.study.run_study`, imported only when the command line has been checked."""
-    from synthx.workflows.study import run_study as run
+    """:func:`synthx.workflows.study.run.run_study`, imported only when the command line has been checked."""
+    from synthx.workflows.study.run import run_study as run
 
     run(settings)
 
