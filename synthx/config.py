@@ -24,8 +24,7 @@ from omegaconf import DictConfig
 from lightning_modules.config.recipe import RecipeError, TrackingConfig
 from lightning_modules.recipe import load_recipe, recipe_to_yaml
 from lightning_modules.data.lesions import SIZE_CLASSES
-from synthx.model import ORGAN_OF_LESION
-from synthx.schedulers import SAMPLING_SCHEDULERS
+from synthx.conditions import ORGAN_OF_LESION, SAMPLING_SCHEDULERS
 
 __all__ = ["SynthXRecipe", "load_synthx_recipe", "check_synthx_recipe", "recipe_to_yaml", "RecipeError"]
 

@@ -48,6 +48,7 @@ from lightning_modules.data.metadata import (
     normalize_phase,
     normalize_sex,
 )
+from synthx.conditions import ORGAN_CLASSES, ORGAN_OF_LESION
 
 __all__ = [
     "AGE_BAND_VOCAB",
@@ -78,17 +79,6 @@ PHASE_VOCAB: tuple[str, ...] = (NULL_TOKEN, *PHASES)
 ORGAN_VOCAB: tuple[str, ...] = (NULL_TOKEN, "pancreas", "liver", "kidney")
 CONDITION_NAMES = ("sex", "age_band", "phase", "organ")
 
-# The AbdomenAtlas mask files (docs/design.md "Cohorts on disk") that make up each organ, and the organ of each lesion class.
-ORGAN_CLASSES: dict[str, tuple[str, ...]] = {
-    "pancreas": ("pancreas",),
-    "liver": ("liver",),
-    "kidney": ("kidney_left", "kidney_right"),
-}
-ORGAN_OF_LESION: dict[str, str] = {
-    "pancreatic_lesion": "pancreas",
-    "liver_lesion": "liver",
-    "kidney_lesion": "kidney",
-}
 
 
 def encode_sex(value) -> int:

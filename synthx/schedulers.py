@@ -15,12 +15,11 @@ from __future__ import annotations
 from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, SchedulerMixin
 from omegaconf import DictConfig
 
-SAMPLING_SCHEDULER_CLASSES: dict[str, type[SchedulerMixin]] = {
-    "ddpm": DDPMScheduler,
-    "ddim": DDIMScheduler,
-    "dpm_solver": DPMSolverMultistepScheduler,
-}
-SAMPLING_SCHEDULERS = tuple(SAMPLING_SCHEDULER_CLASSES)
+from synthx.conditions import SAMPLING_SCHEDULERS
+
+SAMPLING_SCHEDULER_CLASSES: dict[str, type[SchedulerMixin]] = dict(
+    zip(SAMPLING_SCHEDULERS, (DDPMScheduler, DDIMScheduler, DPMSolverMultistepScheduler), strict=True)
+)
 
 
 def build_noise_scheduler(config: DictConfig) -> DDPMScheduler:

@@ -62,6 +62,23 @@ def test_a_study_recipe_error_is_refused_before_torch_is_imported(tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("command", [
+    ["synthx-train", "--recipe", str(RECIPES / "generator" / "synthx.yaml"), "zz_mistyped.key=1"],
+    ["study", "--recipe", str(RECIPES / "unet.yaml"), "--synthx-override", "zz_mistyped.key=1"],
+])
+def test_a_synthx_recipe_error_is_refused_before_torch_or_diffusers_load(tmp_path, command):
+    probe = (
+        "import sys\n"
+        "from lightning_modules.cli import main\n"
+        f"code = main({command + ['--out', str(tmp_path / 'out')]!r})\n"
+        "print(sorted(m for m in ('torch', 'diffusers') if m in sys.modules), code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}"})
+    assert done.stdout.strip() == f"[] {EXIT_USAGE}", done.stdout + done.stderr[-2000:]
+    assert "zz_mistyped" in done.stderr and "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize("arguments, named", [
     (["--ratio-min", "0.9", "--ratio-max", "0.1"], "--ratio-min (0.9) must be below --ratio-max (0.1)"),
     (["--targeting", "foo"], "--targeting 'foo': expected RULE=COHORT"),

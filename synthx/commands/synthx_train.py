@@ -46,12 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_command_line(build_parser(), sys.argv[1:] if argv is None else argv)
     from synthx.config import load_synthx_recipe
-    from synthx.training import train_autoencoder, train_synthx
 
     overrides = args.overrides
     overrides += [f"data.root={args.root}"] if args.root else []
     overrides += [f"data.split={args.split}"] if args.split else []
-    recipe = load_synthx_recipe(args.recipe, overrides)
+    recipe = load_synthx_recipe(args.recipe, overrides)  # refused before torch and diffusers load
+    from synthx.training import train_autoencoder, train_synthx
+
     if args.stage == "autoencoder":
         trained = train_autoencoder(recipe, output_dir=args.out, resume=not args.fresh)
         print(
