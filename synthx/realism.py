@@ -198,16 +198,20 @@ def classifier_two_sample_test(real, other, folds: int = 5, confidence: float = 
 
 
 def frechet_distance(a, b) -> float:
-    """Frechet distance between Gaussians fitted to two sets of feature rows: |mu_a - mu_b|^2 + Tr(S_a + S_b - 2 (S_a S_b)^(1/2))."""
+    """Frechet distance between Gaussians fitted to two sets of feature rows: |mu_a - mu_b|^2 + Tr(S_a + S_b - 2 (S_a S_b)^(1/2)).
+
+    The trace of the root is taken as that of (S_a^(1/2) S_b S_a^(1/2))^(1/2), the same number for
+    covariance matrices, from eigenvalues of symmetric matrices (scipy.linalg.eigh): exact when a
+    covariance is singular (fewer tumors than features), where a general matrix square root is not.
+    """
     a, b = np.atleast_2d(np.asarray(a, dtype=float)), np.atleast_2d(np.asarray(b, dtype=float))
-    mean_a, mean_b = a.mean(axis=0), b.mean(axis=0)
     cov_a, cov_b = np.atleast_2d(np.cov(a, rowvar=False)), np.atleast_2d(np.cov(b, rowvar=False))
-    root = scipy.linalg.sqrtm(cov_a @ cov_b)
-    if not np.isfinite(root).all():  # singular product: regularize as the FID reference implementation does
-        offset = np.eye(cov_a.shape[0]) * 1e-6
-        root = scipy.linalg.sqrtm((cov_a + offset) @ (cov_b + offset))
-    value = float(np.sum((mean_a - mean_b) ** 2) + np.trace(cov_a) + np.trace(cov_b) - 2.0 * np.trace(root.real))
-    return max(value, 0.0)
+    values, vectors = scipy.linalg.eigh(cov_a)
+    root_a = (vectors * np.sqrt(np.clip(values, 0.0, None))) @ vectors.T
+    product = scipy.linalg.eigvalsh(root_a @ cov_b @ root_a)
+    trace_root = float(np.sqrt(np.clip(product, 0.0, None)).sum())
+    shift = float(np.sum((a.mean(axis=0) - b.mean(axis=0)) ** 2))
+    return max(shift + float(np.trace(cov_a) + np.trace(cov_b)) - 2.0 * trace_root, 0.0)
 
 
 def standardized(real: np.ndarray, *others: np.ndarray) -> list[np.ndarray]:

@@ -212,3 +212,14 @@ def test_quality_filter_keeps_what_it_cannot_judge():
     assert result["kept"].tolist() == [True] and math.isnan(result["score"].iloc[0])
     with pytest.raises(ValueError, match="real_quantile"):
         quality_filter(frame, real_quantile=0.0)
+
+
+def test_frechet_distance_agrees_with_the_general_matrix_square_root():
+    from scipy.linalg import sqrtm
+
+    rng = np.random.default_rng(1)
+    a, b = rng.normal(size=(50, 4)), rng.normal(size=(60, 4)) @ np.diag([1.0, 2.0, 0.5, 1.0]) + 0.3
+    cov_a, cov_b = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
+    expected = np.sum((a.mean(0) - b.mean(0)) ** 2) + np.trace(cov_a + cov_b - 2 * sqrtm(cov_a @ cov_b).real)
+    assert frechet_distance(a, b) == pytest.approx(expected, rel=1e-6)
+    assert frechet_distance(a[:3], a[:3]) == pytest.approx(0.0, abs=1e-9)  # singular covariance: still exact
