@@ -93,6 +93,7 @@ class TumorRecord:
     patch: np.ndarray = field(repr=False)
     slice_image: np.ndarray = field(repr=False)
     slice_mask: np.ndarray = field(repr=False)
+    embedding: np.ndarray | None = field(repr=False, default=None)
 
 
 @dataclass
@@ -167,6 +168,7 @@ def collect_tumors(
     rim_mm: float = 5.0,
     patch_size: int = 16,
     realism: bool = True,
+    embed=None,
 ) -> list[TumorRecord]:
     """Read each case's CT, lesion and organ masks and measure its tumor (cases without a lesion voxel are skipped).
 
@@ -178,6 +180,7 @@ def collect_tumors(
         rim_mm: rim thickness (see :func:`tumor_statistics`).
         patch_size: edge of the cube (voxels) used for diversity.
         realism: also measure the :func:`synthx.realism.realism_features` (texture, boundary, shape).
+        embed: optionally [(CT, tumor)] -> features (:func:`synthx.realism_encoder.encoder_embedder`).
     """
     records = []
     for case_id in case_ids:
@@ -206,6 +209,7 @@ def collect_tumors(
                 patch=centred_patch(ct, centre, patch_size),
                 slice_image=_crop_slice(ct, centre, 2 * patch_size),
                 slice_mask=_crop_slice(tumor.astype(np.float32), centre, 2 * patch_size),
+                embedding=embed([(ct, tumor)])[0] if embed is not None else None,
             )
         )
     return records
@@ -368,6 +372,7 @@ def quality_report(
     patch_size: int = 16,
     seed: int = 0,
     copy_paste_root: Path | str | Cohort | None = None,
+    embed=None,
 ) -> QualityReport:
     """Measure the synthetic tumors of ``synthetic_root`` against the real training tumors of ``real_root``.
 
@@ -381,6 +386,8 @@ def quality_report(
         seed: for the cross-validation folds and the bootstrap.
         copy_paste_root: optionally a cohort of copy-pasted tumors (its ``synthetic=1`` cases), a
             third set the realism table compares with the real tumors beside SynthX's.
+        embed: optionally the detector's encoder (:func:`synthx.realism_encoder.encoder_embedder`): the
+            realism table then adds the Frechet distance of its features (``frechet_encoder``).
     """
     real_cohort = real_root if isinstance(real_root, Cohort) else load_cohort(real_root)
     synthetic_cohort = synthetic_root if isinstance(synthetic_root, Cohort) else load_cohort(synthetic_root)
@@ -391,8 +398,8 @@ def quality_report(
     synthetic_ids = list(synthetic_cohort.metadata.loc[synthetic_cohort.metadata["synthetic"] == 1, "case_id"])
     if not synthetic_ids:
         raise QualityError(f"cohort {synthetic_cohort.root} has no synthetic=1 case to assess")
-    real = collect_tumors(real_cohort, real_ids, 0, lesion_class, organ_class, rim_mm, patch_size)
-    synthetic = collect_tumors(synthetic_cohort, synthetic_ids, 1, lesion_class, organ_class, rim_mm, patch_size)
+    real = collect_tumors(real_cohort, real_ids, 0, lesion_class, organ_class, rim_mm, patch_size, embed=embed)
+    synthetic = collect_tumors(synthetic_cohort, synthetic_ids, 1, lesion_class, organ_class, rim_mm, patch_size, embed=embed)
     if not synthetic:
         raise QualityError(f"cohort {synthetic_cohort.root}: no synthetic case has a {lesion_class} voxel")
     records = real + synthetic
@@ -400,7 +407,7 @@ def quality_report(
     if copy_paste_root is not None:
         pasted = copy_paste_root if isinstance(copy_paste_root, Cohort) else load_cohort(copy_paste_root)
         pasted_ids = list(pasted.metadata.loc[pasted.metadata["synthetic"] == 1, "case_id"])
-        copy_paste = collect_tumors(pasted, pasted_ids, 1, lesion_class, organ_class, rim_mm, patch_size)
+        copy_paste = collect_tumors(pasted, pasted_ids, 1, lesion_class, organ_class, rim_mm, patch_size, embed=embed)
     per_tumor = pd.DataFrame(
         [
             {
@@ -423,7 +430,7 @@ def quality_report(
         intensity=intensity_table(records),
         faithfulness=phase_faithfulness(records, seed),
         diversity=diversity_table(records),
-        realism=realism_table(realism_frame(records, copy_paste), seed=seed),
+        realism=realism_table(realism_frame(records, copy_paste), seed=seed, embeddings=_embeddings(records, copy_paste)),
         figure=example_grid(records),
         records=records,
     )
@@ -455,6 +462,12 @@ def _load_mask(case: Case, class_name: str, shape, required: bool) -> np.ndarray
     if mask.shape != tuple(shape):
         raise QualityError(f"case {case.case_id}: mask {path} has shape {mask.shape}, its CT has {tuple(shape)}")
     return mask
+
+
+def _embeddings(records: Sequence[TumorRecord], copy_paste: Sequence[TumorRecord]) -> np.ndarray | None:
+    """The records' encoder features in :func:`realism_frame`'s row order, or None without a detector."""
+    kept = [r.embedding for r in [*records, *copy_paste] if r.phase != UNKNOWN]
+    return np.vstack(kept) if kept and all(e is not None for e in kept) else None
 
 
 def _crop_slice(volume: np.ndarray, centre: Sequence[int], size: int) -> np.ndarray:

@@ -5,7 +5,11 @@ Run::
 
     benchx synthx-quality --root data/phantom --split splits/phantom.csv --synthetic data/synthetic \
         [--tracking-uri sqlite:///mlflow.db --run-id <generation run id> --out reports/synthx_quality] \
-        [--copy-paste data/copy_paste] [--recipe recipes/generator/synthx.yaml quality_filter.enabled=true]
+        [--copy-paste data/copy_paste] [--recipe recipes/generator/synthx.yaml quality_filter.enabled=true] \
+        [--detector <training run id> | --detector-checkpoint best.ckpt --detector-recipe recipe.yaml]
+
+With a detector, the realism table adds the Frechet distance of its encoder's bottleneck features
+(:mod:`synthx.realism_encoder`).
 
 With the SynthX recipe's ``quality_filter.enabled``, the synthetic cases a cross-fitted real-vs-synthetic
 discriminator spots are listed as dropped (:func:`synthx.realism.quality_filter`), in
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -105,10 +110,10 @@ def filter_cases(report, real_quantile: float, folds: int, seed: int = 0) -> pd.
 def assess_synthetic_cohort(real_root, split_path, synthetic_root, tracking_uri: str | None = None, run_id: str | None = None,
                             experiment: str = "synthx", out=None, lesion_class: str = "pancreatic_lesion",
                             organ_class: str = "pancreas", rim_mm: float = 5.0, seed: int = 0, copy_paste_root=None,
-                            quality_filter: dict | None = None):
+                            quality_filter: dict | None = None, embed=None):
     """:func:`synthx.quality.quality_report`, logged to MLflow (a new ``synthx-quality`` run unless ``run_id``)
     and optionally written to ``out``; with ``quality_filter`` (``real_quantile`` and ``folds`` of an enabled
-    recipe section), the filter's decisions too.
+    recipe section), the filter's decisions too; ``embed``: see :func:`synthx.quality.quality_report`.
 
     A new run ends FINISHED, or FAILED/KILLED when logging fails or is interrupted; an existing run is left as it was.
 
@@ -119,7 +124,7 @@ def assess_synthetic_cohort(real_root, split_path, synthetic_root, tracking_uri:
     from lightning_modules.tracking import ended_run, start_run, tracking_client, tracking_uri as resolve_uri
 
     report = quality_report(real_root, split_path, synthetic_root, lesion_class, organ_class, rim_mm, seed=seed,
-                            copy_paste_root=copy_paste_root)
+                            copy_paste_root=copy_paste_root, embed=embed)
     filtered = None
     if quality_filter is not None:
         filtered = filter_cases(report, float(quality_filter["real_quantile"]), int(quality_filter["folds"]), seed)
@@ -155,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--synthetic", required=True, help="the SynthX output cohort")
     parser.add_argument("--copy-paste", default=None, help="a cohort of copy-pasted tumors, compared with the real ones beside SynthX's")
     parser.add_argument("--recipe", default=None, help="SynthX recipe whose quality_filter section applies (default: filter off)")
+    parser.add_argument("--detector", default=None, help="a trained detector (training run id or models:/NAME@ALIAS) whose "
+                        "encoder features give the realism table's frechet_encoder")
+    parser.add_argument("--detector-checkpoint", default=None, help="a detector checkpoint file, with --detector-recipe")
+    parser.add_argument("--detector-recipe", default=None, help="the recipe YAML of --detector-checkpoint")
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
     parser.add_argument("--run-id", default=None, help="log into this existing run (e.g. the generation run)")
     parser.add_argument("--experiment", default="synthx", help="experiment of a new run when --run-id is not given")
@@ -165,6 +174,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the classifiers' cross-validation folds and the bootstrap")
     add_overrides_argument(parser)
     return parser
+
+
+def detector_embedder(args: argparse.Namespace, folder: Path):
+    """The detector's encoder features (:func:`synthx.realism_encoder.encoder_embedder`), or None without a detector."""
+    if args.detector is None and args.detector_checkpoint is None:
+        return None
+    import torch
+
+    from lightning_modules.models.checkpoints import load_module_from_checkpoint
+    from lightning_modules.tracking.artifacts import resolve_model_source
+    from synthx.realism_encoder import encoder_embedder
+
+    recipe, checkpoint = resolve_model_source(folder, run_id=args.detector, checkpoint=args.detector_checkpoint,
+                                              recipe=args.detector_recipe, tracking_uri=args.tracking_uri)
+    module = load_module_from_checkpoint(recipe, checkpoint)
+    return encoder_embedder(module.network, recipe.data, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,11 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_synthx_recipe(args.recipe, args.overrides)
         if recipe.quality_filter.enabled:
             filter_settings = {"real_quantile": recipe.quality_filter.real_quantile, "folds": recipe.quality_filter.folds}
-    report, run_id, filtered = assess_synthetic_cohort(
-        args.root, args.split, args.synthetic, tracking_uri=args.tracking_uri, run_id=args.run_id,
-        experiment=args.experiment, out=args.out, lesion_class=args.lesion_class, organ_class=args.organ_class,
-        rim_mm=args.rim_mm, seed=args.seed, copy_paste_root=args.copy_paste, quality_filter=filter_settings,
-    )
+    with tempfile.TemporaryDirectory() as folder:
+        embed = detector_embedder(args, Path(folder))
+        report, run_id, filtered = assess_synthetic_cohort(
+            args.root, args.split, args.synthetic, tracking_uri=args.tracking_uri, run_id=args.run_id,
+            experiment=args.experiment, out=args.out, lesion_class=args.lesion_class, organ_class=args.organ_class,
+            rim_mm=args.rim_mm, seed=args.seed, copy_paste_root=args.copy_paste, quality_filter=filter_settings, embed=embed,
+        )
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         overview = report.intensity[report.intensity["attribute"].isin(["overall", "phase"])]
         columns = ["attribute", "group", "n_real", "n_synthetic", "contrast_real", "contrast_synthetic",

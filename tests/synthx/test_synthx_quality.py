@@ -267,3 +267,24 @@ def test_recipe_overrides_without_a_recipe_are_refused(cohorts):
     real, split, synthetic = cohorts
     with pytest.raises(RecipeError, match="need --recipe"):
         main(["--root", str(real), "--split", str(split), "--synthetic", str(synthetic), "quality_filter.enabled=true"])
+
+
+def test_cli_with_a_detector_checkpoint_adds_the_encoder_frechet_distance(cohorts, mlflow_uri, tmp_path):
+    import torch
+
+    from conftest import RECIPES
+    from lightning_modules.models.checkpoints import build_module
+    from lightning_modules.recipe import load_recipe, recipe_to_yaml
+
+    recipe = load_recipe(RECIPES / "unet.yaml", ["profile=cpu"])
+    (tmp_path / "detector.yaml").write_text(recipe_to_yaml(recipe))
+    torch.save({"state_dict": build_module(recipe).state_dict()}, tmp_path / "detector.ckpt")
+    real, split, synthetic = cohorts
+    out = tmp_path / "report"
+    assert main(["--root", str(real), "--split", str(split), "--synthetic", str(synthetic), "--tracking-uri", mlflow_uri,
+                 "--out", str(out), "--detector-checkpoint", str(tmp_path / "detector.ckpt"),
+                 "--detector-recipe", str(tmp_path / "detector.yaml")]) == 0
+    realism = pd.read_csv(out / "realism.csv").set_index(["phase", "comparison", "metric"])
+    for phase in ("arterial", "venous"):
+        row = realism.loc[(phase, "synthetic", "frechet_encoder")]
+        assert row["value"] >= 0.0 and row["ci_low"] <= row["ci_high"] and row["n_other"] == 3

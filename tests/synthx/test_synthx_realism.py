@@ -223,3 +223,46 @@ def test_frechet_distance_agrees_with_the_general_matrix_square_root():
     expected = np.sum((a.mean(0) - b.mean(0)) ** 2) + np.trace(cov_a + cov_b - 2 * sqrtm(cov_a @ cov_b).real)
     assert frechet_distance(a, b) == pytest.approx(expected, rel=1e-6)
     assert frechet_distance(a[:3], a[:3]) == pytest.approx(0.0, abs=1e-9)  # singular covariance: still exact
+
+
+def _tiny_unet():
+    import torch
+    from monai.networks.nets import UNet
+
+    torch.manual_seed(0)
+    return UNet(spatial_dims=3, in_channels=1, out_channels=2, channels=(4, 8, 16), strides=(2, 2))
+
+
+def test_the_bottleneck_is_the_coarsest_activation_before_the_decoder():
+    import torch
+
+    from synthx.realism_encoder import encoder_features, find_bottleneck
+
+    network = _tiny_unet()
+    layer = find_bottleneck(network, torch.zeros(1, 1, 16, 16, 16))
+    shapes = []
+    handle = dict(network.named_modules())[layer].register_forward_hook(lambda _m, _i, out: shapes.append(out.shape))
+    network(torch.zeros(1, 1, 16, 16, 16))
+    handle.remove()
+    assert tuple(shapes[0][2:]) == (4, 4, 4)  # two stride-2 levels below 16^3
+    features = encoder_features(network, torch.zeros(3, 1, 16, 16, 16), layer, batch_size=2)
+    assert features.shape == (3, shapes[0][1])
+
+
+def test_encoder_features_separate_a_shifted_set_and_not_a_matching_one():
+    from types import SimpleNamespace
+
+    from synthx.realism_encoder import encoder_embedder
+
+    data = SimpleNamespace(normalization="window", hu_window=[-175.0, 250.0], patch_size=[16, 16, 16])
+    embed = encoder_embedder(_tiny_unet(), data)
+
+    def vectors(seed, **flaw):
+        rng = np.random.default_rng(seed)
+        return embed([planted_tumor(rng, **flaw)[:2] for _ in range(16)])
+
+    real, matching, shifted = vectors(1), vectors(2), vectors(3, contrast=40.0)
+    assert real.shape[0] == 16 and real.ndim == 2
+    same, _, _ = bootstrap_frechet(real, matching, resamples=50)
+    different, low, _ = bootstrap_frechet(real, shifted, resamples=50)
+    assert same < 0.3 * different and low > same
