@@ -336,6 +336,52 @@ def quality_filter(features: pd.DataFrame, columns: Sequence[str] = FEATURES, re
     return pd.DataFrame(rows, columns=["case_id", "phase", "score", "threshold", "kept"])
 
 
+# What realism_summary shows per feature: column title and number format.
+SUMMARY_FEATURES = {
+    "contrast": ("Contrast to organ (HU)", "{:+.0f}"),
+    "tumor_sd": ("Tumor HU SD", "{:.0f}"),
+    "glcm_contrast": ("GLCM contrast", "{:.2f}"),
+    "glcm_homogeneity": ("GLCM homogeneity", "{:.2f}"),
+    "edge_gradient": ("Edge gradient (HU/mm)", "{:.1f}"),
+    "volume_ml": ("Volume (ml)", "{:.1f}"),
+    "sphericity": ("Sphericity", "{:.2f}"),
+    "solidity": ("Solidity", "{:.2f}"),
+}
+
+
+def realism_summary(table: pd.DataFrame, comparison: str = "synthetic") -> pd.DataFrame:
+    """One display row per phase of a :func:`realism_table` for one comparison, as text.
+
+    A feature reads ``real / other [low, high]`` with the interval of the difference (other - real);
+    ``Real vs other AUC`` the classifier AUC with DeLong's interval; the Frechet distances with their
+    bootstrap intervals. A difference whose interval excludes 0 is marked ``*``. "-" is undefined.
+    """
+    rows = []
+    chosen = table[table["comparison"] == comparison]
+    for phase in dict.fromkeys(chosen["phase"]):
+        metrics = chosen[chosen["phase"] == phase].set_index("metric")
+        first = metrics.iloc[0]
+        row = {"Phase": phase, f"Tumors real / {comparison}": f"{int(first['n_real'])} / {int(first['n_other'])}"}
+        for name, (title, number) in SUMMARY_FEATURES.items():
+            if name in metrics.index:
+                m = metrics.loc[name]
+                flag = "*" if m["ci_low"] > 0 or m["ci_high"] < 0 else ""
+                row[title] = (f"{_text(m['real'], number)} / {_text(m['other'], number)} "
+                              f"[{_text(m['ci_low'], '{:+.2f}')}, {_text(m['ci_high'], '{:+.2f}')}]{flag}")
+        for name, title, number in (("classifier_auc", f"Real vs {comparison} AUC", "{:.2f}"),
+                                    ("frechet_radiomic", "Frechet (radiomic)", "{:.2f}"),
+                                    ("frechet_encoder", "Frechet (detector encoder)", "{:.2f}")):
+            if name in metrics.index:
+                m = metrics.loc[name]
+                row[title] = f"{_text(m['value'], number)} [{_text(m['ci_low'], number)}, {_text(m['ci_high'], number)}]"
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _text(value, number: str) -> str:
+    return "-" if value is None or not np.isfinite(value) else number.format(value)
+
+
 def _finite(values) -> np.ndarray:
     array = np.asarray(values, dtype=float)
     return array[np.isfinite(array)]

@@ -266,3 +266,20 @@ def test_encoder_features_separate_a_shifted_set_and_not_a_matching_one():
     same, _, _ = bootstrap_frechet(real, matching, resamples=50)
     different, low, _ = bootstrap_frechet(real, shifted, resamples=50)
     assert same < 0.3 * different and low > same
+
+
+def test_realism_summary_shows_one_row_per_phase_and_marks_differences_that_exclude_zero(planted):
+    from synthx.realism import realism_summary
+
+    frame = pd.concat([planted["real"], planted["seam"]], ignore_index=True)
+    table = realism_table(frame)
+    summary = realism_summary(table)
+    assert summary["Phase"].tolist() == ["arterial"]
+    row = summary.iloc[0]
+    assert row["Tumors real / synthetic"] == "30 / 30"
+    edge = table.set_index("metric").loc["edge_gradient"]
+    assert row["Edge gradient (HU/mm)"].startswith(f"{edge['real']:.1f} / {edge['other']:.1f} [")
+    assert row["Edge gradient (HU/mm)"].endswith("]*")  # the seam's steeper edge: interval above 0
+    assert row["Real vs synthetic AUC"].startswith(f"{table.set_index('metric').loc['classifier_auc', 'value']:.2f} [")
+    assert "Frechet (detector encoder)" not in summary.columns  # no detector given
+    assert realism_summary(table, "copy_paste").empty
