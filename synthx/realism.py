@@ -47,7 +47,8 @@ HU_WINDOW = (-175.0, 250.0)  # Touchstone HU window, as used for training
 GLCM_ANGLES = (0.0, np.pi / 4, np.pi / 2, 3 * np.pi / 4)
 # The radiomic vector the classifier and the Frechet distance use (volume enters as its logarithm).
 FEATURES = ("contrast", "tumor_sd", "glcm_contrast", "glcm_homogeneity", "edge_gradient", "volume_ml", "sphericity", "solidity")
-TABLE_COLUMNS = ["phase", "comparison", "metric", "n_real", "n_other", "real", "other", "value", "ci_low", "ci_high", "method"]
+TABLE_COLUMNS = ["phase", "comparison", "metric", "n_real", "n_other", "real", "other", "value", "ci_low", "ci_high", "null",
+                 "p_value", "method"]
 
 
 def organ_rim(tumor: np.ndarray, organ: np.ndarray, spacing: Sequence[float], rim_mm: float) -> tuple[tuple[slice, ...], np.ndarray]:
@@ -182,19 +183,26 @@ def out_of_fold_scores(real: np.ndarray, other: np.ndarray, folds: int = 5, seed
     return y, scores
 
 
-def classifier_two_sample_test(real, other, folds: int = 5, confidence: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+def classifier_two_sample_test(real, other, folds: int = 5, confidence: float = 0.95, seed: int = 0,
+                               with_p: bool = False) -> tuple[float, ...]:
     """Cross-validated AUC of telling ``other`` from ``real`` feature rows, with DeLong's interval (clipped to [0, 1]).
 
-    The AUC pools the out-of-fold scores; 0.5 means the sets cannot be told apart. (NaN, NaN, NaN)
-    with fewer than two rows in a set.
+    The AUC pools the out-of-fold scores; 0.5 means the sets cannot be told apart. With ``with_p``,
+    a fourth value: the two-sided normal p of AUC = 0.5 with DeLong's standard error. NaNs with fewer
+    than two rows in a set.
     """
     real, other = np.asarray(real, dtype=float), np.asarray(other, dtype=float)
     if len(real) < 2 or len(other) < 2:
-        return math.nan, math.nan, math.nan
+        return (math.nan,) * (4 if with_p else 3)
     y, scores = out_of_fold_scores(real, other, folds, seed)
     (auc,), covariance = delong_covariance(y, scores)
-    half = scipy.stats.norm.ppf(0.5 + confidence / 2) * math.sqrt(max(float(covariance[0, 0]), 0.0))
-    return float(auc), max(0.0, float(auc - half)), min(1.0, float(auc + half))
+    se = math.sqrt(max(float(covariance[0, 0]), 0.0))
+    half = scipy.stats.norm.ppf(0.5 + confidence / 2) * se
+    result = (float(auc), max(0.0, float(auc - half)), min(1.0, float(auc + half)))
+    if not with_p:
+        return result
+    p = float(2 * scipy.stats.norm.sf(abs(auc - 0.5) / se)) if se > 0 else float(auc == 0.5)
+    return (*result, p)
 
 
 def frechet_distance(a, b) -> float:
@@ -239,6 +247,25 @@ def bootstrap_frechet(real, other, resamples: int = 200, confidence: float = 0.9
     return frechet_distance(z_real, z_other), float(low), float(high)
 
 
+def permutation_frechet(real, other, permutations: int = 200, seed: int = 0) -> tuple[float, float]:
+    """(mean, p): the Frechet distance expected between two sets of these sizes drawn from the same
+    tumors (real and other pooled, labels permuted), and the share of permutations at least as far
+    as the observed sets (with the observed one counted). NaNs with fewer than two rows in a set.
+    """
+    real, other = np.asarray(real, dtype=float), np.asarray(other, dtype=float)
+    if len(real) < 2 or len(other) < 2:
+        return math.nan, math.nan
+    z_real, z_other = standardized(real, other)
+    observed = frechet_distance(z_real, z_other)
+    pooled, rng = np.vstack([z_real, z_other]), np.random.default_rng(seed)
+    draws = []
+    for _ in range(permutations):
+        order = rng.permutation(len(pooled))
+        first, second = pooled[order[: len(real)]], pooled[order[len(real) :]]
+        draws.append(frechet_distance(*standardized(first, second)))
+    return float(np.mean(draws)), float((1 + sum(d >= observed for d in draws)) / (1 + permutations))
+
+
 def feature_matrix(frame: pd.DataFrame, columns: Sequence[str] = FEATURES) -> np.ndarray:
     """The rows' radiomic vectors (``volume_ml`` as its logarithm); rows with a NaN feature must be dropped first."""
     matrix = frame[list(columns)].to_numpy(dtype=float).copy()
@@ -266,7 +293,10 @@ def realism_table(features: pd.DataFrame, columns: Sequence[str] = FEATURES, fol
         :data:`TABLE_COLUMNS`: for a feature, ``real``/``other`` are the means and ``value`` their
         difference (other - real) with a bootstrap interval; ``classifier_auc`` is the cross-validated
         AUC with DeLong's interval; ``frechet_radiomic`` (and ``frechet_encoder``) the distance with a
-        bootstrap interval. Tumors with a NaN feature are left out of the classifier and distances.
+        bootstrap interval. ``null`` is what a set like the real one scores (0, 0.5, and for a
+        distance the mean over label permutations, its small-sample bias) and ``p_value`` the test
+        against it (DeLong normal p for the AUC, permutation p for a distance; NaN for a feature,
+        whose interval answers). Tumors with a NaN feature are left out of the classifier and distances.
     """
     rows = []
     features = features.reset_index(drop=True)
@@ -282,22 +312,20 @@ def realism_table(features: pd.DataFrame, columns: Sequence[str] = FEATURES, fol
                 rows.append({**base, "metric": column, "n_real": int(real[column].notna().sum()),
                              "n_other": int(other[column].notna().sum()), "real": _mean(real[column]),
                              "other": _mean(other[column]), "value": value, "ci_low": low, "ci_high": high,
-                             "method": "mean difference, bootstrap"})
+                             "null": 0.0, "p_value": math.nan, "method": "mean difference, bootstrap"})
             complete_real, complete_other = real.dropna(subset=list(columns)), other.dropna(subset=list(columns))
             counts = {"n_real": len(complete_real), "n_other": len(complete_other), "real": math.nan, "other": math.nan}
             x_real, x_other = feature_matrix(complete_real, columns), feature_matrix(complete_other, columns)
-            auc = classifier_two_sample_test(x_real, x_other, folds=folds, seed=seed)
-            rows.append({**base, "metric": "classifier_auc", **counts, **dict(zip(("value", "ci_low", "ci_high"), auc)),
-                         "method": f"logistic regression, {folds}-fold AUC, DeLong"})
-            distance = bootstrap_frechet(x_real, x_other, seed=seed)
-            rows.append({**base, "metric": "frechet_radiomic", **counts, **dict(zip(("value", "ci_low", "ci_high"), distance)),
-                         "method": "standardized radiomic vector, bootstrap"})
+            auc = classifier_two_sample_test(x_real, x_other, folds=folds, seed=seed, with_p=True)
+            rows.append({**base, "metric": "classifier_auc", **counts, **dict(zip(("value", "ci_low", "ci_high", "p_value"), auc)),
+                         "null": 0.5, "method": f"logistic regression, {folds}-fold AUC, DeLong"})
+            rows.append({**base, "metric": "frechet_radiomic", **counts, **_frechet_row(x_real, x_other, seed),
+                         "method": "standardized radiomic vector, bootstrap, permutation"})
             if embeddings is not None:
                 vectors = np.asarray(embeddings, dtype=float)
-                distance = bootstrap_frechet(vectors[real.index], vectors[other.index], seed=seed)
                 rows.append({**base, "metric": "frechet_encoder", "n_real": len(real), "n_other": len(other),
-                             "real": math.nan, "other": math.nan, **dict(zip(("value", "ci_low", "ci_high"), distance)),
-                             "method": "detector encoder bottleneck, bootstrap"})
+                             "real": math.nan, "other": math.nan, **_frechet_row(vectors[real.index], vectors[other.index], seed),
+                             "method": "detector encoder bottleneck, bootstrap, permutation"})
     return pd.DataFrame(rows, columns=TABLE_COLUMNS)
 
 
@@ -354,7 +382,8 @@ def realism_summary(table: pd.DataFrame, comparison: str = "synthetic") -> pd.Da
 
     A feature reads ``real / other [low, high]`` with the interval of the difference (other - real);
     ``Real vs other AUC`` the classifier AUC with DeLong's interval; the Frechet distances with their
-    bootstrap intervals. A difference whose interval excludes 0 is marked ``*``. "-" is undefined.
+    bootstrap intervals; each of those three with its ``null`` level and p. A difference whose
+    interval excludes 0 is marked ``*``. "-" is undefined.
     """
     rows = []
     chosen = table[table["comparison"] == comparison]
@@ -373,9 +402,16 @@ def realism_summary(table: pd.DataFrame, comparison: str = "synthetic") -> pd.Da
                                     ("frechet_encoder", "Frechet (detector encoder)", "{:.2f}")):
             if name in metrics.index:
                 m = metrics.loc[name]
-                row[title] = f"{_text(m['value'], number)} [{_text(m['ci_low'], number)}, {_text(m['ci_high'], number)}]"
+                row[title] = (f"{_text(m['value'], number)} [{_text(m['ci_low'], number)}, {_text(m['ci_high'], number)}] "
+                              f"(same-tumor level {_text(m['null'], number)}, p {_text(m['p_value'], '{:.3f}')})")
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _frechet_row(real: np.ndarray, other: np.ndarray, seed: int) -> dict[str, float]:
+    value, low, high = bootstrap_frechet(real, other, seed=seed)
+    null, p = permutation_frechet(real, other, seed=seed)
+    return {"value": value, "ci_low": low, "ci_high": high, "null": null, "p_value": p}
 
 
 def _text(value, number: str) -> str:

@@ -183,6 +183,12 @@ def test_realism_table_per_phase_with_a_copy_paste_set(planted):
     assert table.loc[("arterial", "copy_paste", "classifier_auc"), "value"] > 0.8
     for metric in ("frechet_radiomic", "frechet_encoder"):
         assert table.loc[("arterial", "synthetic", metric), "value"] < table.loc[("arterial", "copy_paste", metric), "value"]
+        # Against what two sets of the same tumors score (the permutation level), only the seam stands out.
+        assert table.loc[("arterial", "synthetic", metric), "p_value"] > 0.05
+        assert table.loc[("arterial", "copy_paste", metric), "p_value"] < 0.01
+        assert table.loc[("arterial", "copy_paste", metric), "value"] > 3 * table.loc[("arterial", "copy_paste", metric), "null"]
+    assert synthetic_auc["null"] == 0.5 and synthetic_auc["p_value"] > 0.05
+    assert table.loc[("arterial", "copy_paste", "classifier_auc"), "p_value"] < 0.01
     assert table.loc[("arterial", "synthetic", "contrast"), "n_real"] == 30
 
 
@@ -280,6 +286,8 @@ def test_realism_summary_shows_one_row_per_phase_and_marks_differences_that_excl
     edge = table.set_index("metric").loc["edge_gradient"]
     assert row["Edge gradient (HU/mm)"].startswith(f"{edge['real']:.1f} / {edge['other']:.1f} [")
     assert row["Edge gradient (HU/mm)"].endswith("]*")  # the seam's steeper edge: interval above 0
-    assert row["Real vs synthetic AUC"].startswith(f"{table.set_index('metric').loc['classifier_auc', 'value']:.2f} [")
+    auc = table.set_index("metric").loc["classifier_auc"]
+    assert row["Real vs synthetic AUC"] == (f"{auc['value']:.2f} [{auc['ci_low']:.2f}, {auc['ci_high']:.2f}] "
+                                            f"(same-tumor level 0.50, p {auc['p_value']:.3f})")
     assert "Frechet (detector encoder)" not in summary.columns  # no detector given
     assert realism_summary(table, "copy_paste").empty
