@@ -18,10 +18,8 @@ of the real cohort's TRAINING split, per phase and per subgroup:
 - Diversity: the mean pairwise normalized cross-correlation (NCC) of fixed-size HU patches centred
   on the tumors, per condition (phase, sex, age band), for synthetic and for real tumors. Synthetic
   NCC far above the real one means the generator repeats itself.
-- Realism (:mod:`synthx.realism`): texture (GLCM), boundary gradient and shape features per tumor,
-  and per phase their real-versus-synthetic differences with bootstrap intervals, a classifier
-  two-sample test (cross-validated AUC, DeLong interval) and a Frechet distance; a copy-paste cohort,
-  when given, is compared with the real tumors the same way.
+- Realism (:mod:`synthx.realism`): texture, boundary and shape per tumor; per phase, differences
+  with intervals, a classifier two-sample test and Frechet distances (also for a copy-paste cohort).
 - A grid of example slices (real and synthetic per phase) as a matplotlib figure.
 
 Run (:mod:`synthx.commands.synthx_quality`, which logs the report to MLflow)::
@@ -407,6 +405,8 @@ def quality_report(
     if copy_paste_root is not None:
         pasted = copy_paste_root if isinstance(copy_paste_root, Cohort) else load_cohort(copy_paste_root)
         pasted_ids = list(pasted.metadata.loc[pasted.metadata["synthetic"] == 1, "case_id"])
+        if not pasted_ids:
+            raise QualityError(f"copy-paste cohort {pasted.root} has no synthetic=1 case to compare")
         copy_paste = collect_tumors(pasted, pasted_ids, 1, lesion_class, organ_class, rim_mm, patch_size, embed=embed)
     per_tumor = pd.DataFrame(
         [

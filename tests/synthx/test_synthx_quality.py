@@ -219,6 +219,14 @@ def test_report_is_logged_to_mlflow_and_cli_runs(cohorts, mlflow_uri, tmp_path):
     assert pd.read_csv(out / "faithfulness.csv")["accuracy"].tolist() == [1.0, 1.0]
 
 
+def test_a_copy_paste_cohort_without_synthetic_cases_is_refused_by_name(cohorts):
+    from synthx.quality import QualityError
+
+    real, split, synthetic = cohorts
+    with pytest.raises(QualityError, match=f"copy-paste cohort {real}.*no synthetic=1 case"):
+        quality_report(real, split, synthetic, copy_paste_root=real)
+
+
 def test_missing_organ_mask_names_the_case(cohorts):
     real, split, synthetic = cohorts
     (synthetic / "Sart0" / "segmentations" / "pancreas.nii.gz").unlink()
