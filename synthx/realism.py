@@ -82,7 +82,8 @@ def glcm_texture(ct: np.ndarray, tumor: np.ndarray, hu_window=HU_WINDOW, levels:
 
 def edge_gradient(ct: np.ndarray, tumor: np.ndarray, spacing: Sequence[float]) -> float:
     """Mean HU gradient magnitude (HU/mm) on the shell one voxel inside and one voxel outside the tumor."""
-    box = tuple(slice(max(int(a) - 2, 0), int(b) + 3) for a, b in zip(np.argwhere(tumor).min(0), np.argwhere(tumor).max(0)))
+    coordinates = np.argwhere(tumor)
+    box = tuple(slice(max(int(a) - 2, 0), int(b) + 3) for a, b in zip(coordinates.min(axis=0), coordinates.max(axis=0)))
     inside, image = tumor[box], np.asarray(ct, dtype=np.float64)[box]
     shell = ndimage.binary_dilation(inside) & ~ndimage.binary_erosion(inside)
     gradients = np.gradient(image, *[float(s) for s in spacing])
