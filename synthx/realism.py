@@ -14,8 +14,9 @@ Per tumor (:func:`realism_features`):
 - boundary: ``edge_gradient``, the mean HU gradient magnitude (np.gradient, HU/mm) on a shell one
   voxel inside and one voxel outside the tumor (binary erosion and dilation). A pasted tumor with a
   seam has a step there; a real tumor fades into its organ;
-- shape and size: ``volume_ml`` (voxel count), ``sphericity`` (pi^(1/3) (6V)^(2/3) / A with A the
-  marching-cubes surface, skimage) and ``solidity`` (mesh volume over its convex hull's, scipy).
+- shape and size: ``volume_ml`` (voxel count), ``sphericity`` (pi^(1/3) (6V)^(2/3) / A with A and V
+  the area and volume of the marching-cubes surface, skimage) and ``solidity`` (that volume over its
+  convex hull's, scipy).
 
 Per phase, real versus another set (synthetic, or copy-paste when given; :func:`realism_table`):
 the difference of means of each feature with a percentile bootstrap interval over tumors; a
@@ -108,7 +109,9 @@ def shape_features(tumor: np.ndarray, spacing: Sequence[float]) -> dict[str, flo
         hull_volume = math.nan
     return {
         "volume_ml": volume_mm3 / 1000.0,
-        "sphericity": math.pi ** (1 / 3) * (6 * volume_mm3) ** (2 / 3) / area if area > 0 else math.nan,
+        # The surface's own volume, not the voxel count: a few-voxel tumor's marching-cubes surface
+        # cuts its corners, and against the voxel volume its sphericity would exceed 1.
+        "sphericity": math.pi ** (1 / 3) * (6 * mesh_volume) ** (2 / 3) / area if area > 0 else math.nan,
         "solidity": mesh_volume / hull_volume if hull_volume and hull_volume > 0 else math.nan,
     }
 
@@ -144,11 +147,14 @@ def realism_features(
 def bootstrap_mean_difference(real, other, resamples: int = 2000, confidence: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
     """mean(other) - mean(real) and its percentile bootstrap interval, each set resampled over its tumors.
 
-    NaNs are left out; (NaN, NaN, NaN) when a set has no value.
+    NaNs are left out; (NaN, NaN, NaN) when a set has no value, and a NaN interval when a set has
+    one (resampling one tumor says nothing about the spread).
     """
     real, other = _finite(real), _finite(other)
     if real.size == 0 or other.size == 0:
         return math.nan, math.nan, math.nan
+    if real.size < 2 or other.size < 2:
+        return float(other.mean() - real.mean()), math.nan, math.nan
     rng = np.random.default_rng(seed)
     differences = other[rng.integers(other.size, size=(resamples, other.size))].mean(axis=1) - real[
         rng.integers(real.size, size=(resamples, real.size))].mean(axis=1)
@@ -224,14 +230,19 @@ def frechet_distance(a, b) -> float:
 
 
 def standardized(real: np.ndarray, *others: np.ndarray) -> list[np.ndarray]:
-    """Every set scaled by the real set's mean and SD per feature (a constant feature is only centred)."""
-    mean, sd = real.mean(axis=0), real.std(axis=0)
+    """Every set scaled by the pooled mean and SD per feature (a constant feature is only centred).
+
+    Pooled rather than the real set's own: a phase with two real tumors would otherwise divide by
+    an SD of two values, and the same scale for both sets keeps the distance symmetric.
+    """
+    pooled = np.vstack([real, *others])
+    mean, sd = pooled.mean(axis=0), pooled.std(axis=0)
     sd = np.where(sd > 0, sd, 1.0)
     return [(x - mean) / sd for x in (real, *others)]
 
 
 def bootstrap_frechet(real, other, resamples: int = 200, confidence: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
-    """Frechet distance of the feature rows standardized on the real set, with a percentile bootstrap interval.
+    """Frechet distance of the feature rows standardized (:func:`standardized`), with a percentile bootstrap interval.
 
     The plug-in distance is biased upward at small counts (sampling noise in the covariances), so
     read it against the distance of a set known to match. (NaN, NaN, NaN) with fewer than two rows in a set.

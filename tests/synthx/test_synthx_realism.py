@@ -269,9 +269,14 @@ def test_encoder_features_separate_a_shifted_set_and_not_a_matching_one():
 
     real, matching, shifted = vectors(1), vectors(2), vectors(3, contrast=40.0)
     assert real.shape[0] == 16 and real.ndim == 2
+    from synthx.realism import permutation_frechet
+
     same, _, _ = bootstrap_frechet(real, matching, resamples=50)
-    different, low, _ = bootstrap_frechet(real, shifted, resamples=50)
-    assert same < 0.3 * different and low > same
+    different, _, _ = bootstrap_frechet(real, shifted, resamples=50)
+    assert same < different
+    # With more channels than tumors the plug-in distance is mostly bias: read it against the permutation level.
+    (same_level, same_p), (shifted_level, shifted_p) = permutation_frechet(real, matching), permutation_frechet(real, shifted)
+    assert same_p > 0.01 and shifted_p < 0.01 and different > shifted_level  # a test at the 1% level
 
 
 def test_realism_summary_shows_one_row_per_phase_and_marks_differences_that_exclude_zero(planted):
