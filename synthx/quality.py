@@ -165,10 +165,11 @@ def collect_tumors(
     organ_class: str = "pancreas",
     rim_mm: float = 5.0,
     patch_size: int = 16,
-    realism: bool = True,
     embed=None,
 ) -> list[TumorRecord]:
     """Read each case's CT, lesion and organ masks and measure its tumor (cases without a lesion voxel are skipped).
+
+    Each record carries the intensity statistics and the :func:`synthx.realism.realism_features`.
 
     Args:
         cohort: the cohort holding the cases.
@@ -177,7 +178,6 @@ def collect_tumors(
         lesion_class / organ_class: the mask names of the tumor and its organ.
         rim_mm: rim thickness (see :func:`tumor_statistics`).
         patch_size: edge of the cube (voxels) used for diversity.
-        realism: also measure the :func:`synthx.realism.realism_features` (texture, boundary, shape).
         embed: optionally [(CT, tumor)] -> features (:func:`synthx.realism_encoder.encoder_embedder`).
     """
     records = []
@@ -202,7 +202,7 @@ def collect_tumors(
                 voxels=int(tumor.sum()),
                 rim_voxels=rim_voxels,
                 stats=stats,
-                realism=realism_features(ct, tumor, organ, spacing, rim_mm) if realism else {},
+                realism=realism_features(ct, tumor, organ, spacing, rim_mm),
                 quantiles=quantiles,
                 patch=centred_patch(ct, centre, patch_size),
                 slice_image=_crop_slice(ct, centre, 2 * patch_size),

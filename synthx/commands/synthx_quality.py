@@ -28,20 +28,8 @@ import pandas as pd
 
 from lightning_modules.commands.common import add_overrides_argument, parse_command_line
 
+# The report's tables, logged as artifacts and written to --out.
 TABLES = ("per_tumor", "intensity", "faithfulness", "diversity", "realism")
-# The statistics of the intensity table sent as metrics (the tables themselves are artifacts).
-LOGGED_STATISTICS = (
-    "contrast_real",
-    "contrast_synthetic",
-    "tumor_mean_real",
-    "tumor_mean_synthetic",
-    # The SD inside the tumor: texture. A generator unsure of a rare condition paints mottled tumors
-    # whose mean contrast can still look right.
-    "tumor_sd_real",
-    "tumor_sd_synthetic",
-    "wasserstein_hu",
-    "wasserstein_contrast",
-)
 
 
 def quality_metrics(report, prefix: str = "synthx_quality") -> dict[str, float]:
@@ -50,6 +38,8 @@ def quality_metrics(report, prefix: str = "synthx_quality") -> dict[str, float]:
 
     An undefined comparison (no tumor on one side) is left out, never logged as 0.
     """
+    from synthx.quality import LOGGED_STATISTICS
+
     metrics = {}
     for row in report.intensity.to_dict("records"):
         for statistic in LOGGED_STATISTICS:
