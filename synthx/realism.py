@@ -103,16 +103,14 @@ def shape_features(tumor: np.ndarray, spacing: Sequence[float]) -> dict[str, flo
     area = float(mesh_surface_area(vertices, faces))
     triangles = vertices[faces]
     mesh_volume = abs(float(np.einsum("ij,ij->i", triangles[:, 0], np.cross(triangles[:, 1], triangles[:, 2])).sum()) / 6.0)
-    try:
-        hull_volume = float(ConvexHull(vertices).volume)
-    except scipy.spatial.QhullError:  # a flat tumor (one voxel thick): its hull has no volume
-        hull_volume = math.nan
+    # The mask is padded, so the surface is closed around every voxel: its hull always has a volume.
+    hull_volume = float(ConvexHull(vertices).volume)
     return {
         "volume_ml": volume_mm3 / 1000.0,
         # The surface's own volume, not the voxel count: a few-voxel tumor's marching-cubes surface
         # cuts its corners, and against the voxel volume its sphericity would exceed 1.
         "sphericity": math.pi ** (1 / 3) * (6 * mesh_volume) ** (2 / 3) / area if area > 0 else math.nan,
-        "solidity": mesh_volume / hull_volume if hull_volume and hull_volume > 0 else math.nan,
+        "solidity": mesh_volume / hull_volume,
     }
 
 

@@ -296,3 +296,13 @@ def test_realism_summary_shows_one_row_per_phase_and_marks_differences_that_excl
                                             f"(same-tumor level 0.50, p {auc['p_value']:.3f})")
     assert "Frechet (detector encoder)" not in summary.columns  # no detector given
     assert realism_summary(table, "copy_paste").empty
+
+
+def test_one_voxel_and_one_voxel_thick_tumors_have_a_defined_shape():
+    single = np.zeros((5, 5, 5), dtype=bool)
+    single[2, 2, 2] = True
+    sheet = np.zeros((9, 9, 5), dtype=bool)
+    sheet[1:8, 1:8, 2] = True
+    for tumor in (single, sheet):
+        shape = shape_features(tumor, (1.0, 1.0, 2.0))
+        assert 0.0 < shape["sphericity"] <= 1.0 and 0.0 < shape["solidity"] <= 1.0 + 1e-9
