@@ -7,11 +7,16 @@ subgroup tables with CIs and the figures, at three operating points
 (docs/design.md "Scan-level detection"): the recipe's (``val/...``, ``test/...``), BenchX's fixed m (``test_fixed/...``) and the
 one chosen on validation (``test_val_chosen/...``; metrics ``operating_point/<name>`` hold the
 thresholds, ``operating_point/val_chosen_low`` and ``_high`` the spread of a bagged choice). It
-refuses an evaluation set holding a training case or patient of the model unless
-``allow_training_overlap`` is set (then tagged ``training_overlap_override``).
+refuses an evaluation set holding a training case or patient of the model, a case its synthetic
+data's generator learned from, or one of its training scans under another case id, unless
+``allow_training_overlap`` is set (then tagged ``training_overlap_override``); what the model
+learned from comes from its training run, else from the checkpoint's own provenance
+(:mod:`lightning_modules.workflows.training_overlap`).
 
 ``compare`` takes two or more evaluation runs on the same evaluation set (same case-id hash),
-refuses any of them evaluated with ``allow_training_overlap`` (its numbers are contaminated), and
+refuses any of them evaluated with ``allow_training_overlap`` (its numbers are contaminated) or
+without the training-overlap check (tag ``training_overlap_check: unavailable``: nothing shows they
+are not), and
 writes the table of BenchX table 6 at each operating point (fixed m, validation-chosen, matched
 specificity): for each subgroup its patients, positives and negatives, baseline and augmented
 with their Wilson intervals, the difference with its paired bootstrap CI (at the chosen points
@@ -35,7 +40,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import pandas as pd
 from mlflow.tracking import MlflowClient
@@ -59,7 +64,8 @@ from lightning_modules.evaluation.thresholds import (
     RULES,
     specificity_at,
 )
-from lightning_modules.models.checkpoints import load_module_from_checkpoint
+from lightning_modules.cohorts.audit.signatures import ScanSignatures, scan_signatures
+from lightning_modules.models.checkpoints import load_module_from_checkpoint, ModelSourceError
 from lightning_modules.run_folder import RunRecord
 from lightning_modules.tracking import (
     check_run_id,
@@ -71,13 +77,6 @@ from lightning_modules.tracking import (
     start_run,
     tracking_uri,
 )
-from lightning_modules.tracking.datasets import SYNTHETIC_COHORT_TAG
-from lightning_modules.tracking.provenance import (
-    GENERATOR_CASES_ARTIFACT,
-    generator_overlap,
-    training_cases,
-    training_overlap,
-)
 from lightning_modules.tracking.pyfunc import is_model_uri, model_version_tags, record_operating_point
 from lightning_modules.trainer import (
     build_trainer,
@@ -86,11 +85,18 @@ from lightning_modules.trainer import (
     RunLogger,
     share_from_rank_zero,
 )
+from lightning_modules.workflows.training_overlap import (
+    overlap_problems,
+    partial_check_note,
+    signature_cache,
+    training_record,
+)
 
 
 log = logging.getLogger(__name__)
 OVERLAP_OVERRIDE_TAG = "training_overlap_override"
 OVERLAP_CHECK_TAG = "training_overlap_check"
+OVERLAP_SOURCE_TAG = "training_overlap_source"
 OPERATING_POINT_METRIC = "operating_point/{name}"
 
 
@@ -117,42 +123,48 @@ def training_run_of_checkpoint(checkpoint: str | Path) -> str | None:
 
 
 def check_training_overlap(
-    client: MlflowClient, training_run_id: str | None, evaluated: pd.DataFrame, allow: bool
+    client: MlflowClient, training_run_id: str | None, evaluated: pd.DataFrame, allow: bool,
+    checkpoint: str | Path | None = None, signatures_of: Callable[[Sequence[str]], ScanSignatures] | None = None,
 ) -> dict[str, str]:
-    """Refuse (EvaluationError) an evaluation set sharing a case or patient with the model's training
-    cases or with the cases its synthetic data's generator learned from, unless ``allow``; returns
-    the tags that record what was checked."""
-    if training_run_id is None:
-        log.warning("evaluate: no training run known for this checkpoint, so its training cases are not checked")
-        return {OVERLAP_CHECK_TAG: "unavailable: no training run"}
-    try:
-        client.get_run(training_run_id)
-    except Exception as error:  # MLflow raises its own exception for an unknown run
-        raise EvaluationError(f"training run {training_run_id}: not found in the tracking store ({error})") from error
-    with tempfile.TemporaryDirectory() as folder:
-        training = training_cases(client, training_run_id, folder)
-        generator = training_cases(client, training_run_id, folder, GENERATOR_CASES_ARTIFACT)
-    if training is None:
-        log.warning("evaluate: training run %s records no training cases; overlap not checked", training_run_id)
-        return {OVERLAP_CHECK_TAG: "unavailable: the training run records no training_cases.csv"}
-    # A model trained on synthetic data also learned from the cases its generator learned from.
-    problems = training_overlap(evaluated, training) + (generator_overlap(evaluated, generator) if generator is not None else [])
-    if not problems:
+    """Refuse (EvaluationError) an evaluation set holding a case the model learned from -- a training
+    case or patient, a case its synthetic data's generator learned from, or a training scan under
+    another case id (``signatures_of`` computes the evaluated scans' signatures) -- unless ``allow``.
 
-        if generator is None and client.get_run(training_run_id).data.tags.get(SYNTHETIC_COHORT_TAG):
-            log.warning("evaluate: training run %s mixed in synthetic data but records no %s; the generator's training "
-                        "cases are not checked", training_run_id, GENERATOR_CASES_ARTIFACT)
-            return {OVERLAP_CHECK_TAG: f"passed for the real training cases; the generator's are unknown (no {GENERATOR_CASES_ARTIFACT})"}
-        return {OVERLAP_CHECK_TAG: "passed"}
+    What the model learned from is read from its training run, else from the checkpoint's own
+    provenance. Returns the tags that record what was checked.
+    """
+    if training_run_id is not None:
+        try:
+            client.get_run(training_run_id)
+        except Exception as error:  # MLflow raises its own exception for an unknown run
+            raise EvaluationError(f"training run {training_run_id}: not found in the tracking store ({error})") from error
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            record = training_record(client, training_run_id, checkpoint, folder)
+        except ModelSourceError as error:
+            raise EvaluationError(str(error)) from error
+    if record is None:
+        why = (f"training run {training_run_id} records no training_cases.csv" if training_run_id else
+               "no training run known and the checkpoint records no training cases")
+        log.warning("evaluate: %s; the evaluated cases are not checked against the model's training cases", why)
+        return {OVERLAP_CHECK_TAG: f"unavailable: {why}"}
+    problems = overlap_problems(record, evaluated, signatures_of)
+    if not problems:
+        note = partial_check_note(record)
+        if note:
+            log.warning("evaluate: the training-overlap check against %s is partial: %s", record.source, note)
+            return {OVERLAP_CHECK_TAG: f"passed for the training cases; {note}", OVERLAP_SOURCE_TAG: record.source}
+        return {OVERLAP_CHECK_TAG: "passed", OVERLAP_SOURCE_TAG: record.source}
     listing = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
     if not allow:
         raise EvaluationError(
-            f"{len(problems)} evaluated case(s) overlap the training cases of run {training_run_id}:\n  {listing}\n"
+            f"{len(problems)} evaluated case(s) overlap the training cases of {record.source}:\n  {listing}\n"
             "evaluation refused: use a split whose val/test cases the model never saw, or pass "
             "--allow-training-overlap to evaluate anyway (recorded in the run)"
         )
     log.warning("evaluate: %d evaluated case(s) overlap the training cases (override given):\n  %s", len(problems), listing)
-    return {OVERLAP_CHECK_TAG: f"failed: {len(problems)} case(s)", OVERLAP_OVERRIDE_TAG: "true"}
+    return {OVERLAP_CHECK_TAG: f"failed: {len(problems)} case(s)", OVERLAP_OVERRIDE_TAG: "true",
+            OVERLAP_SOURCE_TAG: record.source}
 
 
 def point_score(point: str, score: str, records: pd.DataFrame | None) -> str:
@@ -273,7 +285,11 @@ def evaluate(
         """On rank 0: check the evaluation set against the model's training cases and open the run."""
         experiment_id(str(recipe.tracking.experiment), uri)
         tags = run_tags(recipe, split_sha256(recipe.data.split))
-        tags.update(check_training_overlap(MlflowClient(tracking_uri=uri), training_run_id, evaluated, allow_training_overlap))
+        cache = signature_cache(recipe.tracking.output_dir)
+        tags.update(check_training_overlap(
+            MlflowClient(tracking_uri=uri), training_run_id, evaluated, allow_training_overlap, checkpoint,
+            lambda ids: scan_signatures(datamodule.cohort, ids, cache),
+        ))
         tags.update({"stage": "evaluation", "eval_cohort": str(recipe.data.root), "checkpoint": Path(checkpoint).name})
         if training_run_id:
             tags["training_run_id"] = training_run_id
@@ -347,6 +363,14 @@ def _load_run(client: MlflowClient, run_id: str, stage: str, folder: str) -> Eva
             f"run {run_id} was evaluated with --allow-training-overlap ({OVERLAP_CHECK_TAG}: {check}): its evaluation "
             "set holds cases the model learned from, so a difference to it says nothing; evaluate the model on a "
             "split whose val/test cases it never saw"
+        )
+    check = run.data.tags.get(OVERLAP_CHECK_TAG)
+    if check is None or check.startswith("unavailable"):
+        raise EvaluationError(
+            f"run {run_id} was evaluated without the training-overlap check ({OVERLAP_CHECK_TAG}: {check or 'not recorded'}): "
+            "nothing shows its evaluation set is free of cases the model learned from, so it is not compared (there "
+            "is no override); evaluate the model again with --run-id <its training run>, or with a checkpoint written "
+            "by benchx train (it records its training cases)"
         )
     records = download_records(client, run_id, stage, folder)
     if records is None:
@@ -488,7 +512,8 @@ def compare(
     Raises:
         EvaluationError: fewer than two runs, a malformed or repeated run id, a run without
             records, a run evaluated with the training overlap allowed (tag
-            ``training_overlap_override``), or runs evaluated on different sets.
+            ``training_overlap_override``) or without the check (``training_overlap_check``
+            unavailable or not recorded), or runs evaluated on different sets.
     """
     run_ids = _check_run_ids(run_ids)
     uri = tracking_uri(uri)
