@@ -48,18 +48,15 @@ from omegaconf import DictConfig
 
 from lightning_modules.data.datamodule import CohortDataModule, default_cache_dir
 from lightning_modules.data.splits import split_sha256
-from lightning_modules.evaluation.artifacts import download_records, log_evaluation_artifacts
-from lightning_modules.evaluation.bootstrap import bootstrap_subgroup_metrics, evaluation_set_hash, paired_differences
+from lightning_modules.evaluation.artifacts import download_records
+from lightning_modules.evaluation.bootstrap import evaluation_set_hash, paired_differences
 from lightning_modules.evaluation.callback import FALLBACK_TAG, SubgroupEvaluation
 from lightning_modules.evaluation.figures import close, comparison_figure
-from lightning_modules.evaluation.metric_keys import headline_metric_keys
 from lightning_modules.evaluation.records import fixed_rule_score, score_column
-from lightning_modules.evaluation.subgroups import support_rule_text
 from lightning_modules.evaluation.thresholds import (
     choose_operating_point,
     matched_specificity_point,
     OperatingPoint,
-    resampled_choices,
     resampled_matched_thresholds,
     RULES,
     specificity_at,
@@ -72,7 +69,6 @@ from lightning_modules.tracking import (
     ended_run,
     experiment_id,
     log_evaluation_inputs,
-    log_metrics,
     run_tags,
     start_run,
     tracking_uri,
@@ -84,6 +80,16 @@ from lightning_modules.trainer import (
     global_rank,
     RunLogger,
     share_from_rank_zero,
+)
+# The comparison table's cells and the operating points' metric, read by the study, its report and
+# the replicates through this module.
+from lightning_modules.workflows.comparison_table import format_comparison, is_flagged, percent, significance_mark  # noqa: F401
+from lightning_modules.workflows.operating_points import (
+    log_operating_points,
+    nested_choices,
+    OPERATING_POINT_METRIC,
+    operating_points,
+    point_score,
 )
 from lightning_modules.workflows.training_overlap import (
     overlap_problems,
@@ -97,7 +103,6 @@ log = logging.getLogger(__name__)
 OVERLAP_OVERRIDE_TAG = "training_overlap_override"
 OVERLAP_CHECK_TAG = "training_overlap_check"
 OVERLAP_SOURCE_TAG = "training_overlap_source"
-OPERATING_POINT_METRIC = "operating_point/{name}"
 
 
 class EvaluationError(ValueError):
@@ -106,13 +111,6 @@ class EvaluationError(ValueError):
 
 # ------------------------------------------------------------------------------------------------
 # evaluate
-
-
-def validation_rule(recipe: DictConfig) -> str:
-    """The rule of the validation-chosen operating point: the recipe's ``detection.threshold_rule``
-    when it is ``f1`` or ``youden``, else Youden's J."""
-    rule = str(recipe.detection.threshold_rule)
-    return rule if rule in ("f1", "youden") else "youden"
 
 
 def training_run_of_checkpoint(checkpoint: str | Path) -> str | None:
@@ -165,76 +163,6 @@ def check_training_overlap(
     log.warning("evaluate: %d evaluated case(s) overlap the training cases (override given):\n  %s", len(problems), listing)
     return {OVERLAP_CHECK_TAG: f"failed: {len(problems)} case(s)", OVERLAP_OVERRIDE_TAG: "true",
             OVERLAP_SOURCE_TAG: record.source}
-
-
-def point_score(point: str, score: str, records: pd.DataFrame | None) -> str:
-    """The score an operating point reads: BenchX's fixed m counts the raw predicted tumor voxels
-    (``records.fixed_rule_score``); records without that column keep ``score``."""
-    return fixed_rule_score(score, records) if point == "fixed" else score
-
-
-def nested_choices(val_records: pd.DataFrame | None, rule: str, score: str, n_resamples: int):
-    """The validation rule's choice on each patient resample of the validation records, for the
-    nested threshold bootstrap of the test CIs (None without validation records)."""
-    if val_records is None or len(val_records) == 0 or rule not in RULES:
-        return None
-    return resampled_choices(val_records, rule, score, n_resamples)
-
-
-def _operating_points(recipe: DictConfig, callback: SubgroupEvaluation) -> list[OperatingPoint]:
-    detection = recipe.detection
-    fixed = float(detection.threshold_mm3)
-    chosen = callback.operating_point
-    if chosen.name != "val_chosen":
-        # The callback chose on validation only when the recipe's rule is f1 or youden (the same
-        # rule, records and bagging as here); otherwise the validation point is chosen by Youden.
-        chosen = choose_operating_point(
-            callback.records.get("val"), validation_rule(recipe), fixed, str(detection.score),
-            int(detection.threshold_bootstrap), float(detection.confidence),
-        )
-    if chosen.fallback:
-        log.warning("evaluate: validation operating point (%s): %s; using the fixed m = %g", chosen.rule, chosen.fallback, fixed)
-    elif chosen.interval is not None:
-        log.info("evaluate: validation operating point m = %g by %s; the resamples chose %g to %g (%g%% interval)",
-                 chosen.threshold, chosen.rule, chosen.interval[0], chosen.interval[1], 100 * float(detection.confidence))
-    return [OperatingPoint("fixed", fixed, "fixed"), chosen]
-
-
-def _log_operating_points(client, run_id: str, recipe: DictConfig, callback, stages, points) -> dict[str, pd.DataFrame]:
-    """Tables, metrics and artifacts of every evaluated stage at the fixed and the validation-chosen m."""
-    detection = recipe.detection
-    tables = {}
-    for point in points:
-        client.log_metric(run_id, OPERATING_POINT_METRIC.format(name=point.name), point.threshold)
-        client.set_tag(run_id, f"operating_point.{point.name}.rule", point.rule)
-        if point.interval is not None:
-            # How far the choice moves between patient resamples of validation: its uncertainty.
-            low_key, high_key = (OPERATING_POINT_METRIC.format(name=f"{point.name}_{end}") for end in ("low", "high"))
-            client.log_metric(run_id, low_key, point.interval[0])
-            client.log_metric(run_id, high_key, point.interval[1])
-        if point.fallback:
-            client.set_tag(run_id, f"{FALLBACK_TAG}.{point.name}", f"{point.fallback}; the fixed m is used"[:5000])
-        for stage in stages:
-            records = callback.records.get(stage)
-            if records is None:
-                continue
-            name = f"{stage}_{point.name}"
-            score = point_score(point.name, str(detection.score), records)
-            nested = None
-            if stage == "test" and point.name == "val_chosen" and not point.fallback:
-                nested = nested_choices(callback.records.get("val"), validation_rule(recipe), score,
-                                        int(detection.bootstrap_resamples))
-            table = bootstrap_subgroup_metrics(records, point.threshold, n_resamples=int(detection.bootstrap_resamples),
-                                               confidence=float(detection.confidence), score=score,
-                                               resample_thresholds=nested)
-            # A few hundred keys a person can plot: per group only at the validation-chosen point
-            # (its full table, CIs included, is logged as an MLflow table below).
-            metrics = headline_metric_keys(table, name, groups=point.name == "val_chosen")
-            metrics[f"{name}/threshold"] = point.threshold
-            log_metrics(client, run_id, metrics)
-            log_evaluation_artifacts(client, run_id, name, None, table)
-            tables[name] = table
-    return tables
 
 
 def evaluate(
@@ -315,8 +243,8 @@ def evaluate(
             trainer.test(module, datamodule=datamodule)
         tables = dict(callback.results)
         if trainer.is_global_zero:
-            points = _operating_points(recipe, callback)
-            tables.update(_log_operating_points(logger.experiment, run_id, recipe, callback, list(stages), points))
+            points = operating_points(recipe, callback)
+            tables.update(log_operating_points(logger.experiment, run_id, recipe, callback, list(stages), points))
             log_evaluation_inputs(logger.experiment, run_id, datamodule, list(dict.fromkeys(["val", *stages])))
             record_operating_point(run_id, uri)  # on the registered version, for its pyfunc's tumor_detected
     return run_id, tables
@@ -535,94 +463,3 @@ def compare(
     comparison.attrs.update({"baseline": runs[0].name, "notes": notes})
     logged_run = _log_comparison(client, experiment, uri, stage, comparison, run_ids, hashes[0]) if experiment else None
     return comparison, logged_run
-
-
-TEST_NAMES = {"mcnemar_exact": "McNemar", "delong": "DeLong", "bootstrap": "bootstrap",
-              "bootstrap+mcnemar": "boot+McNemar"}
-
-
-def format_comparison(
-    comparison: pd.DataFrame, metrics: Sequence[str] = ("sensitivity", "specificity", "f1", "auc")
-) -> str:
-    """The comparison as a terminal table (BenchX table 6 shape), one block per run and operating
-    point and one line per subgroup and metric: its patients, positives and negatives, baseline and
-    other with their Wilson intervals (sensitivity, specificity), the difference with its paired
-    bootstrap CI, Newcombe's interval, the p of the test that decides significance and the share of
-    resamples where the difference was defined."""
-    lines = []
-    for (run, point), table in comparison.groupby(["run", "operating_point"], sort=False):
-        threshold = f"m {table['threshold_a'].iloc[0]:g} vs {table['threshold_b'].iloc[0]:g}"
-        details = [str(table["score"].iloc[0])] if "score" in table else []
-        if "nested_threshold" in table and bool(table["nested_threshold"].iloc[0]):
-            details.append("CIs include the threshold's uncertainty")
-        detail = f"; {', '.join(details)}" if details else ""
-        lines.append(f"== {comparison.attrs.get('baseline', 'baseline')} (base) vs {run} (new) at {point} "
-                     f"({threshold}{detail}), in % ==")
-        lines.append(f"{'subgroup':<26}{'pat':>5}{'pos':>5}{'neg':>5}  {'metric':<12}{'base [Wilson]':<21}{'new [Wilson]':<21}"
-                     f"{'delta [bootstrap 95% CI]':<26}{'[Newcombe]':<17}{'p (test)':<20}{'def':>5}")
-        for (attribute, group), rows in table.groupby(["attribute", "group"], sort=False):
-            by_metric = rows.set_index("metric")
-            first = rows.iloc[0]
-            label = f"{(str(attribute) + ':' + str(group))[:25]:<26}{int(first['n_patients']):>5}" \
-                    f"{int(first['positives']):>5}{int(first['negatives']):>5}"
-            for metric in metrics:
-                if metric not in by_metric.index:
-                    continue
-                row = by_metric.loc[metric]
-                interval = f"{percent(row['delta'], True)} [{percent(row['ci_low'], True)}, {percent(row['ci_high'], True)}]{significance_mark(row)}"
-                newcombe = f"[{percent(row.get('newcombe_low'), True)}, {percent(row.get('newcombe_high'), True)}]" \
-                    if not pd.isna(row.get("newcombe_low")) else ""
-                test = TEST_NAMES.get(str(row.get("test", "bootstrap")), str(row.get("test", "")))
-                p_value = f"{float(row['p_value']):.3g} ({test})" if not pd.isna(row.get("p_value")) else "-"
-                defined = f"{100 * float(row['defined_fraction']):.0f}%"
-                lines.append(f"{label}  {metric:<12}{_with_interval(row, 'a'):<21}{_with_interval(row, 'b'):<21}"
-                             f"{interval:<26}{newcombe:<17}{p_value:<20}{defined:>5}")
-    lines.append("* significant: the test of the metric rejects at 5% (exact McNemar for sensitivity and "
-                 "specificity, DeLong for AUC, for F1 the paired bootstrap CI and McNemar on the positives or "
-                 "negatives) and the subgroup has "
-                 f"{support_rule_text()};  ** also after Holm's correction over the groups of its attribute;  "
-                 "~ the test rejects but the subgroup is below that rule;  - undefined;  "
-                 "def: share of resamples where the difference was defined")
-    lines += [f"note: {note}" for note in comparison.attrs.get("notes", [])]
-    return "\n".join(lines)
-
-
-def _with_interval(row, arm: str) -> str:
-    """A run's value with its Wilson interval when the row has one."""
-    low, high = row.get(f"{arm}_wilson_low"), row.get(f"{arm}_wilson_high")
-    if low is None or pd.isna(low):
-        return percent(row[arm])
-    return f"{percent(row[arm])} [{percent(low)}, {percent(high)}]"
-
-
-def is_flagged(value) -> bool:
-    """A significance cell, also as read back from CSV: True only when it says so (an empty cell is not)."""
-    return False if pd.isna(value) else value is True or str(value).strip().lower() in {"true", "1"}
-
-
-def significance_mark(row) -> str:
-    """``**`` significant after Holm, ``*`` significant, ``~`` the deciding test rejects below the
-    support rule, else a space. Rows without a ``test`` column are decided by their CI."""
-    if is_flagged(row.get("significant_holm", False)):
-        return "**"
-    if is_flagged(row["significant"]):
-        return "*"
-    test = row.get("test", "bootstrap")
-    low, high = float(row["ci_low"]), float(row["ci_high"])
-    rejects = low > 0 or high < 0
-    if test == "bootstrap+mcnemar":
-        rejects = rejects and float(row.get("p_mcnemar", math.nan)) < 0.05
-    elif isinstance(test, str) and test != "bootstrap":
-        rejects = float(row.get("p_value", math.nan)) < 0.05
-    return "~" if rejects else " "
-
-
-def percent(value, sign: bool = False) -> str:
-    """A fraction as % with one decimal (``+`` sign when asked); ``-`` when undefined."""
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return "-"
-    if math.isnan(value):
-        return "-"
-    return f"{value * 100:+.1f}" if sign else f"{value * 100:.1f}"
