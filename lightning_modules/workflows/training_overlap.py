@@ -22,7 +22,7 @@ Example::
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -96,7 +96,6 @@ class TrainingRecord:
     generator: pd.DataFrame | None = None
     synthetic: bool = False
     signatures: ScanSignatures | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 def record_from_provenance(provenance: dict, source: str) -> TrainingRecord:
@@ -118,21 +117,27 @@ def training_record(client: MlflowClient, training_run_id: str | None, checkpoin
     A run that records its cases but not its scans' signatures takes them from the checkpoint when
     it carries them.
     """
-    provenance = checkpoint_provenance(checkpoint) if checkpoint is not None and Path(checkpoint).is_file() else None
-    from_checkpoint = record_from_provenance(provenance, f"checkpoint {Path(checkpoint).name}") if provenance else None
+
+    def from_checkpoint() -> TrainingRecord | None:
+        # Read only when needed: it loads the whole checkpoint.
+        if checkpoint is None or not Path(checkpoint).is_file():
+            return None
+        provenance = checkpoint_provenance(checkpoint)
+        return record_from_provenance(provenance, f"checkpoint {Path(checkpoint).name}") if provenance else None
+
     if training_run_id is None:
-        return from_checkpoint
+        return from_checkpoint()
     cases = training_cases(client, training_run_id, folder)
     if cases is None:
-        return from_checkpoint
+        return from_checkpoint()
     generator = training_cases(client, training_run_id, folder, GENERATOR_CASES_ARTIFACT)
     synthetic = bool(client.get_run(training_run_id).data.tags.get(SYNTHETIC_COHORT_TAG))
     names = {item.path for item in client.list_artifacts(training_run_id)}
-    signatures = None
     if SIGNATURES_ARTIFACT in names:
         signatures = ScanSignatures.from_npz(client.download_artifacts(training_run_id, SIGNATURES_ARTIFACT, str(folder)))
-    elif from_checkpoint is not None:
-        signatures = from_checkpoint.signatures
+    else:
+        carried = from_checkpoint()
+        signatures = carried.signatures if carried is not None else None
     return TrainingRecord(f"training run {training_run_id}", cases, generator, synthetic, signatures)
 
 
