@@ -16,8 +16,7 @@ learned from comes from its training run, else from the checkpoint's own provena
 ``compare`` takes two or more evaluation runs on the same evaluation set (same case-id hash),
 refuses any of them evaluated with ``allow_training_overlap`` (its numbers are contaminated) or
 without the training-overlap check (tag ``training_overlap_check: unavailable``: nothing shows they
-are not), and
-writes the table of BenchX table 6 at each operating point (fixed m, validation-chosen, matched
+are not), and writes the table of BenchX table 6 at each operating point (fixed m, validation-chosen, matched
 specificity): for each subgroup its patients, positives and negatives, baseline and augmented
 with their Wilson intervals, the difference with its paired bootstrap CI (at the chosen points
 including the threshold's uncertainty) and Newcombe's interval, the exact McNemar p (sensitivity,

@@ -388,6 +388,10 @@ def test_scan_signatures_find_renamed_copies_of_training_scans_and_are_cached(tm
     matches = duplicate_matches(evaluated, training)
     assert [(m.case_id, m.training_case_id, m.exact) for m in matches] == [("T_EXACT", "R00", True), ("V_NOISE", "R02", False)]
     assert str(matches[0]) == "case T_EXACT: its scan duplicates training case R00 (identical voxels)"
+    # The audit's own screening signature and exact hash, not a look-alike.
+    stored = np.asarray(nib.load(root / "R00" / "ct.nii.gz").dataobj)
+    assert np.array_equal(training.coarse[0], volume_signatures(stored)[0].astype(np.float16))
+    assert training.sha256[0] == canonical_sha256(stored)
     assert matches[1].ncc >= 0.995 and "NCC 0.99" in str(matches[1])
     # A training case evaluated under its own id is the case check's to report, not a duplicate.
     assert duplicate_matches(scan_signatures(cohort, ["R03"], cache), training) == []

@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from lightning_modules.cohorts.audit.volumes import SIGNATURE_SIZE, canonical_sha256, volume_signatures
+from lightning_modules.cohorts.audit.volumes import CONFIRM_SIZE, SIGNATURE_SIZE, canonical_sha256, volume_signatures
 from lightning_modules.data.cohort import Cohort, CohortError, atomic_write_bytes
 from lightning_modules.data.validation import READ_ERRORS, read_volume
 
@@ -87,7 +87,7 @@ class ScanMatch:
 
 def _cache_key(path: Path) -> str:
     stat = path.stat()
-    text = f"{SIGNATURE_VERSION}:{SIGNATURE_SIZE}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    text = f"{SIGNATURE_VERSION}:{SIGNATURE_SIZE}:{CONFIRM_SIZE}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -101,7 +101,8 @@ def _one_scan(path: Path, cache_dir: Path | None) -> tuple[str, np.ndarray]:
     if data.ndim != 3:
         raise ValueError(f"CT is not a 3D volume (shape {data.shape})")
     digest = canonical_sha256(data)
-    coarse = volume_signatures(data, SIGNATURE_SIZE, SIGNATURE_SIZE)[0].astype(np.float16)
+    # The audit's screening signature, computed as the audit does (from the 32^3 grid).
+    coarse = volume_signatures(data, SIGNATURE_SIZE, CONFIRM_SIZE)[0].astype(np.float16)
     if cached is not None:
         buffer = io.BytesIO()
         np.savez(buffer, sha256=np.asarray(digest), coarse=coarse)
