@@ -21,7 +21,9 @@ DESCRIPTION = (
     "difference with its paired bootstrap CI at the fixed m, at the m chosen on validation and at matched "
     "specificity (docs/design.md \"Confidence intervals and comparisons\"). An evaluation run made with "
     "--allow-training-overlap (tag training_overlap_override) is refused: its evaluation set holds cases the "
-    "model learned from. Errors a user can fix exit with status 2."
+    "model learned from; so is one evaluated without that check (training_overlap_check unavailable: a checkpoint "
+    "that records no training cases, evaluated without its training run), with no override: evaluate the model "
+    "with --run-id. Errors a user can fix exit with status 2."
 )
 
 

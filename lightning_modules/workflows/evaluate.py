@@ -7,12 +7,16 @@ subgroup tables with CIs and the figures, at three operating points
 (docs/design.md "Scan-level detection"): the recipe's (``val/...``, ``test/...``), BenchX's fixed m (``test_fixed/...``) and the
 one chosen on validation (``test_val_chosen/...``; metrics ``operating_point/<name>`` hold the
 thresholds, ``operating_point/val_chosen_low`` and ``_high`` the spread of a bagged choice). It
-refuses an evaluation set holding a training case or patient of the model unless
-``allow_training_overlap`` is set (then tagged ``training_overlap_override``).
+refuses an evaluation set holding a training case or patient of the model, a case its synthetic
+data's generator learned from, or one of its training scans under another case id, unless
+``allow_training_overlap`` is set (then tagged ``training_overlap_override``); what the model
+learned from comes from its training run, else from the checkpoint's own provenance
+(:mod:`lightning_modules.workflows.training_overlap`).
 
 ``compare`` takes two or more evaluation runs on the same evaluation set (same case-id hash),
-refuses any of them evaluated with ``allow_training_overlap`` (its numbers are contaminated), and
-writes the table of BenchX table 6 at each operating point (fixed m, validation-chosen, matched
+refuses any of them evaluated with ``allow_training_overlap`` (its numbers are contaminated) or
+without the training-overlap check (tag ``training_overlap_check: unavailable``: nothing shows they
+are not), and writes the table of BenchX table 6 at each operating point (fixed m, validation-chosen, matched
 specificity): for each subgroup its patients, positives and negatives, baseline and augmented
 with their Wilson intervals, the difference with its paired bootstrap CI (at the chosen points
 including the threshold's uncertainty) and Newcombe's interval, the exact McNemar p (sensitivity,
@@ -35,7 +39,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import pandas as pd
 from mlflow.tracking import MlflowClient
@@ -43,40 +47,30 @@ from omegaconf import DictConfig
 
 from lightning_modules.data.datamodule import CohortDataModule, default_cache_dir
 from lightning_modules.data.splits import split_sha256
-from lightning_modules.evaluation.artifacts import download_records, log_evaluation_artifacts
-from lightning_modules.evaluation.bootstrap import bootstrap_subgroup_metrics, evaluation_set_hash, paired_differences
+from lightning_modules.evaluation.artifacts import download_records
+from lightning_modules.evaluation.bootstrap import evaluation_set_hash, paired_differences
 from lightning_modules.evaluation.callback import FALLBACK_TAG, SubgroupEvaluation
 from lightning_modules.evaluation.figures import close, comparison_figure
-from lightning_modules.evaluation.metric_keys import headline_metric_keys
 from lightning_modules.evaluation.records import fixed_rule_score, score_column
-from lightning_modules.evaluation.subgroups import support_rule_text
 from lightning_modules.evaluation.thresholds import (
     choose_operating_point,
     matched_specificity_point,
     OperatingPoint,
-    resampled_choices,
     resampled_matched_thresholds,
     RULES,
     specificity_at,
 )
-from lightning_modules.models.checkpoints import load_module_from_checkpoint
+from lightning_modules.cohorts.audit.signatures import ScanSignatures, scan_signatures
+from lightning_modules.models.checkpoints import load_module_from_checkpoint, ModelSourceError
 from lightning_modules.run_folder import RunRecord
 from lightning_modules.tracking import (
     check_run_id,
     ended_run,
     experiment_id,
     log_evaluation_inputs,
-    log_metrics,
     run_tags,
     start_run,
     tracking_uri,
-)
-from lightning_modules.tracking.datasets import SYNTHETIC_COHORT_TAG
-from lightning_modules.tracking.provenance import (
-    GENERATOR_CASES_ARTIFACT,
-    generator_overlap,
-    training_cases,
-    training_overlap,
 )
 from lightning_modules.tracking.pyfunc import is_model_uri, model_version_tags, record_operating_point
 from lightning_modules.trainer import (
@@ -86,12 +80,28 @@ from lightning_modules.trainer import (
     RunLogger,
     share_from_rank_zero,
 )
+# The comparison table's cells and the operating points' metric, read by the study, its report and
+# the replicates through this module.
+from lightning_modules.workflows.comparison_table import format_comparison, is_flagged, percent, significance_mark  # noqa: F401
+from lightning_modules.workflows.operating_points import (
+    log_operating_points,
+    nested_choices,
+    OPERATING_POINT_METRIC,
+    operating_points,
+    point_score,
+)
+from lightning_modules.workflows.training_overlap import (
+    overlap_problems,
+    partial_check_note,
+    signature_cache,
+    training_record,
+)
 
 
 log = logging.getLogger(__name__)
 OVERLAP_OVERRIDE_TAG = "training_overlap_override"
 OVERLAP_CHECK_TAG = "training_overlap_check"
-OPERATING_POINT_METRIC = "operating_point/{name}"
+OVERLAP_SOURCE_TAG = "training_overlap_source"
 
 
 class EvaluationError(ValueError):
@@ -102,13 +112,6 @@ class EvaluationError(ValueError):
 # evaluate
 
 
-def validation_rule(recipe: DictConfig) -> str:
-    """The rule of the validation-chosen operating point: the recipe's ``detection.threshold_rule``
-    when it is ``f1`` or ``youden``, else Youden's J."""
-    rule = str(recipe.detection.threshold_rule)
-    return rule if rule in ("f1", "youden") else "youden"
-
-
 def training_run_of_checkpoint(checkpoint: str | Path) -> str | None:
     """The MLflow run of a checkpoint written by ``benchx train`` (``<run folder>/checkpoints/*.ckpt``),
     from the run folder's record (``run.json``)."""
@@ -117,112 +120,48 @@ def training_run_of_checkpoint(checkpoint: str | Path) -> str | None:
 
 
 def check_training_overlap(
-    client: MlflowClient, training_run_id: str | None, evaluated: pd.DataFrame, allow: bool
+    client: MlflowClient, training_run_id: str | None, evaluated: pd.DataFrame, allow: bool,
+    checkpoint: str | Path | None = None, signatures_of: Callable[[Sequence[str]], ScanSignatures] | None = None,
 ) -> dict[str, str]:
-    """Refuse (EvaluationError) an evaluation set sharing a case or patient with the model's training
-    cases or with the cases its synthetic data's generator learned from, unless ``allow``; returns
-    the tags that record what was checked."""
-    if training_run_id is None:
-        log.warning("evaluate: no training run known for this checkpoint, so its training cases are not checked")
-        return {OVERLAP_CHECK_TAG: "unavailable: no training run"}
-    try:
-        client.get_run(training_run_id)
-    except Exception as error:  # MLflow raises its own exception for an unknown run
-        raise EvaluationError(f"training run {training_run_id}: not found in the tracking store ({error})") from error
-    with tempfile.TemporaryDirectory() as folder:
-        training = training_cases(client, training_run_id, folder)
-        generator = training_cases(client, training_run_id, folder, GENERATOR_CASES_ARTIFACT)
-    if training is None:
-        log.warning("evaluate: training run %s records no training cases; overlap not checked", training_run_id)
-        return {OVERLAP_CHECK_TAG: "unavailable: the training run records no training_cases.csv"}
-    # A model trained on synthetic data also learned from the cases its generator learned from.
-    problems = training_overlap(evaluated, training) + (generator_overlap(evaluated, generator) if generator is not None else [])
-    if not problems:
+    """Refuse (EvaluationError) an evaluation set holding a case the model learned from -- a training
+    case or patient, a case its synthetic data's generator learned from, or a training scan under
+    another case id (``signatures_of`` computes the evaluated scans' signatures) -- unless ``allow``.
 
-        if generator is None and client.get_run(training_run_id).data.tags.get(SYNTHETIC_COHORT_TAG):
-            log.warning("evaluate: training run %s mixed in synthetic data but records no %s; the generator's training "
-                        "cases are not checked", training_run_id, GENERATOR_CASES_ARTIFACT)
-            return {OVERLAP_CHECK_TAG: f"passed for the real training cases; the generator's are unknown (no {GENERATOR_CASES_ARTIFACT})"}
-        return {OVERLAP_CHECK_TAG: "passed"}
+    What the model learned from is read from its training run, else from the checkpoint's own
+    provenance. Returns the tags that record what was checked.
+    """
+    if training_run_id is not None:
+        try:
+            client.get_run(training_run_id)
+        except Exception as error:  # MLflow raises its own exception for an unknown run
+            raise EvaluationError(f"training run {training_run_id}: not found in the tracking store ({error})") from error
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            record = training_record(client, training_run_id, checkpoint, folder)
+        except ModelSourceError as error:
+            raise EvaluationError(str(error)) from error
+    if record is None:
+        why = (f"training run {training_run_id} records no training_cases.csv" if training_run_id else
+               "no training run known and the checkpoint records no training cases")
+        log.warning("evaluate: %s; the evaluated cases are not checked against the model's training cases", why)
+        return {OVERLAP_CHECK_TAG: f"unavailable: {why}"}
+    problems = overlap_problems(record, evaluated, signatures_of)
+    if not problems:
+        note = partial_check_note(record)
+        if note:
+            log.warning("evaluate: the training-overlap check against %s is partial: %s", record.source, note)
+            return {OVERLAP_CHECK_TAG: f"passed for the training cases; {note}", OVERLAP_SOURCE_TAG: record.source}
+        return {OVERLAP_CHECK_TAG: "passed", OVERLAP_SOURCE_TAG: record.source}
     listing = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
     if not allow:
         raise EvaluationError(
-            f"{len(problems)} evaluated case(s) overlap the training cases of run {training_run_id}:\n  {listing}\n"
+            f"{len(problems)} evaluated case(s) overlap the training cases of {record.source}:\n  {listing}\n"
             "evaluation refused: use a split whose val/test cases the model never saw, or pass "
             "--allow-training-overlap to evaluate anyway (recorded in the run)"
         )
     log.warning("evaluate: %d evaluated case(s) overlap the training cases (override given):\n  %s", len(problems), listing)
-    return {OVERLAP_CHECK_TAG: f"failed: {len(problems)} case(s)", OVERLAP_OVERRIDE_TAG: "true"}
-
-
-def point_score(point: str, score: str, records: pd.DataFrame | None) -> str:
-    """The score an operating point reads: BenchX's fixed m counts the raw predicted tumor voxels
-    (``records.fixed_rule_score``); records without that column keep ``score``."""
-    return fixed_rule_score(score, records) if point == "fixed" else score
-
-
-def nested_choices(val_records: pd.DataFrame | None, rule: str, score: str, n_resamples: int):
-    """The validation rule's choice on each patient resample of the validation records, for the
-    nested threshold bootstrap of the test CIs (None without validation records)."""
-    if val_records is None or len(val_records) == 0 or rule not in RULES:
-        return None
-    return resampled_choices(val_records, rule, score, n_resamples)
-
-
-def _operating_points(recipe: DictConfig, callback: SubgroupEvaluation) -> list[OperatingPoint]:
-    detection = recipe.detection
-    fixed = float(detection.threshold_mm3)
-    chosen = callback.operating_point
-    if chosen.name != "val_chosen":
-        # The callback chose on validation only when the recipe's rule is f1 or youden (the same
-        # rule, records and bagging as here); otherwise the validation point is chosen by Youden.
-        chosen = choose_operating_point(
-            callback.records.get("val"), validation_rule(recipe), fixed, str(detection.score),
-            int(detection.threshold_bootstrap), float(detection.confidence),
-        )
-    if chosen.fallback:
-        log.warning("evaluate: validation operating point (%s): %s; using the fixed m = %g", chosen.rule, chosen.fallback, fixed)
-    elif chosen.interval is not None:
-        log.info("evaluate: validation operating point m = %g by %s; the resamples chose %g to %g (%g%% interval)",
-                 chosen.threshold, chosen.rule, chosen.interval[0], chosen.interval[1], 100 * float(detection.confidence))
-    return [OperatingPoint("fixed", fixed, "fixed"), chosen]
-
-
-def _log_operating_points(client, run_id: str, recipe: DictConfig, callback, stages, points) -> dict[str, pd.DataFrame]:
-    """Tables, metrics and artifacts of every evaluated stage at the fixed and the validation-chosen m."""
-    detection = recipe.detection
-    tables = {}
-    for point in points:
-        client.log_metric(run_id, OPERATING_POINT_METRIC.format(name=point.name), point.threshold)
-        client.set_tag(run_id, f"operating_point.{point.name}.rule", point.rule)
-        if point.interval is not None:
-            # How far the choice moves between patient resamples of validation: its uncertainty.
-            low_key, high_key = (OPERATING_POINT_METRIC.format(name=f"{point.name}_{end}") for end in ("low", "high"))
-            client.log_metric(run_id, low_key, point.interval[0])
-            client.log_metric(run_id, high_key, point.interval[1])
-        if point.fallback:
-            client.set_tag(run_id, f"{FALLBACK_TAG}.{point.name}", f"{point.fallback}; the fixed m is used"[:5000])
-        for stage in stages:
-            records = callback.records.get(stage)
-            if records is None:
-                continue
-            name = f"{stage}_{point.name}"
-            score = point_score(point.name, str(detection.score), records)
-            nested = None
-            if stage == "test" and point.name == "val_chosen" and not point.fallback:
-                nested = nested_choices(callback.records.get("val"), validation_rule(recipe), score,
-                                        int(detection.bootstrap_resamples))
-            table = bootstrap_subgroup_metrics(records, point.threshold, n_resamples=int(detection.bootstrap_resamples),
-                                               confidence=float(detection.confidence), score=score,
-                                               resample_thresholds=nested)
-            # A few hundred keys a person can plot: per group only at the validation-chosen point
-            # (its full table, CIs included, is logged as an MLflow table below).
-            metrics = headline_metric_keys(table, name, groups=point.name == "val_chosen")
-            metrics[f"{name}/threshold"] = point.threshold
-            log_metrics(client, run_id, metrics)
-            log_evaluation_artifacts(client, run_id, name, None, table)
-            tables[name] = table
-    return tables
+    return {OVERLAP_CHECK_TAG: f"failed: {len(problems)} case(s)", OVERLAP_OVERRIDE_TAG: "true",
+            OVERLAP_SOURCE_TAG: record.source}
 
 
 def evaluate(
@@ -273,7 +212,11 @@ def evaluate(
         """On rank 0: check the evaluation set against the model's training cases and open the run."""
         experiment_id(str(recipe.tracking.experiment), uri)
         tags = run_tags(recipe, split_sha256(recipe.data.split))
-        tags.update(check_training_overlap(MlflowClient(tracking_uri=uri), training_run_id, evaluated, allow_training_overlap))
+        cache = signature_cache(recipe.tracking.output_dir)
+        tags.update(check_training_overlap(
+            MlflowClient(tracking_uri=uri), training_run_id, evaluated, allow_training_overlap, checkpoint,
+            lambda ids: scan_signatures(datamodule.cohort, ids, cache),
+        ))
         tags.update({"stage": "evaluation", "eval_cohort": str(recipe.data.root), "checkpoint": Path(checkpoint).name})
         if training_run_id:
             tags["training_run_id"] = training_run_id
@@ -299,8 +242,8 @@ def evaluate(
             trainer.test(module, datamodule=datamodule)
         tables = dict(callback.results)
         if trainer.is_global_zero:
-            points = _operating_points(recipe, callback)
-            tables.update(_log_operating_points(logger.experiment, run_id, recipe, callback, list(stages), points))
+            points = operating_points(recipe, callback)
+            tables.update(log_operating_points(logger.experiment, run_id, recipe, callback, list(stages), points))
             log_evaluation_inputs(logger.experiment, run_id, datamodule, list(dict.fromkeys(["val", *stages])))
             record_operating_point(run_id, uri)  # on the registered version, for its pyfunc's tumor_detected
     return run_id, tables
@@ -347,6 +290,14 @@ def _load_run(client: MlflowClient, run_id: str, stage: str, folder: str) -> Eva
             f"run {run_id} was evaluated with --allow-training-overlap ({OVERLAP_CHECK_TAG}: {check}): its evaluation "
             "set holds cases the model learned from, so a difference to it says nothing; evaluate the model on a "
             "split whose val/test cases it never saw"
+        )
+    check = run.data.tags.get(OVERLAP_CHECK_TAG)
+    if check is None or check.startswith("unavailable"):
+        raise EvaluationError(
+            f"run {run_id} was evaluated without the training-overlap check ({OVERLAP_CHECK_TAG}: {check or 'not recorded'}): "
+            "nothing shows its evaluation set is free of cases the model learned from, so it is not compared (there "
+            "is no override); evaluate the model again with --run-id <its training run>, or with a checkpoint written "
+            "by benchx train (it records its training cases)"
         )
     records = download_records(client, run_id, stage, folder)
     if records is None:
@@ -488,7 +439,8 @@ def compare(
     Raises:
         EvaluationError: fewer than two runs, a malformed or repeated run id, a run without
             records, a run evaluated with the training overlap allowed (tag
-            ``training_overlap_override``), or runs evaluated on different sets.
+            ``training_overlap_override``) or without the check (``training_overlap_check``
+            unavailable or not recorded), or runs evaluated on different sets.
     """
     run_ids = _check_run_ids(run_ids)
     uri = tracking_uri(uri)
@@ -510,94 +462,3 @@ def compare(
     comparison.attrs.update({"baseline": runs[0].name, "notes": notes})
     logged_run = _log_comparison(client, experiment, uri, stage, comparison, run_ids, hashes[0]) if experiment else None
     return comparison, logged_run
-
-
-TEST_NAMES = {"mcnemar_exact": "McNemar", "delong": "DeLong", "bootstrap": "bootstrap",
-              "bootstrap+mcnemar": "boot+McNemar"}
-
-
-def format_comparison(
-    comparison: pd.DataFrame, metrics: Sequence[str] = ("sensitivity", "specificity", "f1", "auc")
-) -> str:
-    """The comparison as a terminal table (BenchX table 6 shape), one block per run and operating
-    point and one line per subgroup and metric: its patients, positives and negatives, baseline and
-    other with their Wilson intervals (sensitivity, specificity), the difference with its paired
-    bootstrap CI, Newcombe's interval, the p of the test that decides significance and the share of
-    resamples where the difference was defined."""
-    lines = []
-    for (run, point), table in comparison.groupby(["run", "operating_point"], sort=False):
-        threshold = f"m {table['threshold_a'].iloc[0]:g} vs {table['threshold_b'].iloc[0]:g}"
-        details = [str(table["score"].iloc[0])] if "score" in table else []
-        if "nested_threshold" in table and bool(table["nested_threshold"].iloc[0]):
-            details.append("CIs include the threshold's uncertainty")
-        detail = f"; {', '.join(details)}" if details else ""
-        lines.append(f"== {comparison.attrs.get('baseline', 'baseline')} (base) vs {run} (new) at {point} "
-                     f"({threshold}{detail}), in % ==")
-        lines.append(f"{'subgroup':<26}{'pat':>5}{'pos':>5}{'neg':>5}  {'metric':<12}{'base [Wilson]':<21}{'new [Wilson]':<21}"
-                     f"{'delta [bootstrap 95% CI]':<26}{'[Newcombe]':<17}{'p (test)':<20}{'def':>5}")
-        for (attribute, group), rows in table.groupby(["attribute", "group"], sort=False):
-            by_metric = rows.set_index("metric")
-            first = rows.iloc[0]
-            label = f"{(str(attribute) + ':' + str(group))[:25]:<26}{int(first['n_patients']):>5}" \
-                    f"{int(first['positives']):>5}{int(first['negatives']):>5}"
-            for metric in metrics:
-                if metric not in by_metric.index:
-                    continue
-                row = by_metric.loc[metric]
-                interval = f"{percent(row['delta'], True)} [{percent(row['ci_low'], True)}, {percent(row['ci_high'], True)}]{significance_mark(row)}"
-                newcombe = f"[{percent(row.get('newcombe_low'), True)}, {percent(row.get('newcombe_high'), True)}]" \
-                    if not pd.isna(row.get("newcombe_low")) else ""
-                test = TEST_NAMES.get(str(row.get("test", "bootstrap")), str(row.get("test", "")))
-                p_value = f"{float(row['p_value']):.3g} ({test})" if not pd.isna(row.get("p_value")) else "-"
-                defined = f"{100 * float(row['defined_fraction']):.0f}%"
-                lines.append(f"{label}  {metric:<12}{_with_interval(row, 'a'):<21}{_with_interval(row, 'b'):<21}"
-                             f"{interval:<26}{newcombe:<17}{p_value:<20}{defined:>5}")
-    lines.append("* significant: the test of the metric rejects at 5% (exact McNemar for sensitivity and "
-                 "specificity, DeLong for AUC, for F1 the paired bootstrap CI and McNemar on the positives or "
-                 "negatives) and the subgroup has "
-                 f"{support_rule_text()};  ** also after Holm's correction over the groups of its attribute;  "
-                 "~ the test rejects but the subgroup is below that rule;  - undefined;  "
-                 "def: share of resamples where the difference was defined")
-    lines += [f"note: {note}" for note in comparison.attrs.get("notes", [])]
-    return "\n".join(lines)
-
-
-def _with_interval(row, arm: str) -> str:
-    """A run's value with its Wilson interval when the row has one."""
-    low, high = row.get(f"{arm}_wilson_low"), row.get(f"{arm}_wilson_high")
-    if low is None or pd.isna(low):
-        return percent(row[arm])
-    return f"{percent(row[arm])} [{percent(low)}, {percent(high)}]"
-
-
-def is_flagged(value) -> bool:
-    """A significance cell, also as read back from CSV: True only when it says so (an empty cell is not)."""
-    return False if pd.isna(value) else value is True or str(value).strip().lower() in {"true", "1"}
-
-
-def significance_mark(row) -> str:
-    """``**`` significant after Holm, ``*`` significant, ``~`` the deciding test rejects below the
-    support rule, else a space. Rows without a ``test`` column are decided by their CI."""
-    if is_flagged(row.get("significant_holm", False)):
-        return "**"
-    if is_flagged(row["significant"]):
-        return "*"
-    test = row.get("test", "bootstrap")
-    low, high = float(row["ci_low"]), float(row["ci_high"])
-    rejects = low > 0 or high < 0
-    if test == "bootstrap+mcnemar":
-        rejects = rejects and float(row.get("p_mcnemar", math.nan)) < 0.05
-    elif isinstance(test, str) and test != "bootstrap":
-        rejects = float(row.get("p_value", math.nan)) < 0.05
-    return "~" if rejects else " "
-
-
-def percent(value, sign: bool = False) -> str:
-    """A fraction as % with one decimal (``+`` sign when asked); ``-`` when undefined."""
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return "-"
-    if math.isnan(value):
-        return "-"
-    return f"{value * 100:+.1f}" if sign else f"{value * 100:.1f}"

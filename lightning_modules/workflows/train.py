@@ -11,6 +11,11 @@ naming the holder). Running the same command again after an interruption resumes
 good checkpoint into the same MLflow run, at the same step; a rerun with another recipe is refused
 with the keys that differ. The MLflow run ends FINISHED, FAILED or KILLED (SIGTERM, Ctrl+C).
 
+Every checkpoint carries what the model was trained on (training case and patient ids, the split's
+sha256, the generator's cases, the training scans' content signatures: see
+:mod:`lightning_modules.workflows.training_overlap`), so evaluating a copy of it still refuses its
+training cases; the run logs the signatures as ``training_scan_signatures.npz``.
+
 Distributed (``trainer.devices=2 trainer.strategy=ddp``, torchrun, srun): rank 0 takes the lock and
 creates or resumes the run; every process gets its id and checkpoint (see
 :func:`lightning_modules.trainer.share_from_rank_zero`); only rank 0 writes to MLflow and the folder.
@@ -48,7 +53,7 @@ from lightning_modules.data.mixing import mixing_datamodule
 from lightning_modules.data.splits import load_split, split_sha256
 from lightning_modules.data.validation import validate_cohort
 from lightning_modules.evaluation.callback import SubgroupEvaluation
-from lightning_modules.models.checkpoints import build_module
+from lightning_modules.models.checkpoints import build_module, RecordProvenance
 from lightning_modules.models.planning import resolve_planned_recipe
 from lightning_modules.monitoring import system_callbacks
 from lightning_modules.process import deferred_signals
@@ -73,6 +78,12 @@ from lightning_modules.trainer import (
     PeriodicCheckpoint,
     RunLogger,
     share_from_rank_zero,
+)
+from lightning_modules.workflows.training_overlap import (
+    log_training_signatures,
+    signature_cache,
+    SIGNATURES_ARTIFACT,
+    training_provenance,
 )
 
 
@@ -164,8 +175,10 @@ def train(recipe: DictConfig, settings: TrainSettings | None = None, **options) 
             return finished_result(start, output_dir)
         held.enter_context(ended_run(start.uri, start.run_id, writer=global_rank() == 0))
         logger = RunLogger(experiment_name=str(recipe.tracking.experiment), tracking_uri=start.uri, run_id=start.run_id)
+        provenance = None
         if global_rank() == 0:
             record_run_start(logger, recipe, plan, datamodule, start, settings)
+            provenance = record_provenance(logger, recipe, datamodule, start)
         module = build_module(recipe)
         best, periodic = checkpoint_callbacks(recipe, checkpoint_dir)
         evaluation = [SubgroupEvaluation.from_detection(recipe.detection)] if settings.evaluation else []
@@ -173,7 +186,8 @@ def train(recipe: DictConfig, settings: TrainSettings | None = None, **options) 
             recipe.trainer,
             output_dir,
             logger=logger,
-            callbacks=[best, periodic, LearningRateMonitor(logging_interval="step"), *evaluation, *settings.callbacks,
+            callbacks=[best, periodic, RecordProvenance(provenance), LearningRateMonitor(logging_interval="step"),
+                       *evaluation, *settings.callbacks,
                        *system_callbacks(recipe.trainer.accelerator, 10 * int(recipe.trainer.log_every_n_steps)),
                        FailWithLaunchedProcesses(start.uri, start.run_id)],
             max_steps=int(recipe.trainer.max_steps),
@@ -310,6 +324,21 @@ def record_run_start(
     log_training_cases(client, run_id, datamodule.split)
     if settings.after_run_start is not None:
         settings.after_run_start(logger)
+
+
+def record_provenance(logger: MLFlowLogger, recipe: DictConfig, datamodule: CohortDataModule, start: RunStart) -> dict:
+    """On rank 0: what the model is trained on, which every checkpoint carries (``RecordProvenance``), so a
+    copy of a checkpoint is checked at evaluation like its run; the run logs its training scans'
+    signatures (``training_scan_signatures.npz``) once."""
+    synthetic = getattr(datamodule, "synthetic_cohort", None)
+    provenance, signatures = training_provenance(
+        datamodule.split, datamodule.cohort, split_sha256(recipe.data.split), synthetic.root if synthetic is not None else None,
+        start.run_id, signature_cache(recipe.tracking.output_dir),
+    )
+    client = logger.experiment
+    if SIGNATURES_ARTIFACT not in {item.path for item in client.list_artifacts(start.run_id)}:
+        log_training_signatures(client, start.run_id, signatures)
+    return provenance
 
 
 def checkpoint_callbacks(recipe: DictConfig, checkpoint_dir: Path) -> tuple[ModelCheckpoint, PeriodicCheckpoint]:

@@ -368,3 +368,58 @@ def test_header_cue_found_through_the_audit(tmp_path):
     assert report.header.balanced_accuracy == pytest.approx(1.0)
     assert report.metrics["audit/header_balanced_accuracy"] == pytest.approx(1.0)
     assert "features carrying it: spacing" in report.summary
+
+
+def test_scan_signatures_find_renamed_copies_of_training_scans_and_are_cached(tmp_path, monkeypatch):
+    """A model's training scans are recognized under other case ids: identical voxels (re-saved as
+    float32 under another affine) and the same scan with noise; unrelated scans and another scan of a
+    training patient are not duplicates. Signatures are cached per file and read again when it changes."""
+    from lightning_modules.cohorts.audit import signatures as signatures_module
+    from lightning_modules.cohorts.audit.signatures import ScanSignatures, duplicate_matches, scan_signatures
+    from lightning_modules.data.cohort import CohortError
+
+    root = tmp_path / "cohort"
+    make_audit_cohort(root)
+    cohort = load_cohort(root)
+    cache = tmp_path / "cache"
+    training = scan_signatures(cohort, [f"R{i:02d}" for i in range(8)], cache)
+    evaluated_ids = ["R08", "R09", "R10", "R11", "T_EXACT", "V_NOISE", "T_PATIENT"]
+    evaluated = scan_signatures(cohort, evaluated_ids, cache)
+    matches = duplicate_matches(evaluated, training)
+    assert [(m.case_id, m.training_case_id, m.exact) for m in matches] == [("T_EXACT", "R00", True), ("V_NOISE", "R02", False)]
+    assert str(matches[0]) == "case T_EXACT: its scan duplicates training case R00 (identical voxels)"
+    # The audit's own screening signature and exact hash, not a look-alike.
+    stored = np.asarray(nib.load(root / "R00" / "ct.nii.gz").dataobj)
+    assert np.array_equal(training.coarse[0], volume_signatures(stored)[0].astype(np.float16))
+    assert training.sha256[0] == canonical_sha256(stored)
+    assert matches[1].ncc >= 0.995 and "NCC 0.99" in str(matches[1])
+    # A training case evaluated under its own id is the case check's to report, not a duplicate.
+    assert duplicate_matches(scan_signatures(cohort, ["R03"], cache), training) == []
+    # What a checkpoint and a run artifact hold reads back the same.
+    for copy in (ScanSignatures.from_payload(training.to_payload()), ScanSignatures.from_npz(_bytes_file(tmp_path, training.to_npz()))):
+        assert copy.case_ids == training.case_ids and copy.sha256 == training.sha256
+        assert np.array_equal(copy.coarse, training.coarse)
+    # Cached: the second time no CT is read; a rewritten file is read again.
+    assert len(list(cache.glob("*.npz"))) == 8 + len(evaluated_ids)
+
+    def unread(path):
+        raise AssertionError(f"{path} read although cached")
+
+    monkeypatch.setattr(signatures_module, "read_volume", unread)
+    again = scan_signatures(cohort, evaluated_ids, cache)
+    assert again.sha256 == evaluated.sha256 and np.array_equal(again.coarse, evaluated.coarse)
+    monkeypatch.undo()
+    path = root / "R09" / "ct.nii.gz"
+    stored = nib.load(path)
+    nib.save(nib.Nifti1Image(np.asarray(stored.dataobj) + 7, stored.affine), path)
+    assert scan_signatures(cohort, ["R09"], cache).sha256 != [evaluated.sha256[1]]
+    # An unreadable CT is named with its case and file.
+    (root / "R10" / "ct.nii.gz").write_bytes(b"not a nifti")
+    with pytest.raises(CohortError, match=r"R10: .*R10/ct\.nii\.gz: cannot read the CT"):
+        scan_signatures(cohort, ["R10"], cache)
+
+
+def _bytes_file(folder, data: bytes):
+    path = folder / "signatures.npz"
+    path.write_bytes(data)
+    return path

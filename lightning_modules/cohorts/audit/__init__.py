@@ -28,6 +28,7 @@ train, a generator that learned from validation/test cases) make ``benchx audit`
 ``data.allow_leakage=true`` (:func:`check_split_leakage`, the fast path without the classifier).
 
 Modules: ``volumes`` (one read per CT: hash, signatures, header features), ``duplicates`` (layer 1),
+``signatures`` (the training scans' signatures a model carries, matched against the scans it is evaluated on),
 ``patients`` (layer 2), ``header`` (layer 3), ``findings`` (the finding type), ``report`` (the run,
 its files and MLflow logging).
 
@@ -56,6 +57,7 @@ from lightning_modules.cohorts.audit.findings import Finding
 from lightning_modules.cohorts.audit.header import HeaderLeakage, header_leakage
 from lightning_modules.cohorts.audit.patients import audited_cases, patient_findings
 from lightning_modules.cohorts.audit.report import AuditReport, AuditSettings, audit, check_split_leakage
+from lightning_modules.cohorts.audit.signatures import ScanMatch, ScanSignatures, duplicate_matches, scan_signatures
 from lightning_modules.cohorts.audit.volumes import AuditedVolume, canonical_sha256, volume_signatures
 
 __all__ = [
@@ -69,15 +71,19 @@ __all__ = [
     "AuditedVolume",
     "Finding",
     "HeaderLeakage",
+    "ScanMatch",
+    "ScanSignatures",
     "audit",
     "audited_cases",
     "batched_shifted_ncc",
     "canonical_sha256",
     "check_split_leakage",
     "duplicate_findings",
+    "duplicate_matches",
     "duplicate_pairs",
     "header_leakage",
     "patient_findings",
+    "scan_signatures",
     "shifted_ncc",
     "threshold_table",
     "volume_signatures",
