@@ -109,7 +109,7 @@ def test_made_fixture_has_the_documented_structure_and_check_finds_a_perturbed_c
     assert fixture["input"].shape == (1, 1, 16, 16, 32) and [o.shape[-1] for o in fixture["outputs"]] == [32, 16]
     # The documented seeding: the GroupNorm weights ~ N(1, 0.1) after building under seed 0.
     assert not torch.equal(fixture["state_dict"]["norm.weight"], torch.ones(2))
-    assert "nnunet_mednext" not in sys.modules and str(stand_in) not in sys.path  # the reference is forgotten
+    assert "nnunet_mednext" not in sys.modules and str(stand_in.resolve()) not in sys.path  # the reference is forgotten
     capsys.readouterr()
 
     def check(folder: Path) -> tuple[int, str]:
@@ -137,3 +137,21 @@ def test_made_fixture_has_the_documented_structure_and_check_finds_a_perturbed_c
     assert status == 1 and "state_dict['stem.bias']: differs from the reference's" in out
     status, out = check(perturbed("input", lambda f: f["input"].mul_(-1)))
     assert status == 1 and "input: differs" in out
+
+
+def test_vsmtrans_is_loaded_with_a_stand_in_timm_that_is_removed_afterwards(tmp_path):
+    """vsmt.py imports DropPath from timm, then at once from MONAI: the stand-in serves MONAI's for both."""
+    from monai.networks.layers import DropPath
+
+    (tmp_path / "vsmt.py").write_text(
+        "from timm.models.layers import DropPath as First\nfrom monai.networks.layers import DropPath\n"
+    )
+    def timm_modules() -> dict:
+        return {name: module for name, module in sys.modules.items() if name == "timm" or name.startswith("timm.")}
+
+    before = timm_modules()
+    with script.reference_imports(tmp_path, script._timm_stand_in()):
+        module = script.load_file(tmp_path / "vsmt.py", "vsmt_stand_in")
+        assert module.First is DropPath and module.DropPath is DropPath
+    assert timm_modules() == before
+    assert str(tmp_path.resolve()) not in sys.path
