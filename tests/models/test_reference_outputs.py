@@ -4,19 +4,17 @@ VSmTrans) and the loaders of user-supplied pre-trained weights (SwinUNETR's ``mo
 The reference outputs are tensors in ``tests/fixtures/`` (how they were made: tests/fixtures/README.md);
 the project's module loads the reference's state dict (keys renamed) and must reproduce its outputs
 in float32 within 1e-5. Fixtures of full-width networks (whose state dicts are too large to ship)
-hold no state dict: every weight is a seeded function of its name and shape
-(:func:`seeded_tensor`), filled into this project's module here and into the reference's, through
-the key renaming, when the fixture was made.
+hold no state dict: every weight is a seeded function of its name and shape (``seeded_tensor`` of
+tests/fixtures/seeded_weights.py), filled into this project's module here and into the reference's,
+through the key renaming, by tests/fixtures/make_reference_fixtures.py.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/pytest tests/models/test_reference_outputs.py -x -q``
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-
-import math
-import zlib
 
 import pytest
 import torch
@@ -33,6 +31,8 @@ from lightning_modules.models.backbones.vsmtrans import build_vsmtrans
 from lightning_modules.tracking import run_tags
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+sys.path.insert(0, str(FIXTURES))
+from seeded_weights import seeded_state  # noqa: E402  (tests/fixtures/seeded_weights.py)
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
@@ -108,31 +108,8 @@ def test_stunet_plans_its_strides_at_the_patch_as_the_reference_trainer():
         _reproduces_subsampled(fixed, reference, inputs)
 
 
-def seeded_tensor(name: str, like: torch.Tensor) -> torch.Tensor:
-    """The fixtures' weight for a parameter or buffer: a function of this project's key and the shape only.
-
-    Matrices and kernels ~ N(0, 1 / fan_in); 1-D weights (norm scales) ~ N(1, 0.1); 1-D biases
-    ~ N(0, 0.05); running means ~ N(0, 0.1), running variances 1 + U(0, 0.1); integer buffers kept.
-    """
-    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    shape = tuple(like.shape)
-    if not like.is_floating_point():
-        return like.clone()
-    leaf = name.rsplit(".", 1)[-1]
-    if leaf == "running_var":
-        return 1.0 + 0.1 * torch.rand(shape, generator=generator)
-    if leaf == "running_mean":
-        return 0.1 * torch.randn(shape, generator=generator)
-    if len(shape) == 1:
-        if leaf == "weight":
-            return 1.0 + 0.1 * torch.randn(shape, generator=generator)
-        return 0.05 * torch.randn(shape, generator=generator)
-    return torch.randn(shape, generator=generator) / math.sqrt(math.prod(shape[1:]))
-
-
 def _seed_weights(network: torch.nn.Module, keep: tuple[str, ...] = ()) -> None:
-    state = {k: (v if k in keep else seeded_tensor(k, v)) for k, v in network.state_dict().items()}
-    network.load_state_dict(state, strict=True)
+    network.load_state_dict(seeded_state(network, keep), strict=True)
 
 
 def _reproduces_in_both_modes(network: torch.nn.Module, reference: dict) -> None:
