@@ -46,7 +46,8 @@ def test_runs_are_named_and_the_parent_carries_the_headline(finished_study):
     from synthx.workflows.report.runs import primary_point
 
     primary, _ = primary_point(comparison)
-    phase = primary[(primary["attribute"] == "phase") & (primary["metric"] == "sensitivity") & (primary["positives"] > 0)]
+    phase = primary[(primary["attribute"] == "phase") & (primary["metric"] == "sensitivity") & (primary["positives"] > 0)
+                    & (primary["reference"] == "baseline")]  # the baseline's own values (not sham's, as a reference)
     if phase["a"].notna().any():
         assert metrics["baseline/test/sensitivity_worst/phase"] == pytest.approx(phase["a"].min())
 

@@ -12,17 +12,18 @@ import pandas as pd
 from lightning_modules.data.metadata import PHASES
 from lightning_modules.evaluation.artifacts import download_records
 from synthx.labels import arm_label, metric_label, point_label
+from synthx.verdict import ArmNamer
 from synthx.quality import DISPLAY_WINDOW
 from synthx.verdict import designed_gap_subgroups
 from synthx.workflows.report.formatting import cell_mark, figure_html, pyplot, subgroup_name
-from synthx.workflows.report.runs import HEADLINE_METRICS, study_quality, StudyRuns
+from synthx.workflows.report.runs import HEADLINE_METRICS, study_arm_namer, study_quality, StudyRuns
 
 
-def forest_html(comparison: pd.DataFrame) -> str:
+def forest_html(comparison: pd.DataFrame, name_of: ArmNamer = arm_label) -> str:
     """One forest plot per operating point (and compared arm): the paired difference with its CI per
     subgroup and metric; significant differences filled and marked, the axis scaled to the data."""
     plt = pyplot()
-    keys = [k for k in ("run", "operating_point") if k in comparison.columns]
+    keys = [k for k in ("run", "reference", "operating_point") if k in comparison.columns]
     metrics = [m for m in (*HEADLINE_METRICS, "specificity", "auc") if m in set(comparison["metric"])]
     parts = []
     for key, table in comparison.groupby(keys, sort=False) if keys else [((), comparison)]:
@@ -57,7 +58,7 @@ def forest_html(comparison: pd.DataFrame) -> str:
         axes[0][0].set_yticklabels([subgroup_name(a, g) for a, g in subgroups], fontsize=7)
         axes[0][0].invert_yaxis()
         reference = str(table["reference"].iloc[0]) if "reference" in table.columns else "baseline"
-        title = f"{arm_label(named.get('run', 'synthx'))} minus {arm_label(reference)}"
+        title = f"{name_of(named.get('run', 'synthx'))} minus {name_of(reference)}"
         if "operating_point" in named:
             title += f" at {point_label(named['operating_point'])}"
         figure.suptitle(title + " (paired 95% CI; filled red: significant)", fontsize=9)
@@ -65,18 +66,9 @@ def forest_html(comparison: pd.DataFrame) -> str:
     return "".join(parts)
 
 
-def baseline_subgroup_html(study: StudyRuns) -> str:
-    """The baseline's sensitivity, specificity and AUC per subgroup with CIs (test, validation-chosen
-    point), the designed gaps marked."""
-    table = None
-    for path in ("evaluation/test_val_chosen_subgroups.csv", "evaluation/test_subgroups.csv"):
-        try:
-            table = study.csv("evaluate_baseline", path)
-            break
-        except LookupError:
-            continue
-    if table is None:
-        raise LookupError("the baseline evaluation logged no test subgroup table")
+def baseline_subgroup_html(table: pd.DataFrame, caption: str) -> str:
+    """The baseline's sensitivity, specificity and AUC per subgroup with CIs from ``table`` (one
+    subgroup table, at the operating point ``caption`` names), the designed gaps marked."""
     plt = pyplot()
     designed = {(a, g): label.split(" (")[0] for label, a, g in designed_gap_subgroups()}
     subgroups = list(zip(table["attribute"].astype(str), table["group"].astype(str)))
@@ -103,7 +95,7 @@ def baseline_subgroup_html(study: StudyRuns) -> str:
         if key in designed:
             tick.set_color("#c0392b")
     axes[0][0].invert_yaxis()
-    figure.suptitle("Baseline on test, 95% CIs; designed gaps in red", fontsize=9)
+    figure.suptitle(f"Baseline on test, {caption}, 95% CIs; designed gaps in red", fontsize=9)
     return figure_html(figure)
 
 
@@ -120,6 +112,7 @@ def roc_html(study: StudyRuns) -> str:
                 arms[study.run(step).data.tags.get("variant", step[len("evaluate_"):])] = records
     if not arms:
         raise LookupError("no evaluation run logged test records")
+    name_of = study_arm_namer(study)
     plt = pyplot()
     phases = [p for p in ("non-contrast", "arterial", "venous", "delayed")
               if any((r["phase"].astype(str) == p).any() for r in arms.values())]
@@ -132,7 +125,7 @@ def roc_html(study: StudyRuns) -> str:
             if len(np.unique(labels)) < 2:
                 continue
             fpr, tpr, _ = roc_curve(labels, score)
-            axis.plot(100 * fpr, 100 * tpr, label=f"{arm_label(arm)} AUC {100 * roc_auc_score(labels, score):.0f}%")
+            axis.plot(100 * fpr, 100 * tpr, label=f"{name_of(arm)} AUC {100 * roc_auc_score(labels, score):.0f}%")
         axis.plot([0, 100], [0, 100], color="grey", linewidth=0.6, linestyle=":")
         axis.set_title("all phases" if phase == "all" else phase, fontsize=9)
         axis.set_xlabel("1 - specificity (%)", fontsize=8)
@@ -146,12 +139,13 @@ def roc_html(study: StudyRuns) -> str:
 def training_curves_html(study: StudyRuns) -> str:
     """train/loss of every training run of the study (arms and generator), from MLflow's metric history."""
     curves = {}
+    name_of = study_arm_namer(study)
     for step in study.steps:
         if step.startswith("evaluate") or step in ("data", "targeting", "synthesize", "compare"):
             continue
         history = study.client.get_metric_history(study.steps[step], "train/loss")
         if history:
-            name = "SynthX generator" if step == "synthx_train" else arm_label(study.run(step).data.tags.get("variant", step))
+            name = "SynthX generator" if step == "synthx_train" else name_of(study.run(step).data.tags.get("variant", step))
             curves[name] = sorted((m.step, m.value) for m in history)
     if not curves:
         raise LookupError("no training run logged train/loss")

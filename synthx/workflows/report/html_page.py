@@ -27,7 +27,7 @@ import pandas as pd
 
 from synthx.labels import arm_label, attribute_label, group_label, metric_label, point_label
 from synthx.painters import PHANTOM_PAINTER
-from synthx.verdict import arm_results
+from synthx.verdict import arm_results, ArmNamer, POSITIVE_CONTROL_LABEL
 from synthx.workflows.report.figures import (
     baseline_subgroup_html,
     example_grid_html,
@@ -37,11 +37,15 @@ from synthx.workflows.report.figures import (
 )
 from synthx.workflows.report.formatting import cell_mark, pct, subgroup_name, table_html
 from synthx.workflows.report.runs import (
+    baseline_subgroups,
     headline,
     load_study,
     logged_table,
     primary_point,
+    study_arm_namer,
+    study_arms,
     study_comparison,
+    study_painter,
     study_quality,
     StudyRuns,
     verdict_lines,
@@ -52,10 +56,10 @@ REPORT_ARTIFACT = "report/study_report.html"
 TABLE_METRICS = ("sensitivity", "specificity", "f1")
 
 
-def comparison_html(comparison: pd.DataFrame) -> str:
+def comparison_html(comparison: pd.DataFrame, name_of: ArmNamer = arm_label) -> str:
     """Table 6, one table per compared arm and operating point: per subgroup its scans and, per
     metric, reference -> arm and the difference with its paired CI, in %; fits a 1,280 px screen."""
-    keys = [k for k in ("run", "operating_point") if k in comparison.columns]
+    keys = [k for k in ("run", "reference", "operating_point") if k in comparison.columns]
     metrics = [m for m in (*TABLE_METRICS, "auc") if m in set(comparison["metric"])]
     parts = []
     for key, table in comparison.groupby(keys, sort=False) if keys else [((), comparison)]:
@@ -75,7 +79,7 @@ def comparison_html(comparison: pd.DataFrame) -> str:
                                              f"[{pct(r['ci_low'], True)}, {pct(r['ci_high'], True)}] {cell_mark(r)}")
             rows.append(row)
         reference = str(table["reference"].iloc[0]) if "reference" in table.columns else "baseline"
-        title = f"{arm_label(named.get('run', 'SynthX'))} against {arm_label(reference)}"
+        title = f"{name_of(named.get('run', 'synthx'))} against {name_of(reference)}"
         if "operating_point" in named:
             title += f" at {point_label(named['operating_point'])}"
             if {"threshold_a", "threshold_b"} <= set(table.columns):
@@ -87,7 +91,7 @@ def comparison_html(comparison: pd.DataFrame) -> str:
     return "".join(parts) + note
 
 
-def found_html(comparison: pd.DataFrame) -> str:
+def found_html(comparison: pd.DataFrame, name_of: ArmNamer = arm_label) -> str:
     """Tumors found per subgroup and arm at the primary operating point."""
     comparison, point = primary_point(comparison)
     part = comparison[(comparison["metric"] == "sensitivity") & (comparison["positives"] > 0)]
@@ -95,8 +99,8 @@ def found_html(comparison: pd.DataFrame) -> str:
     for (attribute, group), rows_ in part.groupby(["attribute", "group"], sort=False):
         row = {"Subgroup": subgroup_name(attribute, group)}
         for result in arm_results(rows_, "sensitivity"):
-            row[arm_label(result.arm)] = (f"{result.found} of {result.of} ({pct(result.value)}%)"
-                                          if result.found is not None else "-")
+            row[name_of(result.arm)] = (f"{result.found} of {result.of} ({pct(result.value)}%)"
+                                        if result.found is not None else "-")
         rows.append(row)
 
     return f"<p>At {html.escape(point_label(point))}.</p>" + table_html(pd.DataFrame(rows))
@@ -173,12 +177,11 @@ def leakage_html(study: StudyRuns) -> str:
         if text:
             return f"<pre>{html.escape(study.artifact('audit', text[0]).read_text())}</pre>"
     rows = []
-    for step in ("baseline", "augmented"):
-        if step not in study.steps:
-            continue
+    name_of = study_arm_namer(study)
+    for step, arm in study_arms(study):
         run = study.run(step)
         overridden = run.data.tags.get("leakage_override") == "true"
-        rows.append({"training run": step, "run id": run.info.run_id,
+        rows.append({"arm": name_of(arm), "training run": step, "run id": run.info.run_id,
                      "leakage check": "OVERRIDDEN (data.allow_leakage=true): see leakage_override.txt" if overridden
                      else "passed (no patient overlap or duplicate across splits)"})
     if not rows:
@@ -189,7 +192,8 @@ def leakage_html(study: StudyRuns) -> str:
 
 def recipes_html(study: StudyRuns) -> str:
     parts = []
-    for step in ("baseline", "augmented", "synthx_train"):
+    steps = [step for step, _ in study_arms(study)] + [s for s in ("synthx_train",) if s in study.steps]
+    for step in steps:
         text = _section_body(lambda step=step: f"<pre>{html.escape(study.artifact(step, 'recipe.yaml').read_text())}</pre>")
         parts.append(f"<details><summary>{step}</summary>{text}</details>")
     return "".join(parts)
@@ -238,10 +242,12 @@ def report_sections(study: StudyRuns) -> list[tuple[str, Callable[[], str]]]:
     """(title, builder) of every section; a builder raises LookupError when its item is absent."""
     comparison = lambda: study_comparison(study)  # noqa: E731
 
+    name_of = study_arm_namer(study)
+
     def baseline_table() -> str:
-        table = study.csv("evaluate_baseline", "evaluation/test_subgroups.csv")
-        threshold = study.run("evaluate_baseline").data.metrics.get("test/threshold")
-        head = f"<p>Detection threshold m = {threshold:,.0f} mm³ (docs/design.md \"Scan-level detection\"). In %.</p>" if threshold is not None else ""
+        table, point, threshold = baseline_subgroups(study)
+        caption = f"at {point_label(point)}" + (f", m = {threshold:,.0f} mm³" if threshold is not None else "")
+        head = f"<p>{html.escape(caption[0].upper() + caption[1:])} (docs/design.md \"Scan-level detection\"). In %.</p>"
         rows = []
         for row in table.to_dict("records"):
             out = {"Subgroup": subgroup_name(row["attribute"], row["group"]),
@@ -252,25 +258,24 @@ def report_sections(study: StudyRuns) -> list[tuple[str, Callable[[], str]]]:
                                 if f"{metric}_ci_low" in row else "")
                     out[metric_label(metric)] = pct(row[metric]) + interval
             rows.append(out)
-        return head + baseline_subgroup_html(study) + table_html(pd.DataFrame(rows))
+        return head + baseline_subgroup_html(table, caption) + table_html(pd.DataFrame(rows))
 
     def worst_groups() -> str:
         table = headline(comparison())
-        return table_html(pd.DataFrame({
-            "Attribute": [attribute_label(a) for a in table["attribute"]],
-            "Metric": [metric_label(m) for m in table["metric"]],
-            f"{arm_label('baseline')}: worst group": [f"{group_label(a, g)} ({pct(v)}%)" for a, g, v in
-                                                     zip(table["attribute"], table["baseline_worst_group"], table["baseline"])],
-            f"{arm_label('synthx')}: worst group": [f"{group_label(a, g)} ({pct(v)}%)" for a, g, v in
-                                                   zip(table["attribute"], table["synthx_worst_group"], table["synthx"])],
-            "Difference (points)": [pct(d, True) for d in table["delta"]],
-        }))
+        arms = [c[:-len("_worst_group")] for c in table.columns if c.endswith("_worst_group")]
+        columns = {"Attribute": [attribute_label(a) for a in table["attribute"]],
+                   "Metric": [metric_label(m) for m in table["metric"]]}
+        for arm in arms:
+            columns[f"{name_of(arm)}: worst group"] = [f"{group_label(a, g)} ({pct(v)}%)" for a, g, v in
+                                                       zip(table["attribute"], table[f"{arm}_worst_group"], table[arm])]
+        columns[f"{name_of('synthx')} - {name_of('baseline')} (points)"] = [pct(d, True) for d in table["delta"]]
+        return table_html(pd.DataFrame(columns))
 
     return [
         ("Baseline by subgroup (test)", baseline_table),
-        ("Tumors found per subgroup (test)", lambda: found_html(comparison())),
-        ("Arms compared (BenchX table 6)", lambda: comparison_html(comparison())),
-        ("Forest plots per operating point", lambda: forest_html(comparison())),
+        ("Tumors found per subgroup (test)", lambda: found_html(comparison(), name_of)),
+        ("Arms compared (BenchX table 6)", lambda: comparison_html(comparison(), name_of)),
+        ("Forest plots per operating point", lambda: forest_html(comparison(), name_of)),
         ("ROC curves per phase and arm (test)", lambda: roc_html(study)),
         ("Worst group per attribute (test)", worst_groups),
         ("Training curves", lambda: training_curves_html(study)),
@@ -296,10 +301,11 @@ def render(study: StudyRuns) -> str:
             f"<p>Experiment <b>{html.escape(experiment)}</b>, parent run <code>{parent.info.run_id}</code>, "
             f"commit <code>{html.escape(parent.data.tags.get('git_commit', 'not recorded'))}</code>. "
             f"Steps: {', '.join(html.escape(s) for s in study.steps)}.</p>"]
-    if "synthesize" in study.steps and study.run("synthesize").data.tags.get("painter") == PHANTOM_PAINTER:
+    if study_painter(study) == PHANTOM_PAINTER:
         body.append("<p><b>Positive control:</b> the synthetic tumors were painted by the phantom's own renderer "
-                    "(<code>--painter phantom</code>), not by SynthX: the 'SynthX' columns below are the model trained "
-                    "with them, and show what the study detects when the added tumors are as real as the phantom's.</p>")
+                    f"(<code>--painter phantom</code>), not by SynthX: the '{html.escape(POSITIVE_CONTROL_LABEL)}' columns below "
+                    "are the model trained with them, and show what the study detects when the added tumors are as "
+                    "real as the phantom's.</p>")
     for title, build in report_sections(study):
         body.append(f"<h2>{html.escape(title)}</h2>{_section_body(build)}")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(name)} report</title>"

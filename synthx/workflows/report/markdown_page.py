@@ -15,19 +15,22 @@ import pandas as pd
 
 from lightning_modules.monitoring import format_duration
 from synthx.labels import arm_label, attribute_label, group_label, point_label
-from synthx.verdict import available_point, comparison_arms
+from synthx.verdict import ArmNamer, available_point, comparison_arms
 from synthx.workflows.report.formatting import pct
 from synthx.workflows.report.runs import (
     load_study,
     PRIMARY_POINT,
+    arm_values,
     ReportError,
+    study_arm_namer,
     study_comparison,
     StudyRuns,
     verdict_lines,
 )
 
 
-def results_table(comparison: pd.DataFrame, point: str, metric: str = "sensitivity") -> pd.DataFrame:
+def results_table(comparison: pd.DataFrame, point: str, metric: str = "sensitivity",
+                  name_of: ArmNamer = arm_label) -> pd.DataFrame:
     """Overall and per phase: scans, each arm's ``metric`` in % and each compared arm's difference
     from its reference with the paired 95% CI, at ``point``."""
     table = comparison[comparison["metric"] == metric]
@@ -41,17 +44,28 @@ def results_table(comparison: pd.DataFrame, point: str, metric: str = "sensitivi
         row = {"Subgroup": f"{attribute_label(attribute)}: {group_label(attribute, group)}" if attribute != "overall"
                else "All scans", "Tumor scans": int(first["positives"]), "Healthy scans": int(first["negatives"])}
         references = part["reference"].astype(str) if "reference" in part.columns else pd.Series("baseline", index=part.index)
-        values = {}
-        for reference, r in zip(references, part.itertuples(index=False)):
-            values.setdefault(reference, r.a)
-            values.setdefault(str(r.run), r.b)
+        values = arm_values(part)
         for arm in arms:
-            row[arm_label(arm)] = pct(values.get(arm))
+            row[name_of(arm)] = pct(values.get(arm))
         for reference, r in zip(references, part.itertuples(index=False)):
-            row[f"{arm_label(r.run)} - {arm_label(reference)} [95% CI]"] = (
+            row[f"{name_of(r.run)} - {name_of(reference)} [95% CI]"] = (
                 f"{pct(r.delta, True)} [{pct(r.ci_low, True)}, {pct(r.ci_high, True)}]")
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def arm_thresholds_text(comparison: pd.DataFrame, point: str, name_of: ArmNamer = arm_label) -> str:
+    """`` (m = 2,249 mm³ for the baseline, 2,547 for sham, ...)``: each arm's own m at ``point``
+    (:func:`~synthx.workflows.report.runs.arm_values`), empty when the table has no thresholds."""
+    if not {"threshold_a", "threshold_b", "operating_point"} <= set(comparison.columns):
+        return ""
+    at = comparison[comparison["operating_point"] == point]
+    if at.empty:
+        return ""
+    values = arm_values(at.drop_duplicates(["run", "reference"] if "reference" in at.columns else ["run"]), "threshold")
+    parts = [f"{value:,.0f}" + (" mm³" if i == 0 else "") + f" for {'the ' if arm == 'baseline' else ''}{name_of(arm)}"
+             for i, (arm, value) in enumerate(sorted(values.items(), key=lambda item: item[0] != "baseline"))]
+    return f" (m = {', '.join(parts)})"
 
 
 def markdown_table(frame: pd.DataFrame) -> str:
@@ -68,11 +82,8 @@ def results_markdown(study: StudyRuns) -> str:
     comparison = study_comparison(study)
 
     point = available_point(comparison, PRIMARY_POINT)
-    thresholds = ""
-    if "threshold_a" in comparison.columns and "operating_point" in comparison.columns:
-        at = comparison[comparison["operating_point"] == point]
-        if len(at):
-            thresholds = f" (m = {float(at['threshold_a'].iloc[0]):,.0f} mm³ for the baseline)"
+    name_of = study_arm_namer(study)
+    thresholds = arm_thresholds_text(comparison, point, name_of)
     lines = [
         "# Results",
         "",
@@ -88,7 +99,7 @@ def results_markdown(study: StudyRuns) -> str:
         "",
         f"## Sensitivity in % at {point_label(point)}{thresholds}",
         "",
-        markdown_table(results_table(comparison, point)),
+        markdown_table(results_table(comparison, point, name_of=name_of)),
         "",
         "Differences are in percentage points with paired 95% bootstrap CIs over patients that include the "
         "operating point's own uncertainty (m re-chosen in each validation resample); the verdict's intervals "

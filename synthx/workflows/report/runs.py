@@ -21,7 +21,8 @@ from mlflow.tracking import MlflowClient
 from lightning_modules.evaluation.subgroups import gaps
 from synthx.endpoint import PrimaryEndpoint
 from synthx.quality import quality_report, QualityError
-from synthx.verdict import study_verdict
+from synthx.painters import SYNTHX_PAINTER
+from synthx.verdict import arm_namer, ArmNamer, comparison_arms, REFERENCE_ARM, study_verdict, TREATMENT_ARM
 
 
 COMPARISON_ARTIFACT = "comparison/test_comparison.csv"
@@ -89,32 +90,64 @@ def primary_point(comparison: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     return comparison[comparison["operating_point"] == point], str(point)
 
 
-def headline(comparison: pd.DataFrame) -> pd.DataFrame:
-    """Per attribute and metric: the worst group's value for baseline and SynthX and their difference
-    (at the primary operating point, :func:`primary_point`)."""
-    comparison, _ = primary_point(comparison)
+def arm_values(rows: pd.DataFrame, column: str = "") -> dict[str, float]:
+    """Each arm's own value in comparison rows of one subgroup and metric: a reference arm's from
+    column ``a`` (``threshold_a`` with ``column="threshold"``), a compared arm's from ``b``, each arm
+    from the first row that holds it as itself (a row of SynthX against sham holds sham's value in
+    ``a``, never the baseline's)."""
+    first, second = (f"{column}_a", f"{column}_b") if column else ("a", "b")
+    references = rows["reference"].astype(str) if "reference" in rows.columns else pd.Series("baseline", index=rows.index)
+    values: dict[str, float] = {}
+    for reference, value in zip(references, rows[first]):
+        values.setdefault(reference, float(value))
+    for arm, value in zip(rows["run"].astype(str), rows[second]):
+        values.setdefault(arm, float(value))
+    return values
+
+
+def arm_metric_table(comparison: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """One metric per subgroup (rows) and arm (columns, :func:`arm_values`), with the subgroup's counts."""
+    part = comparison[comparison["metric"] == metric]
     rows = []
-    columns = ["attribute", "group", "positives", "negatives"]
+    for (attribute, group), rows_ in part.groupby(["attribute", "group"], sort=False):
+        first = rows_.iloc[0]
+        rows.append({"attribute": attribute, "group": group, "positives": first["positives"],
+                     "negatives": first["negatives"], **arm_values(rows_)})
+    return pd.DataFrame(rows)
+
+
+def headline(comparison: pd.DataFrame) -> pd.DataFrame:
+    """Per attribute and metric: each arm's worst group and its value (columns ``<arm>_worst_group``
+    and ``<arm>``), and ``delta``, SynthX's worst minus the baseline's, at the primary operating
+    point (:func:`primary_point`). Each arm's values are its own (:func:`arm_values`)."""
+    comparison, _ = primary_point(comparison)
+    arms = comparison_arms(comparison)
+    rows = []
     for metric in HEADLINE_METRICS:
-        part = comparison[comparison["metric"] == metric]
-        baseline = gaps(part.rename(columns={"a": metric})[[*columns, metric]], metric)
-        synthx = gaps(part.rename(columns={"b": metric})[[*columns, metric]], metric)
-        for a, b in zip(baseline.itertuples(index=False), synthx.itertuples(index=False)):
-            rows.append({"attribute": a.attribute, "metric": metric, "baseline_worst_group": a.worst_group,
-                         "baseline": a.worst, "synthx_worst_group": b.worst_group, "synthx": b.worst,
-                         "delta": b.worst - a.worst})
+        table = arm_metric_table(comparison, metric)
+        if table.empty:
+            continue
+        worst = {arm: gaps(table[["attribute", "group", "positives", "negatives", arm]], arm) for arm in arms}
+        for i, attribute in enumerate(worst[arms[0]]["attribute"]):
+            row = {"attribute": attribute, "metric": metric}
+            for arm in arms:
+                row[f"{arm}_worst_group"] = worst[arm]["worst_group"].iloc[i]
+                row[arm] = float(worst[arm]["worst"].iloc[i])
+            row["delta"] = row.get(TREATMENT_ARM, math.nan) - row.get(REFERENCE_ARM, math.nan)
+            rows.append(row)
     return pd.DataFrame(rows)
 
 
 def headline_metrics(table: pd.DataFrame, stage: str = "test") -> dict[str, float]:
-    """MLflow keys of the headline: ``<variant>/<stage>/<metric>_worst/<attribute>``, variant baseline,
-    synthx or delta (docs/design.md "MLflow runs and keys")."""
+    """MLflow keys of the headline: ``<variant>/<stage>/<metric>_worst/<attribute>``, variant an arm
+    (baseline, sham, synthx) or delta (docs/design.md "MLflow runs and keys")."""
+    variants = [c for c in table.columns if c not in ("attribute", "metric") and not c.endswith("_worst_group")]
     metrics = {}
-    for row in table.itertuples(index=False):
-        for variant in ("baseline", "synthx", "delta"):
-            value = float(getattr(row, variant))
+    for row in table.to_dict("records"):
+        for variant in variants:
+            value = float(row[variant])
             if not math.isnan(value):
-                metrics[f"{variant}/{stage}/{row.metric}_worst/{row.attribute}"] = value
+                metrics[f"{variant}/{stage}/{row['metric']}_worst/{row['attribute']}"] = value
     return metrics
 
 
@@ -133,10 +166,41 @@ def study_comparison(study: StudyRuns) -> pd.DataFrame:
 def verdict_lines(study: StudyRuns) -> list[str]:
     """The study's verdict sentences (:func:`synthx.verdict.study_verdict`); LookupError without a comparison."""
     endpoint = PrimaryEndpoint.from_params(dict(study.parent.data.params))
-    lines = study_verdict(study_comparison(study), PRIMARY_POINT, endpoint=endpoint)
+    lines = study_verdict(study_comparison(study), PRIMARY_POINT, endpoint=endpoint, name_of=study_arm_namer(study))
     if not lines:
         raise LookupError("the comparison holds none of the designed subgroups")
     return lines
+
+
+def study_painter(study: StudyRuns) -> str:
+    """Who painted the study's synthetic tumors: the synthesis run's ``painter`` tag (or param); SynthX
+    when the study recorded none."""
+    if "synthesize" not in study.steps:
+        return SYNTHX_PAINTER
+    run = study.run("synthesize")
+    return run.data.tags.get("painter") or run.data.params.get("painter") or SYNTHX_PAINTER
+
+
+def study_arm_namer(study: StudyRuns) -> ArmNamer:
+    """How the study's arms are named (:func:`synthx.verdict.arm_namer` of its painter)."""
+    return arm_namer(study_painter(study))
+
+
+BASELINE_SUBGROUP_TABLES = (("evaluation/test_val_chosen_subgroups.csv", PRIMARY_POINT, "operating_point/val_chosen"),
+                            ("evaluation/test_subgroups.csv", "fixed", "test/threshold"))
+
+
+def baseline_subgroups(study: StudyRuns) -> tuple[pd.DataFrame, str, float | None]:
+    """The baseline's test subgroup table at the report's primary operating point (validation-chosen),
+    else at the fixed m, with that point's name and its m (None when the run logged none): the one
+    source of the baseline's plot and table."""
+    for path, point, key in BASELINE_SUBGROUP_TABLES:
+        try:
+            table = study.csv("evaluate_baseline", path)
+        except LookupError:
+            continue
+        return table, point, study.run("evaluate_baseline").data.metrics.get(key)
+    raise LookupError("the baseline evaluation logged no test subgroup table")
 
 
 def study_arms(study: StudyRuns) -> list[tuple[str, str]]:
