@@ -6,15 +6,18 @@ the description of the study's parent run. They are built from the comparison ta
 reference every other arm (``run`` column) was compared with; a ``sham`` arm, when the study has
 one, is the control SynthX is judged against (docs/design.md "Reading the verdict").
 
-Outcome of a gap or endpoint, from the paired 95% CI of SynthX minus its control:
+Outcome of a gap or endpoint, SynthX minus its control, decided by one rule: the test that decides
+significance in the comparison (``p_value``: the exact McNemar test for sensitivity):
 
-- ``closed``: the CI lies above 0;
+- ``closed``: a positive difference, the test rejects at 5% and the shown interval lies above 0;
 - ``open`` (printed "not closed"): the difference is not positive (nothing more found: 0 of 11 in
-  every arm is not closed, whatever the width of its interval), or the CI lies at or below 0;
-- ``undetermined``: a positive difference whose CI spans 0, or no CI could be computed.
+  every arm is not closed, whatever the width of its interval);
+- ``undetermined``: a positive difference the test does not reject (or whose shown interval still
+  spans 0), or no difference could be computed.
 
-The interval of a paired proportion is Newcombe's when the comparison carries it (it holds at
-small counts; the percentile bootstrap collapses to [0, 0] at 0 of 11), else the bootstrap's.
+A contrast without a test p (the pooled seeds) is decided by its interval: closed above 0, not
+closed at or below 0, undetermined across 0. The interval shown is
+:func:`synthx.endpoint.shown_interval`'s: Newcombe's for a paired proportion, else the bootstrap's.
 
 :func:`contrast_sentence` is pure (values in, one sentence out); :func:`study_verdict` reads a
 comparison table.
@@ -33,7 +36,7 @@ from typing import Callable, Sequence
 
 import pandas as pd
 
-from synthx.endpoint import PrimaryEndpoint
+from synthx.endpoint import ALPHA, PrimaryEndpoint, shown_interval, TEST_NAMES
 from synthx.labels import arm_label, group_label, point_label
 from synthx.painters import PHANTOM_PAINTER
 
@@ -69,18 +72,29 @@ class ArmResult:
 
 @dataclass(frozen=True)
 class Contrast:
-    """The paired difference treatment minus control with its 95% CI (fractions)."""
+    """The paired difference treatment minus control with its shown 95% CI (fractions), the
+    interval's name, and the p of the test that decides (NaN where the table has none)."""
 
     treatment: str
     control: str
     delta: float
     ci_low: float
     ci_high: float
+    interval: str = ""
+    p_value: float = math.nan
+    test: str = ""
 
 
 def outcome(contrast: Contrast) -> str:
     """``closed``, ``open`` or ``undetermined`` (see the module docstring)."""
-    low, high = float(contrast.ci_low), float(contrast.ci_high)
+    low, high, delta, p_value = (float(contrast.ci_low), float(contrast.ci_high), float(contrast.delta),
+                                 float(contrast.p_value))
+    if not math.isnan(p_value):
+        if math.isnan(delta):
+            return UNDETERMINED
+        if delta <= 0:
+            return OPEN
+        return CLOSED if p_value < ALPHA and low > 0 else UNDETERMINED
     if math.isnan(low) or math.isnan(high):
         return UNDETERMINED
     if low > 0:
@@ -125,9 +139,16 @@ def contrast_sentence(label: str, results: Sequence[ArmResult], contrast: Contra
     """
     verdict = VERDICT_WORDS[outcome(contrast)]
     arms = ", ".join(_arm_text(r, metric, name_of) for r in results)
+    named = f"{contrast.interval} 95% CI" if contrast.interval else "95% CI"
     difference = (f"{name_of(contrast.treatment)} - {name_of(contrast.control)} {_points(contrast.delta)} "
-                  f"percentage points, 95% CI {_points(contrast.ci_low)} to {_points(contrast.ci_high)}")
-    if verdict == "undetermined":
+                  f"percentage points, {named} {_points(contrast.ci_low)} to {_points(contrast.ci_high)}")
+    p_value = float(contrast.p_value)
+    if not math.isnan(p_value):
+        test = TEST_NAMES.get(contrast.test, contrast.test or "test")
+        difference += f"; the {test} decides, p = {p_value:.3g}"
+        if verdict == "undetermined" and not math.isnan(float(contrast.delta)):
+            difference += ", not below 0.05" if p_value >= ALPHA else ", but the CI spans 0"
+    elif verdict == "undetermined":
         difference += ", the CI spans 0" if not math.isnan(float(contrast.ci_low)) else ", no CI"
     return f"{label}, at {point_label(point)}: {arms} - {verdict} ({difference})."
 
@@ -182,18 +203,11 @@ def arm_contrast(rows: pd.DataFrame, arms: Sequence[str]) -> Contrast | None:
         hit = rows[(rows["run"].astype(str) == treatment) & (references == control)]
         if len(hit):
             row = hit.iloc[0]
-            return Contrast(treatment, control, float(row["delta"]), *_interval(row))
+            name, low, high = shown_interval(row)
+            p_value = row.get("p_value")
+            return Contrast(treatment, control, float(row["delta"]), low, high, name,
+                            math.nan if p_value is None or pd.isna(p_value) else float(p_value), str(row.get("test", "")))
     return None
-
-
-def _interval(row) -> tuple[float, float]:
-    """The difference's interval: Newcombe's for a paired proportion (it holds at small counts, where
-    the percentile bootstrap collapses to [0, 0] at 0 of 11), else the paired bootstrap's
-    (docs/design.md "Confidence intervals and comparisons")."""
-    low, high = row.get("newcombe_low"), row.get("newcombe_high")
-    if low is not None and high is not None and not (pd.isna(low) or pd.isna(high)):
-        return float(low), float(high)
-    return float(row["ci_low"]), float(row["ci_high"])
 
 
 def designed_gap_subgroups() -> list[tuple[str, str, str]]:

@@ -206,7 +206,7 @@ def test_benchx_report_markdown_writes_the_results_page(finished_study, tmp_path
     assert verdict == [f"- {line}" for line in study_verdict(comparison, "val_chosen")]
     table = [line for line in page.splitlines() if line.startswith("|")]
     assert table[0] == ("| Subgroup | Tumor scans | Healthy scans | sham | SynthX | baseline "
-                        "| SynthX - sham [95% CI] | baseline - sham [95% CI] |")
+                        "| SynthX - sham [Newcombe 95% CI] | baseline - sham [Newcombe 95% CI] |")
     rows = {line.split(" | ")[0].lstrip("| "): line.strip("| ").split(" | ") for line in table[2:]}
     assert "All scans" in rows and "Phase: arterial" in rows, rows
     at = comparison[(comparison["operating_point"] == "val_chosen") & (comparison["metric"] == "sensitivity")]

@@ -187,5 +187,5 @@ def test_a_phantom_painted_study_names_its_arm_the_positive_control(tmp_path, fi
     assert "1,800 for phantom painter (positive control)" in markdown
     arterial = _markdown_rows(markdown)["Phase: arterial"]
     assert arterial["phantom painter (positive control)"] == "75.0"
-    assert "phantom painter (positive control) - sham [95% CI]" in arterial
+    assert "phantom painter (positive control) - sham [Newcombe 95% CI]" in arterial
     assert "SynthX" not in markdown.split("## Verdict")[1]

@@ -11,10 +11,10 @@ import pandas as pd
 
 from lightning_modules.data.metadata import PHASES
 from lightning_modules.evaluation.artifacts import download_records
+from synthx.endpoint import shown_interval
 from synthx.labels import arm_label, metric_label, point_label
-from synthx.verdict import ArmNamer
 from synthx.quality import DISPLAY_WINDOW
-from synthx.verdict import designed_gap_subgroups
+from synthx.verdict import ArmNamer, designed_gap_subgroups
 from synthx.workflows.report.formatting import cell_mark, figure_html, pyplot, subgroup_name
 from synthx.workflows.report.runs import HEADLINE_METRICS, study_arm_namer, study_quality, StudyRuns
 
@@ -34,7 +34,10 @@ def forest_html(comparison: pd.DataFrame, name_of: ArmNamer = arm_label) -> str:
                                     sharey=True, squeeze=False)
         for axis, metric in zip(axes[0], metrics):
             rows = table[table["metric"] == metric].set_index(["attribute", "group"]).reindex(subgroups)
-            delta, low, high = (100 * rows[c].astype(float) for c in ("delta", "ci_low", "ci_high"))
+            shown = [shown_interval(r) if r.notna().any() else ("", np.nan, np.nan) for _, r in rows.reset_index().iterrows()]
+            delta = 100 * rows["delta"].astype(float)
+            low = pd.Series([100 * s[1] for s in shown], index=delta.index)
+            high = pd.Series([100 * s[2] for s in shown], index=delta.index)
             marks = [cell_mark(r) if r.notna().any() else "" for _, r in rows.reset_index().iterrows()]
             y = np.arange(len(subgroups))
             for i, mark in enumerate(marks):
@@ -61,7 +64,7 @@ def forest_html(comparison: pd.DataFrame, name_of: ArmNamer = arm_label) -> str:
         title = f"{name_of(named.get('run', 'synthx'))} minus {name_of(reference)}"
         if "operating_point" in named:
             title += f" at {point_label(named['operating_point'])}"
-        figure.suptitle(title + " (paired 95% CI; filled red: significant)", fontsize=9)
+        figure.suptitle(title + " (95% CI: Newcombe for sensitivity and specificity; filled red: significant)", fontsize=9)
         parts.append(f"<h3>{html.escape(title)}</h3>{figure_html(figure)}")
     return "".join(parts)
 

@@ -7,7 +7,8 @@ import io
 
 import pandas as pd
 
-from lightning_modules.workflows.evaluate import percent, significance_mark
+from lightning_modules.workflows.evaluate import percent
+from synthx.endpoint import family_mark, shown_interval
 from synthx.labels import attribute_label, group_label
 
 
@@ -34,10 +35,25 @@ def subgroup_name(attribute, group) -> str:
 
 
 def cell_mark(row) -> str:
+    """A row's significance mark from its family's Holm adjustment (:func:`synthx.endpoint.family_mark`);
+    none when the row cannot be judged."""
     try:
-        return significance_mark(row).strip()
+        return family_mark(row)
     except (KeyError, TypeError, ValueError):
         return ""
+
+
+def difference_cell(row) -> str:
+    """``+20.0 [+10.0, +30.0] **``: a row's difference with its shown interval and its mark, in points."""
+    _, low, high = shown_interval(row)
+    return f"{pct(row['delta'], True)} [{pct(low, True)}, {pct(high, True)}] {cell_mark(row)}".rstrip()
+
+
+MARKS_NOTE = ("** significant after Holm's correction over its family (the primary endpoint alone; every other "
+              "row of the augmented arm against its references; sham against the baseline), * significant by its own test "
+              "only (exact McNemar for sensitivity and specificity, DeLong for AUC, the bootstrap with McNemar "
+              "for F1), ~ the test rejects but the subgroup is below the support rule; no mark where the "
+              "interval shown spans 0")
 
 
 def pyplot():

@@ -35,7 +35,7 @@ from synthx.workflows.report.figures import (
     roc_html,
     training_curves_html,
 )
-from synthx.workflows.report.formatting import cell_mark, pct, subgroup_name, table_html
+from synthx.workflows.report.formatting import difference_cell, MARKS_NOTE, pct, subgroup_name, table_html
 from synthx.workflows.report.runs import (
     baseline_subgroups,
     headline,
@@ -75,8 +75,7 @@ def comparison_html(comparison: pd.DataFrame, name_of: ArmNamer = arm_label) -> 
                     continue
                 r = hit.iloc[0]
                 row[metric_label(metric)] = ("-" if pct(r["a"]) == pct(r["b"]) == "-" else
-                                             f"{pct(r['a'])} → {pct(r['b'])}: {pct(r['delta'], True)} "
-                                             f"[{pct(r['ci_low'], True)}, {pct(r['ci_high'], True)}] {cell_mark(r)}")
+                                             f"{pct(r['a'])} → {pct(r['b'])}: {difference_cell(r)}")
             rows.append(row)
         reference = str(table["reference"].iloc[0]) if "reference" in table.columns else "baseline"
         title = f"{name_of(named.get('run', 'synthx'))} against {name_of(reference)}"
@@ -85,9 +84,10 @@ def comparison_html(comparison: pd.DataFrame, name_of: ArmNamer = arm_label) -> 
             if {"threshold_a", "threshold_b"} <= set(table.columns):
                 title += f" (m {table['threshold_a'].iloc[0]:,.0f} and {table['threshold_b'].iloc[0]:,.0f} mm³)"
         parts.append(f"<h3>{html.escape(title)}</h3>" + table_html(pd.DataFrame(rows)))
-    note = ("<p class='note'>In %: reference → arm: difference [paired 95% bootstrap CI]. * significant: the CI "
-            "excludes 0 and the subgroup is large enough; ** also after Holm's correction; ~ the CI excludes 0 "
-            "but the subgroup is below the support rule; - undefined.</p>")
+    note = ("<p class='note'>In %: reference → arm: difference [95% CI: Newcombe's for sensitivity and "
+            f"specificity, the paired bootstrap's for F1 and AUC]. {html.escape(MARKS_NOTE)}; - undefined. Every "
+            "other interval (the bootstrap's beside Newcombe's, each arm's Wilson interval) is in the compare "
+            "step's comparison/test_comparison.csv.</p>")
     return "".join(parts) + note
 
 
@@ -288,8 +288,10 @@ def report_sections(study: StudyRuns) -> list[tuple[str, Callable[[], str]]]:
 
 def verdict_html(study: StudyRuns) -> str:
     items = "".join(f"<li>{html.escape(line)}</li>" for line in verdict_lines(study))
-    return (f"<ul class='verdict'>{items}</ul><p class='note'>Closed: the paired 95% CI of the difference lies above 0; "
-            "not closed: at or below 0; undetermined: it spans 0 (docs/design.md \"Reading the verdict\").</p>")
+    return (f"<ul class='verdict'>{items}</ul><p class='note'>One rule decides, the test named in each sentence "
+            "(the exact McNemar test for sensitivity): closed, more found and the test rejects at 5% with the interval "
+            "above 0; not closed, no more found; undetermined, more found but the test does not reject. The interval "
+            "(Newcombe's for sensitivity) shows the difference's precision (docs/design.md \"Reading the verdict\").</p>")
 
 
 def render(study: StudyRuns) -> str:

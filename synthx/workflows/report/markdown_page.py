@@ -14,9 +14,10 @@ from pathlib import Path
 import pandas as pd
 
 from lightning_modules.monitoring import format_duration
+from synthx.endpoint import shown_interval
 from synthx.labels import arm_label, attribute_label, group_label, point_label
 from synthx.verdict import ArmNamer, available_point, comparison_arms
-from synthx.workflows.report.formatting import pct
+from synthx.workflows.report.formatting import difference_cell, MARKS_NOTE, pct
 from synthx.workflows.report.runs import (
     load_study,
     PRIMARY_POINT,
@@ -32,7 +33,8 @@ from synthx.workflows.report.runs import (
 def results_table(comparison: pd.DataFrame, point: str, metric: str = "sensitivity",
                   name_of: ArmNamer = arm_label) -> pd.DataFrame:
     """Overall and per phase: scans, each arm's ``metric`` in % and each compared arm's difference
-    from its reference with the paired 95% CI, at ``point``."""
+    from its reference with its shown 95% CI (:func:`synthx.endpoint.shown_interval`, named in the
+    header) and its family's mark, at ``point``."""
     table = comparison[comparison["metric"] == metric]
     if "operating_point" in table.columns:
         table = table[table["operating_point"] == point]
@@ -47,9 +49,9 @@ def results_table(comparison: pd.DataFrame, point: str, metric: str = "sensitivi
         values = arm_values(part)
         for arm in arms:
             row[name_of(arm)] = pct(values.get(arm))
-        for reference, r in zip(references, part.itertuples(index=False)):
-            row[f"{name_of(r.run)} - {name_of(reference)} [95% CI]"] = (
-                f"{pct(r.delta, True)} [{pct(r.ci_low, True)}, {pct(r.ci_high, True)}]")
+        for reference, (_, r) in zip(references, part.iterrows()):
+            name = shown_interval(r)[0]
+            row[f"{name_of(r['run'])} - {name_of(reference)} [{name} 95% CI]"] = difference_cell(r)
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -101,10 +103,11 @@ def results_markdown(study: StudyRuns) -> str:
         "",
         markdown_table(results_table(comparison, point, name_of=name_of)),
         "",
-        "Differences are in percentage points with paired 95% bootstrap CIs over patients that include the "
-        "operating point's own uncertainty (m re-chosen in each validation resample); the verdict's intervals "
-        "are Newcombe's for the paired sensitivities at the chosen m (docs/design.md \"Confidence intervals and "
-        "comparisons\", \"Reading the verdict\"). The full tables are in the study's HTML report.",
+        "Differences are in percentage points with the interval the verdict shows: Newcombe's 95% CI for the "
+        f"paired sensitivities at the chosen m. {MARKS_NOTE} (docs/design.md \"Confidence intervals and "
+        "comparisons\", \"Reading the verdict\"). The paired bootstrap intervals (which include the operating "
+        "point's own uncertainty) are in the compare step's comparison/test_comparison.csv; the full tables are "
+        "in the study's HTML report.",
         "",
     ]
     return "\n".join(lines)

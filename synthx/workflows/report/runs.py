@@ -19,7 +19,7 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from lightning_modules.evaluation.subgroups import gaps
-from synthx.endpoint import PrimaryEndpoint
+from synthx.endpoint import label_results, PrimaryEndpoint
 from synthx.quality import quality_report, QualityError
 from synthx.painters import SYNTHX_PAINTER
 from synthx.verdict import arm_namer, ArmNamer, comparison_arms, REFERENCE_ARM, study_verdict, TREATMENT_ARM
@@ -159,8 +159,11 @@ def log_headline(client: MlflowClient, parent_id: str, comparison: pd.DataFrame)
 
 
 def study_comparison(study: StudyRuns) -> pd.DataFrame:
-    """The compare step's table (LookupError when the study has none)."""
-    return study.csv("compare", COMPARISON_ARTIFACT)
+    """The compare step's table with each row's role and family adjustment (``p_family``,
+    ``significant_family``: :func:`synthx.endpoint.label_results` with the study's endpoint, as the
+    study logged it in ``comparison/test_roles.csv``); LookupError when the study has none."""
+    endpoint = PrimaryEndpoint.from_params(dict(study.parent.data.params))
+    return label_results(study.csv("compare", COMPARISON_ARTIFACT), endpoint)
 
 
 def verdict_lines(study: StudyRuns) -> list[str]:
