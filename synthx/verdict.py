@@ -6,15 +6,18 @@ the description of the study's parent run. They are built from the comparison ta
 reference every other arm (``run`` column) was compared with; a ``sham`` arm, when the study has
 one, is the control SynthX is judged against (docs/design.md "Reading the verdict").
 
-Outcome of a gap or endpoint, from the paired 95% CI of SynthX minus its control:
+Outcome of a gap or endpoint, SynthX minus its control, decided by one rule: the test that decides
+significance in the comparison (``p_value``: the exact McNemar test for sensitivity):
 
-- ``closed``: the CI lies above 0;
+- ``closed``: a positive difference, the test rejects at 5% and the shown interval lies above 0;
 - ``open`` (printed "not closed"): the difference is not positive (nothing more found: 0 of 11 in
-  every arm is not closed, whatever the width of its interval), or the CI lies at or below 0;
-- ``undetermined``: a positive difference whose CI spans 0, or no CI could be computed.
+  every arm is not closed, whatever the width of its interval);
+- ``undetermined``: a positive difference the test does not reject (or whose shown interval still
+  spans 0), or no difference could be computed.
 
-The interval of a paired proportion is Newcombe's when the comparison carries it (it holds at
-small counts; the percentile bootstrap collapses to [0, 0] at 0 of 11), else the bootstrap's.
+A contrast without a test p (the pooled seeds) is decided by its interval: closed above 0, not
+closed at or below 0, undetermined across 0. The interval shown is
+:func:`synthx.endpoint.shown_interval`'s: Newcombe's for a paired proportion, else the bootstrap's.
 
 :func:`contrast_sentence` is pure (values in, one sentence out); :func:`study_verdict` reads a
 comparison table.
@@ -29,18 +32,32 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import pandas as pd
 
-from synthx.endpoint import PrimaryEndpoint
+from synthx.endpoint import ALPHA, PrimaryEndpoint, shown_interval, TEST_NAMES
 from synthx.labels import arm_label, group_label, point_label
+from synthx.painters import PHANTOM_PAINTER
 
 CLOSED, OPEN, UNDETERMINED = "closed", "open", "undetermined"
 VERDICT_WORDS = {CLOSED: "closed", OPEN: "not closed", UNDETERMINED: "undetermined"}  # as sentences print them
 REFERENCE_ARM = "baseline"
 TREATMENT_ARM = "synthx"
 CONTROL_ARM = "sham"
+
+
+POSITIVE_CONTROL_LABEL = "phantom painter (positive control)"
+
+ArmNamer = Callable[[str], str]
+
+
+def arm_namer(painter: str | None = None) -> ArmNamer:
+    """How an arm is named in sentences and tables, by what it is: with the phantom painter (the
+    positive control) the augmented arm is named for that painter, not "SynthX"."""
+    if painter == PHANTOM_PAINTER:
+        return lambda arm: POSITIVE_CONTROL_LABEL if str(arm) == TREATMENT_ARM else arm_label(arm)
+    return arm_label
 
 
 @dataclass(frozen=True)
@@ -55,18 +72,29 @@ class ArmResult:
 
 @dataclass(frozen=True)
 class Contrast:
-    """The paired difference treatment minus control with its 95% CI (fractions)."""
+    """The paired difference treatment minus control with its shown 95% CI (fractions), the
+    interval's name, and the p of the test that decides (NaN where the table has none)."""
 
     treatment: str
     control: str
     delta: float
     ci_low: float
     ci_high: float
+    interval: str = ""
+    p_value: float = math.nan
+    test: str = ""
 
 
 def outcome(contrast: Contrast) -> str:
     """``closed``, ``open`` or ``undetermined`` (see the module docstring)."""
-    low, high = float(contrast.ci_low), float(contrast.ci_high)
+    low, high, delta, p_value = (float(contrast.ci_low), float(contrast.ci_high), float(contrast.delta),
+                                 float(contrast.p_value))
+    if not math.isnan(p_value):
+        if math.isnan(delta):
+            return UNDETERMINED
+        if delta <= 0:
+            return OPEN
+        return CLOSED if p_value < ALPHA and low > 0 else UNDETERMINED
     if math.isnan(low) or math.isnan(high):
         return UNDETERMINED
     if low > 0:
@@ -88,15 +116,15 @@ def _points(value: float) -> str:
     return "0" if text in ("+0.0", "-0.0") else text
 
 
-def _arm_text(result: ArmResult, metric: str) -> str:
-    name = arm_label(result.arm)
+def _arm_text(result: ArmResult, metric: str, name_of: ArmNamer = arm_label) -> str:
+    name = name_of(result.arm)
     if result.found is not None and result.of is not None:
         return f"{name} found {result.found} of {result.of} ({_percent(result.value)})"
     return f"{name} {_percent(result.value)} {metric}" if metric != "sensitivity" else f"{name} {_percent(result.value)}"
 
 
 def contrast_sentence(label: str, results: Sequence[ArmResult], contrast: Contrast, point: str,
-                      metric: str = "sensitivity") -> str:
+                      metric: str = "sensitivity", name_of: ArmNamer = arm_label) -> str:
     """One verdict sentence, e.g. ``Scarcity gap (arterial), at the validation-chosen operating point:
     baseline found 0 of 11 (0%), sham 0 of 11 (0%), SynthX 0 of 11 (0%) - not closed (SynthX - sham
     0 points, 95% CI 0 to 0).``
@@ -107,12 +135,20 @@ def contrast_sentence(label: str, results: Sequence[ArmResult], contrast: Contra
         contrast: the paired difference that decides the outcome.
         point: the operating point's name (``val_chosen``, ``fixed``, ``matched_specificity``).
         metric: the metric the values are (named when it is not sensitivity).
+        name_of: how an arm is named (:func:`arm_namer`).
     """
     verdict = VERDICT_WORDS[outcome(contrast)]
-    arms = ", ".join(_arm_text(r, metric) for r in results)
-    difference = (f"{arm_label(contrast.treatment)} - {arm_label(contrast.control)} {_points(contrast.delta)} "
-                  f"percentage points, 95% CI {_points(contrast.ci_low)} to {_points(contrast.ci_high)}")
-    if verdict == "undetermined":
+    arms = ", ".join(_arm_text(r, metric, name_of) for r in results)
+    named = f"{contrast.interval} 95% CI" if contrast.interval else "95% CI"
+    difference = (f"{name_of(contrast.treatment)} - {name_of(contrast.control)} {_points(contrast.delta)} "
+                  f"percentage points, {named} {_points(contrast.ci_low)} to {_points(contrast.ci_high)}")
+    p_value = float(contrast.p_value)
+    if not math.isnan(p_value):
+        test = TEST_NAMES.get(contrast.test, contrast.test or "test")
+        difference += f"; the {test} decides, p = {p_value:.3g}"
+        if verdict == "undetermined" and not math.isnan(float(contrast.delta)):
+            difference += ", not below 0.05" if p_value >= ALPHA else ", but the CI spans 0"
+    elif verdict == "undetermined":
         difference += ", the CI spans 0" if not math.isnan(float(contrast.ci_low)) else ", no CI"
     return f"{label}, at {point_label(point)}: {arms} - {verdict} ({difference})."
 
@@ -167,18 +203,11 @@ def arm_contrast(rows: pd.DataFrame, arms: Sequence[str]) -> Contrast | None:
         hit = rows[(rows["run"].astype(str) == treatment) & (references == control)]
         if len(hit):
             row = hit.iloc[0]
-            return Contrast(treatment, control, float(row["delta"]), *_interval(row))
+            name, low, high = shown_interval(row)
+            p_value = row.get("p_value")
+            return Contrast(treatment, control, float(row["delta"]), low, high, name,
+                            math.nan if p_value is None or pd.isna(p_value) else float(p_value), str(row.get("test", "")))
     return None
-
-
-def _interval(row) -> tuple[float, float]:
-    """The difference's interval: Newcombe's for a paired proportion (it holds at small counts, where
-    the percentile bootstrap collapses to [0, 0] at 0 of 11), else the paired bootstrap's
-    (docs/design.md "Confidence intervals and comparisons")."""
-    low, high = row.get("newcombe_low"), row.get("newcombe_high")
-    if low is not None and high is not None and not (pd.isna(low) or pd.isna(high)):
-        return float(low), float(high)
-    return float(row["ci_low"]), float(row["ci_high"])
 
 
 def designed_gap_subgroups() -> list[tuple[str, str, str]]:
@@ -199,9 +228,10 @@ def available_point(comparison: pd.DataFrame, preferred: str) -> str:
 
 
 def study_verdict(comparison: pd.DataFrame, point: str = "val_chosen", endpoint: PrimaryEndpoint | None = None,
-                  subgroups: Sequence[tuple[str, str, str]] | None = None) -> list[str]:
+                  subgroups: Sequence[tuple[str, str, str]] | None = None, name_of: ArmNamer = arm_label) -> list[str]:
     """The verdict sentences of a comparison table: one per designed gap at ``point``, then the
-    primary endpoint. A subgroup the table lacks gives no sentence."""
+    primary endpoint. A subgroup the table lacks gives no sentence; ``name_of`` names the arms
+    (:func:`arm_namer`: the study's painter decides what the augmented arm is called)."""
     arms = comparison_arms(comparison)
     endpoint = endpoint or PrimaryEndpoint(group=designed_gap_subgroups()[0][2])
     lines = []
@@ -219,7 +249,7 @@ def study_verdict(comparison: pd.DataFrame, point: str = "val_chosen", endpoint:
         if empty and int(rows[empty].iloc[0]) == 0:
             lines.append(empty_sentence(label, group_label(attribute, group), empty))
         else:
-            lines.append(contrast_sentence(label, arm_results(rows, metric), contrast, at, metric))
+            lines.append(contrast_sentence(label, arm_results(rows, metric), contrast, at, metric, name_of))
     return lines
 
 

@@ -40,17 +40,13 @@ from lightning_modules.process import exit_on_signal, git_commit, rerun_command,
 from lightning_modules.run_folder import content_key
 from lightning_modules.tracking import experiment_id, tracking_uri
 from lightning_modules.workflows.evaluate import is_flagged, OPERATING_POINT_METRIC, significance_mark
-from synthx.endpoint import PrimaryEndpoint
+from synthx.endpoint import family_marks, PrimaryEndpoint
 from synthx.labels import arm_label, attribute_label, group_label, point_label
 from synthx.painters import SYNTHX_PAINTER
 from synthx.verdict import Contrast, designed_gap_subgroups, outcome, study_verdict, VERDICT_WORDS
-from synthx.workflows.report import (
-    COMPARISON_ARTIFACT,
-    fill_results_block,
-    load_study,
-    markdown_table,
-    study_comparison as comparison_of,
-)
+from synthx.workflows.report.formatting import MARKS_NOTE
+from synthx.workflows.report.markdown_page import fill_results_block, markdown_table
+from synthx.workflows.report.runs import COMPARISON_ARTIFACT, load_study, study_comparison as comparison_of
 from synthx.workflows.study.run import run_study
 from synthx.workflows.study.settings import segmentation_recipe
 
@@ -488,14 +484,17 @@ def pooled_markdown(run_id: str, uri: str) -> str:
                         f"{points(r['mean_delta'])} percentage points on average over {len(seeds)} seeds (95% CI "
                         f"{points(r['ci_low'])} to {points(r['ci_high'])}), above 0 in {int(r['seeds_up'])} and "
                         f"below 0 in {int(r['seeds_down'])} of them - {verdict}.")
+    # Marked as a single study's tables are: Holm over each family of the pooled p-values.
+    marks = family_marks(table.assign(run=table["arm"], operating_point=point, delta=table["mean_delta"]), endpoint)
+    marks = marks.loc[sensitivity.index]
     rows = []
-    for r in sensitivity.to_dict("records"):
+    for r, mark in zip(sensitivity.to_dict("records"), marks):
         rows.append({
             "Comparison": f"{arm_label(r['arm'])} - {arm_label(r['reference'])}",
             "Subgroup": "All scans" if r["attribute"] == "overall"
             else f"{attribute_label(r['attribute'])}: {group_label(r['attribute'], str(r['group']))}",
             "Tumor scans": int(r["positives"]),
-            "Mean [95% CI]": f"{points(r['mean_delta'])} [{points(r['ci_low'])}, {points(r['ci_high'])}]",
+            "Mean [95% CI]": f"{points(r['mean_delta'])} [{points(r['ci_low'])}, {points(r['ci_high'])}] {mark}".rstrip(),
             "Seeds +/-": f"{int(r['seeds_up'])}/{int(r['seeds_down'])}",
             **{f"Seed {s}": points(r[f"delta {s}"]) for s in seeds},
         })
@@ -525,6 +524,7 @@ def pooled_markdown(run_id: str, uri: str) -> str:
         "(its m chosen on validation, not on the test cohort). "
         "CI: Student's t over the seeds' differences, K - 1 degrees of freedom "
         "(docs/design.md \"Seeds as the unit of inference\"). "
+        f"{MARKS_NOTE}, each family's Holm over the pooled p-values. "
         "Seeds +/-: seeds whose own difference is above / below 0. The replicate lines judge each seed "
         "alone with its own paired interval, as docs/results.md does for one study.",
         "",

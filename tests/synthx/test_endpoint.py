@@ -47,7 +47,7 @@ def test_roles_and_one_holm_family_over_all_secondary_rows():
     assert table.loc[table["p_family"] >= 0.05, "significant_family"].eq(False).all()
     text = endpoint_summary(table, endpoint)
     assert text.startswith("Primary endpoint (pre-specified): sensitivity in phase:arterial at matched specificity")
-    assert "+0.400 [+0.100, +0.700]" in text
+    assert "+40.0 points, bootstrap 95% CI +10.0 to +70.0" in text
 
 
 def test_a_missing_endpoint_row_is_said_not_hidden():

@@ -306,7 +306,7 @@ def test_pooling_identical_seeds_reproduces_the_studys_own_comparison(finished_s
     from mlflow.tracking import MlflowClient
 
     from synthx.workflows.replicates import pooled_table
-    from synthx.workflows.report import COMPARISON_ARTIFACT, load_study
+    from synthx.workflows.report.runs import COMPARISON_ARTIFACT, load_study
 
     settings, uri, parent_id = finished_study
     client = MlflowClient(uri)
@@ -334,7 +334,7 @@ def test_the_pooled_page_names_its_runs_and_judges_the_pooled_difference(finishe
 
     from synthx.commands.report import main
     from synthx.workflows.replicates import POOLED_STAGE, pooled_markdown, pooled_table
-    from synthx.workflows.report import load_study, verdict_lines
+    from synthx.workflows.report.runs import load_study, verdict_lines
 
     settings, uri, parent_id = finished_study
     client = MlflowClient(uri)
@@ -364,6 +364,18 @@ def test_the_pooled_page_names_its_runs_and_judges_the_pooled_difference(finishe
     assert "- Scarcity gap (arterial)" not in page, "the endpoint's subgroup is judged once"
     assert "- Physics gap (non-contrast): SynthX - sham" in page
     assert "| SynthX - sham | Phase: arterial |" in page and "| baseline - sham | All scans |" in page
+    # Each pooled difference carries its mark from Holm over its family, as a single study's tables do.
+    from synthx.endpoint import family_marks, PrimaryEndpoint
+
+    marks = family_marks(table.assign(run=table["arm"], operating_point="matched_specificity", delta=table["mean_delta"]),
+                         PrimaryEndpoint())
+    shown = table[(table["metric"] == "sensitivity") & table["attribute"].isin(["overall", "phase"])]
+    def points(value) -> str:
+        return "-" if pd.isna(value) else f"{100 * value:+.1f}"
+
+    for index, r in shown.iterrows():
+        cell = f"{points(r['mean_delta'])} [{points(r['ci_low'])}, {points(r['ci_high'])}] {marks[index]}"
+        assert f"| {cell.rstrip()} |" in page, cell
     # Another point than the endpoint's: the page says the endpoint is not judged there.
     other = pages["val_chosen"][0]
     assert "Primary endpoint (sensitivity" not in other.split("## Primary endpoint, replicate by replicate")[0]

@@ -46,12 +46,13 @@ def test_an_open_gap_also_when_nothing_is_found():
 
 def test_the_verdict_reads_newcombe_s_interval_where_the_bootstrap_collapses():
     """0 of 11 against 0 of 11: the bootstrap gives [0, 0]; the sentence shows Newcombe's interval."""
-    from synthx.verdict import _interval
+    from synthx.endpoint import shown_interval
 
     row = pd.Series({"delta": 0.0, "ci_low": 0.0, "ci_high": 0.0, "newcombe_low": -0.2588, "newcombe_high": 0.2588})
-    assert _interval(row) == (-0.2588, 0.2588)
-    assert _interval(row.drop(["newcombe_low", "newcombe_high"])) == (0.0, 0.0)
-    assert _interval(pd.Series({**row.to_dict(), "newcombe_low": float("nan")})) == (0.0, 0.0)  # AUC rows have none
+    assert shown_interval(row) == ("Newcombe", -0.2588, 0.2588)
+    assert shown_interval(row.drop(["newcombe_low", "newcombe_high"])) == ("bootstrap", 0.0, 0.0)
+    # AUC rows have none
+    assert shown_interval(pd.Series({**row.to_dict(), "newcombe_low": float("nan")})) == ("bootstrap", 0.0, 0.0)
 
 
 def test_an_undetermined_gap_spans_zero():
