@@ -59,9 +59,10 @@ def format_comparison(
                              f"{interval:<26}{newcombe:<17}{p_value:<20}{defined:>5}")
     lines.append("* significant: the test of the metric rejects at 5% (exact McNemar for sensitivity and "
                  "specificity, DeLong for AUC, for F1 the paired bootstrap CI and McNemar on the positives or "
-                 "negatives) and the subgroup has "
-                 f"{support_rule_text()};  ** also after Holm's correction over the groups of its attribute;  "
-                 "~ the test rejects but the subgroup is below that rule;  - undefined;  "
+                 "negatives), the subgroup has "
+                 f"{support_rule_text()} and the bootstrap CI excludes 0;  ** also after Holm's correction over "
+                 "the groups of its attribute;  ~ the test rejects but the subgroup is below that rule or the CI "
+                 "spans 0;  - undefined;  "
                  "def: share of resamples where the difference was defined")
     lines += [f"note: {note}" for note in comparison.attrs.get("notes", [])]
     return "\n".join(lines)
@@ -81,15 +82,18 @@ def is_flagged(value) -> bool:
 
 
 def significance_mark(row) -> str:
-    """``**`` significant after Holm, ``*`` significant, ``~`` the deciding test rejects below the
-    support rule, else a space. Rows without a ``test`` column are decided by their CI."""
-    if is_flagged(row.get("significant_holm", False)):
-        return "**"
-    if is_flagged(row["significant"]):
-        return "*"
+    """``**`` significant after Holm, ``*`` significant, ``~`` the deciding test rejects but the
+    subgroup is below the support rule or the interval shown beside it spans 0, else a space. Rows
+    without a ``test`` column are decided by their CI; a row whose interval spans 0 is never marked
+    significant, whatever its test says."""
     test = row.get("test", "bootstrap")
     low, high = float(row["ci_low"]), float(row["ci_high"])
-    rejects = low > 0 or high < 0
+    excludes_zero = low > 0 or high < 0
+    if excludes_zero and is_flagged(row.get("significant_holm", False)):
+        return "**"
+    if excludes_zero and is_flagged(row["significant"]):
+        return "*"
+    rejects = excludes_zero
     if test == "bootstrap+mcnemar":
         rejects = rejects and float(row.get("p_mcnemar", math.nan)) < 0.05
     elif isinstance(test, str) and test != "bootstrap":

@@ -318,3 +318,15 @@ def test_tables_mark_a_difference_that_survives_holm_apart_from_one_that_does_no
     page = comparison_html(label_results(table, PrimaryEndpoint(group="venous", operating_point="fixed")))
     assert page.count("+30.0] **") == 1 and page.count("+30.0] *<") == 5
     assert "SynthX against baseline at BenchX&#x27;s fixed m (m 50 and 50 mm³)" in page, "the heading names the operating point"
+
+
+def test_a_row_whose_interval_spans_zero_is_never_marked_significant():
+    from lightning_modules.workflows.comparison_table import significance_mark
+
+    decided = {"test": "mcnemar_exact", "p_value": 0.0027, "significant": True, "significant_holm": True}
+    assert significance_mark({**decided, "ci_low": 0.05, "ci_high": 0.41}) == "**"
+    assert significance_mark({**decided, "significant_holm": False, "ci_low": 0.05, "ci_high": 0.41}) == "*"
+    # +0.273 [-0.100, +0.411], p_holm 0.0027: the test rejects, the interval beside it does not.
+    assert significance_mark({**decided, "ci_low": -0.100, "ci_high": 0.411}) == "~"
+    assert significance_mark({**decided, "p_value": 0.4, "significant": False, "significant_holm": False,
+                              "ci_low": -0.1, "ci_high": 0.4}) == " "
