@@ -33,6 +33,7 @@ from monai.transforms import Compose, Invertd
 from lightning_modules.config.recipe import DataConfig
 from lightning_modules.data.cohort import CT_FILE, atomic_save_nifti, load_cohort
 from lightning_modules.data.datamodule import preprocessing
+from lightning_modules.data.volume_checks import header_problem
 from lightning_modules.models.segmentation_module import SegmentationModule
 from lightning_modules.models.tumor_outputs import predicted_labels
 
@@ -41,7 +42,15 @@ class PredictionInputError(ValueError):
     """Inputs or an output folder that ``predict`` refuses before writing anything."""
 
 
-class NonFiniteScanError(ValueError):
+CT_SUFFIXES = (".nii.gz", ".nii")
+
+
+class UnusableScanError(ValueError):
+    """A CT that cannot be predicted: its header (dimensions, declared size, geometry), its name or its
+    voxels rule it out. The scan is skipped and named; the other scans are still predicted."""
+
+
+class NonFiniteScanError(UnusableScanError):
     """A CT holding NaN or infinite voxels: its prediction would be meaningless, so it is not made."""
 
 
@@ -58,9 +67,17 @@ def predict_scan(module: SegmentationModule, data: DataConfig, ct_path: str | Pa
     the recipe's data section (preprocessing).
 
     Raises:
+        UnusableScanError: the header declares no 3-D volume, more voxels than memory allows, or a
+            singular affine (zero spacing); checked before any voxel is read.
         NonFiniteScanError: the CT holds NaN or infinite voxels (named with their count).
     """
+    if Path(ct_path).name in CT_SUFFIXES:
+        raise UnusableScanError(f"{ct_path}: the file name is only a suffix, it names no case "
+                                "(rename it to <case>.nii.gz); no prediction is made")
     original = nib.load(str(ct_path))
+    problem = header_problem(original, expect_3d=True)
+    if problem:
+        raise UnusableScanError(f"{ct_path}: {problem}; no prediction is made")
     bad = non_finite_voxels(original)
     if bad:
         total = int(np.prod(original.shape[:3]))
@@ -94,9 +111,6 @@ def write_prediction(out_dir: Path, labels: np.ndarray, affine: np.ndarray, clas
         mask.set_data_dtype(np.uint8)
         atomic_save_nifti(mask, out_dir / "segmentations" / f"{name}.nii.gz")
     return out_dir / "prediction.nii.gz"
-
-
-CT_SUFFIXES = (".nii.gz", ".nii")
 
 
 def case_name(path: Path, in_case_folder: bool = True) -> str:
@@ -137,6 +151,8 @@ def check_distinct_outputs(cases: Sequence[tuple[str, Path]]) -> None:
     letter case, which are one folder on case-insensitive file systems)."""
     seen: dict[str, Path] = {}
     for case_id, ct_path in cases:
+        if not case_id:
+            continue  # a file named only '.nii.gz' is skipped with its own message by predict_cases
         key = case_id.casefold()
         if key in seen:
             raise PredictionInputError(
@@ -203,16 +219,16 @@ def predict_cases(
     for case_id, ct_path in cases:
         try:
             labels, affine = predict_scan(module, data, ct_path)
-        except NonFiniteScanError as error:
+        except UnusableScanError as error:
             summary.skipped.append((Path(ct_path), str(error).removeprefix(f"{ct_path}: ")))
-            report(f"{case_id}: skipped, {error}")
+            report(f"{case_id or ct_path}: skipped, {error}")
             continue
         except Exception:
             reason = unreadable_reason(Path(ct_path))
             if reason is None:
                 raise
             summary.skipped.append((Path(ct_path), reason))
-            report(f"{case_id}: skipped, cannot read {ct_path}: {reason}")
+            report(f"{case_id or ct_path}: skipped, cannot read {ct_path}: {reason}")
             continue
         write_prediction(Path(out) / case_id, labels, affine, list(data.classes))
         voxel = float(abs(np.linalg.det(affine[:3, :3])))

@@ -145,7 +145,7 @@ class SegmentationModel(mlflow.pyfunc.PythonModel):
         """One scan's result, or its problem in ``error``: a bad file or input must not cost the other rows."""
         import numpy as np
 
-        from lightning_modules.inference import NonFiniteScanError, predict_scan, unreadable_reason
+        from lightning_modules.inference import UnusableScanError, predict_scan, unreadable_reason
 
         path = row.get("ct_path") if "ct_path" in row else None
         volume_in = row.get("ct") if "ct" in row else None
@@ -156,7 +156,7 @@ class SegmentationModel(mlflow.pyfunc.PythonModel):
                     raise ValueError(f"{path}: no such file")
                 try:
                     labels, affine = predict_scan(self.module, self.recipe.data, path)
-                except NonFiniteScanError:
+                except UnusableScanError:
                     raise
                 except Exception as error:
                     reason = unreadable_reason(Path(path))
@@ -186,11 +186,15 @@ class SegmentationModel(mlflow.pyfunc.PythonModel):
         import nibabel as nib
         import numpy as np
 
+        from lightning_modules.data.volume_checks import geometry_problem
         from lightning_modules.inference import predict_scan
 
         if volume.ndim != 3:
             raise ValueError(f"ct must be a 3-D volume, got shape {volume.shape}")
         affine = np.eye(4) if affine is None else np.asarray([np.asarray(r, dtype=float) for r in affine])
+        problem = geometry_problem(affine)
+        if problem:
+            raise ValueError(f"ct: {problem}; no prediction is made")
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "ct.nii.gz"
             nib.save(nib.Nifti1Image(volume, affine), str(path))

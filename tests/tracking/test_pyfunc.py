@@ -151,6 +151,45 @@ def test_a_bad_row_gets_its_error_and_the_other_rows_are_predicted(trained, tiny
     assert by_volume["error"][0].startswith(f"ct: 3 of {voxels.size} voxels are NaN or infinite")
 
 
+def test_zero_spacing_2d_4d_and_nameless_paths_are_errors_of_their_rows_with_no_decision(trained, tiny_phantom, tmp_path):
+    import shutil
+
+    import mlflow
+
+    from broken_volumes import write_zero_spacing_ct
+
+    recipe, first, _, _ = trained
+    root, _ = tiny_phantom
+    good = root / sorted(p.name for p in root.iterdir() if (p / "ct.nii.gz").exists())[0] / "ct.nii.gz"
+    image = nib.load(str(good))
+    voxels = np.asarray(image.dataobj)
+    zero = write_zero_spacing_ct(tmp_path / "zero.nii.gz", voxels, image.affine)
+    flat, series, nameless = tmp_path / "flat.nii.gz", tmp_path / "series.nii.gz", tmp_path / "named" / ".nii.gz"
+    nib.save(nib.Nifti1Image(voxels[:, :, 0], image.affine), str(flat))
+    nib.save(nib.Nifti1Image(np.stack([voxels, voxels], axis=-1), image.affine), str(series))
+    nameless.parent.mkdir()
+    shutil.copy(good, nameless)
+    mlflow.set_tracking_uri(recipe.tracking.uri)
+    version = model_version_tags(first.run_id, recipe.tracking.uri)["model_version"]
+    model = mlflow.pyfunc.load_model(f"models:/benchx-unet/{version}")
+    paths = [zero, good, flat, series, nameless]
+    result = model.predict(pd.DataFrame({"ct_path": [str(p) for p in paths]}))
+    assert result["error"][0].startswith(f"{zero}: singular affine / zero spacing")
+    assert pd.isna(result["error"][1]) and np.asarray(result["mask"][1]).shape == image.shape
+    assert result["error"][2].startswith(f"{flat}: not a 3D volume")
+    assert result["error"][3].startswith(f"{series}: not a 3D volume")
+    assert result["error"][4].startswith(f"{nameless}: the file name is only a suffix")
+    for row in (0, 2, 3, 4):
+        assert result["mask"][row] is None and np.isnan(result["tumor_volume_mm3"][row])
+        assert pd.isna(result["tumor_detected"][row]), "no decision for a scan that was not predicted"
+    # The same singular geometry given as an in-memory volume and affine: its row's error.
+    singular = np.array(image.affine, dtype=float)
+    singular[:3, 2] = 0.0
+    by_volume = model.predict(pd.DataFrame({"ct": [voxels.astype(np.float32)], "affine": [singular]}))
+    assert by_volume["error"][0].startswith("ct: singular affine / zero spacing")
+    assert pd.isna(by_volume["tumor_detected"][0]) and np.isnan(by_volume["tumor_volume_mm3"][0])
+
+
 def test_a_wrong_column_name_is_refused_naming_the_expected_columns(trained, tiny_phantom):
     import mlflow
 
