@@ -16,9 +16,9 @@ Example::
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
+
+from lightning_modules.config.memory import available_memory_bytes
 
 SINGULAR_AFFINE = "singular affine / zero spacing"
 # A CT of 1024 x 1024 x 2048 voxels is 2^31; nothing this framework reads is larger.
@@ -27,21 +27,6 @@ MAX_VOXELS = 1 << 31
 WORKING_BYTES_PER_VOXEL = 4
 # The smallest voxel edge (mm) taken as a real spacing; a zero (or 1e-9) edge is a broken header.
 MIN_SPACING_MM = 1e-3
-
-
-def available_memory_bytes() -> int | None:
-    """The memory the kernel reports as available (``MemAvailable``), or None where it is not known."""
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def memory_limit_bytes() -> int:
@@ -59,15 +44,24 @@ def format_bytes(count: float) -> str:
     return f"{count:.1f} PB"
 
 
-def size_problem(shape, limit_bytes: int | None = None) -> str | None:
-    """Why a volume of this declared shape is too large to read (None when it fits)."""
+def size_problem(shape, limit_bytes: int | None = None, subject: str = "header declares",
+                 consequence: str = "the data was not read", copies: int = 1) -> str | None:
+    """Why a volume of this declared shape is too large (None when it fits).
+
+    Args:
+        shape: the declared shape.
+        limit_bytes: the bound (default :func:`memory_limit_bytes`).
+        subject / consequence: the words before the shape and after the bound in the message.
+        copies: float32 copies of the volume held at once (e.g. a renderer's working arrays).
+    """
     voxels = int(np.prod([int(n) for n in shape], dtype=object)) if len(shape) else 0
-    needed = voxels * WORKING_BYTES_PER_VOXEL
+    needed = voxels * WORKING_BYTES_PER_VOXEL * int(copies)
     limit = memory_limit_bytes() if limit_bytes is None else int(limit_bytes)
     if voxels > MAX_VOXELS or needed > limit:
-        return (f"header declares {' x '.join(str(int(n)) for n in shape)} = {voxels:,} voxels "
-                f"({format_bytes(needed)} as float32), more than the {format_bytes(limit)} one volume may take "
-                f"(half the available memory, at most {MAX_VOXELS:,} voxels); the data was not read")
+        held = "as float32" if copies == 1 else f"as {copies} float32 copies"
+        return (f"{subject} {' x '.join(str(int(n)) for n in shape)} = {voxels:,} voxels "
+                f"({format_bytes(needed)} {held}), more than the {format_bytes(limit)} one volume may take "
+                f"(half the available memory, at most {MAX_VOXELS:,} voxels); {consequence}")
     return None
 
 

@@ -69,3 +69,22 @@ def test_training_refuses_the_cohort_with_exit_2_naming_the_case_and_file(broken
     assert code == EXIT_USAGE and "Traceback" not in err and "MemoryError" not in err
     assert f"{case.case_id}: {case.ct_path}: {expected}" in err
     assert not list(tmp_path.rglob("*.ckpt")), "nothing was trained"
+
+
+def test_phantom_refuses_a_shape_no_memory_holds_before_allocating_anything(tmp_path, capsys):
+    import tracemalloc
+
+    from lightning_modules.cli import main
+
+    out = tmp_path / "phantom"
+    tracemalloc.start()
+    try:
+        code = main(["phantom", "--out", str(out), "--cases", "2", "--shape", "30000", "30000", "30000"])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "--shape asks for 30000 x 30000 x 30000 = 27,000,000,000,000 voxels" in err and "nothing was written" in err
+    assert peak < 200e6, f"{peak / 1e6:.0f} MB allocated before refusing"
+    assert not out.exists()
