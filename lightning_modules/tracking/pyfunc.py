@@ -32,7 +32,11 @@ Example::
 
 from __future__ import annotations
 
+import ast
+import logging
+import re
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -66,7 +70,8 @@ def signature():
     inputs = Schema(
         [
             ColSpec("string", "ct_path", required=False),
-            ColSpec(Array(Array(Array("float"))), "ct", required=False),
+            # double: a JSON request (mlflow models serve) carries numbers as float64; float32 is refused there.
+            ColSpec(Array(Array(Array("double"))), "ct", required=False),
             ColSpec(Array(Array("double")), "affine", required=False),
         ]
     )
@@ -113,6 +118,8 @@ class SegmentationModel(mlflow.pyfunc.PythonModel):
 
     def load_context(self, context) -> None:
         from lightning_modules.recipe import load_recipe
+
+        _remember_dropped_columns()
         from lightning_modules.models.checkpoints import load_module_from_checkpoint
 
         self.recipe = load_recipe(context.artifacts[RECIPE_ARTIFACT], resolved=True)
@@ -130,10 +137,12 @@ class SegmentationModel(mlflow.pyfunc.PythonModel):
 
     def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
+        dropped, _DROPPED.columns = getattr(_DROPPED, "columns", None), None
         if not {"ct_path", "ct"} & set(frame.columns):
+            got = sorted({*map(str, frame.columns), *(dropped or [])})
             raise ValueError(
                 f"the input has no 'ct_path' column (a NIfTI file per row) and no 'ct' column (a 3-D volume in HU, "
-                f"with an optional 'affine'); it has {list(frame.columns)}"
+                f"with an optional 'affine'); it has {got if got else 'no columns'}"
             )
         threshold = self.threshold_mm3
         if params and params.get(THRESHOLD_KEY) is not None:
@@ -202,6 +211,30 @@ class SegmentationModel(mlflow.pyfunc.PythonModel):
                 return predict_scan(self.module, self.recipe.data, path)
             except ValueError as error:
                 raise ValueError(str(error).replace(str(path), "ct")) from error
+
+
+# The columns MLflow's schema enforcement dropped before the last call of this thread: it drops the
+# columns the signature does not declare (logging them) and calls predict with the rest.
+_DROPPED = threading.local()
+ENFORCEMENT_LOGGER = "mlflow.models.utils"
+
+
+class _DroppedColumns(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if text.startswith("Found extra inputs"):
+            match = re.search(r"`(\[.*\])`", text)
+            try:
+                _DROPPED.columns = [str(c) for c in ast.literal_eval(match.group(1))] if match else None
+            except (ValueError, SyntaxError):
+                _DROPPED.columns = None
+        return True
+
+
+def _remember_dropped_columns() -> None:
+    logger = logging.getLogger(ENFORCEMENT_LOGGER)
+    if not any(isinstance(f, _DroppedColumns) for f in logger.filters):
+        logger.addFilter(_DroppedColumns())
 
 
 def _threshold(value, source: str) -> float:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import nibabel as nib
 import numpy as np
@@ -198,8 +199,94 @@ def test_a_wrong_column_name_is_refused_naming_the_expected_columns(trained, tin
     mlflow.set_tracking_uri(recipe.tracking.uri)
     version = model_version_tags(first.run_id, recipe.tracking.uri)["model_version"]
     model = mlflow.pyfunc.load_model(f"models:/benchx-unet/{version}")
-    with pytest.raises(Exception, match=r"the input has no 'ct_path' column .* no 'ct' column"):
-        model.predict(pd.DataFrame({"ctpath": [str(root / "x" / "ct.nii.gz")]}))
+    with pytest.raises(Exception, match=r"the input has no 'ct_path' column .* no 'ct' column") as error:
+        model.predict(pd.DataFrame({"ctpath": [str(root / "x" / "ct.nii.gz")], "scan": ["x"]}))
+    assert "it has ['ctpath', 'scan']" in str(error.value), "the columns the input did have are named"
+    # The next call with the right column is not blamed for the earlier one's columns.
+    good = root / sorted(p.name for p in root.iterdir() if (p / "ct.nii.gz").exists())[0] / "ct.nii.gz"
+    assert pd.isna(model.predict(pd.DataFrame({"ct_path": [str(good)]}))["error"][0])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+def test_a_served_model_answers_a_json_request_with_a_nested_list_ct(trained, tiny_phantom, tmp_path):
+    """What `mlflow models serve` receives from a JSON request (ct as nested lists of numbers) is
+    what the served model accepts; its answer equals the in-process prediction of the same volume."""
+    import signal
+    import time
+    import urllib.request
+
+    import mlflow
+
+    recipe, first, _, _ = trained
+    root, _ = tiny_phantom
+    uri = recipe.tracking.uri
+    version = model_version_tags(first.run_id, uri)["model_version"]
+    good = root / sorted(p.name for p in root.iterdir() if (p / "ct.nii.gz").exists())[0] / "ct.nii.gz"
+    image = nib.load(str(good))
+    voxels = np.asarray(image.dataobj, dtype=np.float64)
+    port = _free_port()
+    # The server starts uvicorn by name: the interpreter's own bin folder first on PATH.
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1",
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/benchx-unet/{version}", "--env-manager",
+         "local", "-h", "127.0.0.1", "-p", str(port), "-w", "1"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server did not answer /ping in 180 s"
+            time.sleep(1)
+        body = {"dataframe_records": [{"ct": voxels.tolist(), "affine": image.affine.tolist()}]}
+        status, answer = _post_json(f"http://127.0.0.1:{port}/invocations", body)
+        assert status == 200, answer
+        served = answer["predictions"][0]
+        assert served["error"] is None
+        mlflow.set_tracking_uri(uri)
+        local = mlflow.pyfunc.load_model(f"models:/benchx-unet/{version}").predict(
+            pd.DataFrame({"ct": [voxels], "affine": [image.affine]}))
+        assert served["tumor_volume_mm3"] == pytest.approx(float(local["tumor_volume_mm3"][0]))
+        assert np.array_equal(np.asarray(served["mask"]), np.asarray(local["mask"][0]))
+        # A request with the wrong column is answered with the columns it had.
+        status, answer = _post_json(f"http://127.0.0.1:{port}/invocations", {"dataframe_records": [{"scan": "x"}]})
+        assert status >= 400 and "it has ['scan']" in json.dumps(answer)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+        log.close()
 
 
 OPERATING_POINT_PROCESS = """
