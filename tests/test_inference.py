@@ -196,3 +196,25 @@ def test_zero_spacing_2d_4d_and_nameless_files_are_skipped_each_named_and_the_re
     for case in cases[:2]:
         assert (out / case.case_id / "prediction.nii.gz").exists()
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(c.case_id for c in cases[:2])
+    # The per-case table: a decision at m for each predicted case, the error (and no decision) for each skipped file.
+    table = pd.read_csv(out / "predictions.csv", keep_default_na=False)
+    assert list(table.columns) == ["case_id", "ct_path", "score", "threshold_mm3", "decision", "error"]
+    assert len(table) == 6 and set(table["threshold_mm3"]) == {50.0}
+    predicted = table[table["error"] == ""]
+    assert sorted(predicted["case_id"]) == sorted(c.case_id for c in cases[:2])
+    for _, row in predicted.iterrows():
+        assert row["decision"] == ("tumor" if float(row["score"]) > 50.0 else "no tumor")
+        assert f"{row['case_id']}: predicted pancreatic_lesion volume {float(row['score']):.1f} mm^3, m = 50 mm^3: {row['decision']}" in captured.out
+    skipped = table[table["error"] != ""].set_index("ct_path")
+    assert skipped.loc[str(zero), "error"].startswith("singular affine / zero spacing")
+    assert set(skipped["decision"]) == {""} and set(skipped["score"]) == {""}
+    assert "operating point: m = 50 mm^3 (recipe)" in captured.out
+
+
+def test_a_case_folder_ct_is_named_by_its_folder_and_out_has_help(tiny_phantom, tmp_path, capsys):
+    from lightning_modules.commands.predict import parser
+
+    root, _ = tiny_phantom
+    case = next(load_cohort(root).cases())
+    assert input_cases(case.ct_path) == [(case.case_id, case.ct_path)]
+    assert "predictions.csv" in parser().format_help().split("--out OUT", 1)[1]

@@ -268,9 +268,49 @@ def recorded_operating_point(model_dir: Path) -> tuple[float, str] | None:
     model_id = getattr(info, "model_id", None)
     mine = [v for v in versions if model_id is None or getattr(v, "model_id", None) in (None, model_id)]
     for version in sorted(mine, key=lambda v: int(v.version), reverse=True):
-        if OPERATING_POINT_TAG in version.tags:
-            return float(version.tags[OPERATING_POINT_TAG]), f"registered model {version.name} version {version.version}"
+        point = version_operating_point(version)
+        if point is not None:
+            return point
     return None
+
+
+def version_operating_point(version) -> tuple[float, str] | None:
+    """The operating point recorded on a registered model version (its ``operating_point_mm3`` tag)."""
+    if OPERATING_POINT_TAG not in (version.tags or {}):
+        return None
+    return float(version.tags[OPERATING_POINT_TAG]), f"registered model {version.name} version {version.version}"
+
+
+def applied_operating_point(source: str | None, uri: str | None, recipe_threshold: float) -> tuple[float, str]:
+    """The m a model named by ``source`` applies, and where it comes from: the point recorded on its
+    registered version (a ``models:/`` URI, or a training run that registered one), else the recipe's
+    ``detection.threshold_mm3`` (``recipe``), as its pyfunc does when loaded."""
+    from mlflow.tracking import MlflowClient
+
+    fallback = float(recipe_threshold), "recipe"
+    if not source or not uri:
+        return fallback
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        if is_model_uri(source):
+            path = source[len("models:/") :]
+            if "@" in path:
+                name, _, alias = path.partition("@")
+                versions = [client.get_model_version_by_alias(name, alias)]
+            else:
+                name, _, number = path.partition("/")
+                versions = [client.get_model_version(name, number)]
+        else:
+            versions = sorted(model_versions_of_run(source, uri), key=lambda v: int(v.version), reverse=True)
+    except Exception as error:  # no registry in this store: the recipe's point, as the pyfunc falls back
+        warnings.warn(f"the registered operating point of {source} could not be looked up ({error}); "
+                      "the recipe's detection.threshold_mm3 is used", stacklevel=2)
+        return fallback
+    for version in versions:
+        point = version_operating_point(version)
+        if point is not None:
+            return point
+    return fallback
 
 
 def record_operating_point(evaluation_run_id: str, uri: str) -> dict[str, str] | None:
