@@ -45,15 +45,24 @@ import mlflow.pyfunc
 import pandas as pd
 
 from lightning_modules.models.checkpoints import CHECKPOINT_ARTIFACT, RECIPE_ARTIFACT
+from lightning_modules.tracking.operating_point import (  # noqa: F401 (the pyfunc's names for them)
+    OPERATING_POINT_RULE_TAG,
+    OPERATING_POINT_RUN_TAG,
+    OPERATING_POINT_TAG,
+    applied_operating_point,
+    is_model_uri,
+    model_versions_of_run,
+    operating_point_description,
+    record_operating_point,
+    same_validation_cases,
+    version_operating_point,
+)
 
 MODEL_NAME = "model"
 REGISTERED_PREFIX = "benchx-"
 OUTPUT_COLUMNS = ["case_id", "mask", "tumor_volume_mm3", "tumor_detected", "error"]
-# The override key (model_config at load, params per call) and the registered version's tags.
+# The override key (model_config at load, params per call); the version tags are in tracking.operating_point.
 THRESHOLD_KEY = "threshold_mm3"
-OPERATING_POINT_TAG = "operating_point_mm3"
-OPERATING_POINT_RULE_TAG = "operating_point_rule"
-OPERATING_POINT_RUN_TAG = "operating_point_run"
 REQUIREMENTS = ("torch", "lightning", "monai", "nibabel", "numpy", "pandas", "omegaconf", "einops", "mlflow")
 
 
@@ -274,79 +283,6 @@ def recorded_operating_point(model_dir: Path) -> tuple[float, str] | None:
     return None
 
 
-def version_operating_point(version) -> tuple[float, str] | None:
-    """The operating point recorded on a registered model version (its ``operating_point_mm3`` tag)."""
-    if OPERATING_POINT_TAG not in (version.tags or {}):
-        return None
-    return float(version.tags[OPERATING_POINT_TAG]), f"registered model {version.name} version {version.version}"
-
-
-def applied_operating_point(source: str | None, uri: str | None, recipe_threshold: float) -> tuple[float, str]:
-    """The m a model named by ``source`` applies, and where it comes from: the point recorded on its
-    registered version (a ``models:/`` URI, or a training run that registered one), else the recipe's
-    ``detection.threshold_mm3`` (``recipe``), as its pyfunc does when loaded."""
-    from mlflow.tracking import MlflowClient
-
-    fallback = float(recipe_threshold), "recipe"
-    if not source or not uri:
-        return fallback
-    client = MlflowClient(tracking_uri=uri)
-    try:
-        if is_model_uri(source):
-            path = source[len("models:/") :]
-            if "@" in path:
-                name, _, alias = path.partition("@")
-                versions = [client.get_model_version_by_alias(name, alias)]
-            else:
-                name, _, number = path.partition("/")
-                versions = [client.get_model_version(name, number)]
-        else:
-            versions = sorted(model_versions_of_run(source, uri), key=lambda v: int(v.version), reverse=True)
-    except Exception as error:  # no registry in this store: the recipe's point, as the pyfunc falls back
-        warnings.warn(f"the registered operating point of {source} could not be looked up ({error}); "
-                      "the recipe's detection.threshold_mm3 is used", stacklevel=2)
-        return fallback
-    for version in versions:
-        point = version_operating_point(version)
-        if point is not None:
-            return point
-    return fallback
-
-
-def record_operating_point(evaluation_run_id: str, uri: str) -> dict[str, str] | None:
-    """Record an evaluation's validation-chosen operating point on the registered version it evaluated.
-
-    Only an evaluation on the split the model was trained with (same ``split_sha256``), without the
-    training-overlap override and without a fallback to the fixed point, records: its validation
-    cases are then the model's own validation split. Returns the tags set, or None.
-    """
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
-    run = client.get_run(evaluation_run_id)
-    tags, metrics = run.data.tags, run.data.metrics
-    name, number, training = tags.get("registered_model"), tags.get("model_version"), tags.get("training_run_id")
-    threshold = metrics.get("operating_point/val_chosen")
-    if not (name and number and training) or threshold is None:
-        return None
-    if tags.get("training_overlap_override") or tags.get("threshold_fallback.val_chosen"):
-        return None
-    try:
-        trained_on = client.get_run(training).data.tags.get("split_sha256")
-    except Exception:  # the training run is gone from this store: nothing to compare the split with
-        return None
-    if trained_on != tags.get("split_sha256"):
-        return None
-    point = {
-        OPERATING_POINT_TAG: repr(float(threshold)),
-        OPERATING_POINT_RULE_TAG: tags.get("operating_point.val_chosen.rule", ""),
-        OPERATING_POINT_RUN_TAG: evaluation_run_id,
-    }
-    for key, value in point.items():
-        client.set_model_version_tag(name, str(number), key, value)
-    return point
-
-
 def _case_id(path: str) -> str:
     path = Path(path)
     if path.name in ("ct.nii.gz",):
@@ -417,13 +353,6 @@ class logging_into:
         return False
 
 
-def model_versions_of_run(run_id: str, uri: str) -> list:
-    """Registered versions whose source is the given training run."""
-    from mlflow.tracking import MlflowClient
-
-    return list(MlflowClient(tracking_uri=uri).search_model_versions(f"run_id = '{run_id}'"))
-
-
 def set_aliases(training_run_id: str, uri: str, aliases: list[str], prefix: str = REGISTERED_PREFIX) -> str | None:
     """Point ``aliases`` at the registered version of a training run (the newest of the models whose
     name starts with ``prefix``); returns ``name/version``, or None when the run registered none."""
@@ -443,10 +372,6 @@ def alias_name(text: str) -> str:
     """An alias MLflow accepts (letters, digits, '_' and '-'; not 'latest' or 'v<number>')."""
     alias = "".join(c if c.isalnum() or c in "-_" else "-" for c in text).strip("-") or "study"
     return f"{alias}-model" if alias == "latest" or (alias[0] == "v" and alias[1:].isdigit()) else alias
-
-
-def is_model_uri(source: str | None) -> bool:
-    return bool(source) and str(source).startswith("models:/")
 
 
 def model_version_tags(source: str | None, uri: str) -> dict[str, str]:

@@ -339,3 +339,54 @@ def test_the_registered_operating_point_is_applied_in_a_fresh_process_and_can_be
     assert after["source"] == f"registered model benchx-unet version {version}" and after["threshold"] == stored
     assert after["detected"] == (volume > stored) != before["detected"]
     assert after["detected_config"] == after["detected_params"] == (volume > override) != after["detected"]
+
+
+ALIAS_PROCESS = """
+import json, sys
+import mlflow
+uri, model_uri = sys.argv[1:3]
+mlflow.set_tracking_uri(uri)
+model = mlflow.pyfunc.load_model(model_uri).unwrap_python_model()
+print(json.dumps({"threshold": model.threshold_mm3, "source": model.threshold_source}))
+"""
+
+
+def test_each_registered_alias_applies_the_m_its_description_states_in_a_fresh_process(trained, tiny_phantom):
+    """A study evaluates its baseline on the development split and its other arms on the locked
+    cohort's view (the same validation cases, another test set, so another split file): every arm's
+    validation-chosen m is recorded on its version, applied when loaded, and stated in its description."""
+    import re
+
+    from lightning_modules.evaluation.bootstrap import evaluation_set_hash
+    from lightning_modules.tracking.operating_point import operating_point_description, record_operating_point
+
+    recipe, first, second, _ = trained
+    _, split = tiny_phantom
+    uri = recipe.tracking.uri
+    client = MlflowClient(uri)
+    table = pd.read_csv(split, dtype=str)
+    val_hash = evaluation_set_hash(table.loc[table["split"] == "val", "case_id"])
+    experiment = client.get_run(first.run_id).info.experiment_id
+    arms = {"baseline": (first, client.get_run(first.run_id).data.tags["split_sha256"], 1472.0),
+            "synthx": (second, "0" * 64, 733.0)}  # the locked view: another split file, same val cases
+    for arm, (training, split_sha, chosen) in arms.items():
+        version = model_version_tags(training.run_id, uri)["model_version"]
+        evaluation = client.create_run(experiment, run_name=f"{arm}-evaluate", tags={
+            "registered_model": "benchx-unet", "model_version": version, "training_run_id": training.run_id,
+            "split_sha256": split_sha, "val_set_sha256": val_hash, "operating_point.val_chosen.rule": "youden"})
+        client.log_metric(evaluation.info.run_id, "operating_point/val_chosen", chosen)
+        assert record_operating_point(evaluation.info.run_id, uri) is not None, f"{arm}: the point is recorded"
+        set_aliases(training.run_id, uri, [f"study-{arm}"])
+        client.update_model_version("benchx-unet", version, description=f"{arm} arm. Operating point: "
+                                    f"{operating_point_description('benchx-unet', version, uri)}.")
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    for arm, (_, _, chosen) in arms.items():
+        version = client.get_model_version_by_alias("benchx-unet", f"study-{arm}")
+        stated = re.search(r"m = ([\d,.]+) mm³ chosen on validation", version.description)
+        assert stated, version.description
+        done = subprocess.run([sys.executable, "-c", ALIAS_PROCESS, uri, f"models:/benchx-unet@study-{arm}"],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        applied = json.loads(done.stdout.strip().splitlines()[-1])
+        assert applied["threshold"] == float(stated.group(1).replace(",", "")) == chosen
+        assert applied["source"] == f"registered model benchx-unet version {version.version}"
