@@ -75,7 +75,8 @@ def test_pyfunc_in_a_fresh_process_equals_benchx_predict(trained, tiny_phantom, 
     from lightning_modules.cli import main
 
     assert main(["predict", "--run-id", first.run_id, "--input", str(ct), "--out", str(tmp_path / "cli")]) == 0
-    expected = nib.load(str(tmp_path / "cli" / "ct" / "prediction.nii.gz"))
+    # <case>/ct.nii.gz is case <case> for both (the pyfunc's case_id, predict's output folder).
+    expected = nib.load(str(tmp_path / "cli" / printed["case_id"] / "prediction.nii.gz"))
     assert mask.shape == expected.shape == nib.load(str(ct)).shape
     np.testing.assert_array_equal(mask, np.asarray(expected.dataobj))
     voxel = float(abs(np.linalg.det(expected.affine[:3, :3])))
