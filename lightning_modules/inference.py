@@ -33,6 +33,7 @@ from monai.transforms import Compose, Invertd
 from lightning_modules.config.recipe import DataConfig
 from lightning_modules.data.cohort import CT_FILE, atomic_save_nifti, load_cohort
 from lightning_modules.data.datamodule import preprocessing
+from lightning_modules.data.volume_checks import header_problem
 from lightning_modules.models.segmentation_module import SegmentationModule
 from lightning_modules.models.tumor_outputs import predicted_labels
 
@@ -41,7 +42,15 @@ class PredictionInputError(ValueError):
     """Inputs or an output folder that ``predict`` refuses before writing anything."""
 
 
-class NonFiniteScanError(ValueError):
+CT_SUFFIXES = (".nii.gz", ".nii")
+
+
+class UnusableScanError(ValueError):
+    """A CT that cannot be predicted: its header (dimensions, declared size, geometry), its name or its
+    voxels rule it out. The scan is skipped and named; the other scans are still predicted."""
+
+
+class NonFiniteScanError(UnusableScanError):
     """A CT holding NaN or infinite voxels: its prediction would be meaningless, so it is not made."""
 
 
@@ -58,9 +67,17 @@ def predict_scan(module: SegmentationModule, data: DataConfig, ct_path: str | Pa
     the recipe's data section (preprocessing).
 
     Raises:
+        UnusableScanError: the header declares no 3-D volume, more voxels than memory allows, or a
+            singular affine (zero spacing); checked before any voxel is read.
         NonFiniteScanError: the CT holds NaN or infinite voxels (named with their count).
     """
+    if Path(ct_path).name in CT_SUFFIXES:
+        raise UnusableScanError(f"{ct_path}: the file name is only a suffix, it names no case "
+                                "(rename it to <case>.nii.gz); no prediction is made")
     original = nib.load(str(ct_path))
+    problem = header_problem(original, expect_3d=True)
+    if problem:
+        raise UnusableScanError(f"{ct_path}: {problem}; no prediction is made")
     bad = non_finite_voxels(original)
     if bad:
         total = int(np.prod(original.shape[:3]))
@@ -96,12 +113,9 @@ def write_prediction(out_dir: Path, labels: np.ndarray, affine: np.ndarray, clas
     return out_dir / "prediction.nii.gz"
 
 
-CT_SUFFIXES = (".nii.gz", ".nii")
-
-
 def case_name(path: Path, in_case_folder: bool = True) -> str:
-    """A CT file's case id: ``x.nii.gz`` and ``x.nii`` are ``x``; ``<case>/ct.nii.gz`` in a folder of
-    cases is ``<case>`` (``in_case_folder``)."""
+    """A CT file's case id: ``x.nii.gz`` and ``x.nii`` are ``x``; ``<case>/ct.nii.gz`` is ``<case>``
+    (``in_case_folder``)."""
     path = Path(path)
     if in_case_folder and path.name == CT_FILE:
         return path.parent.name
@@ -120,7 +134,8 @@ def input_cases(path: Path) -> list[tuple[str, Path]]:
     """
     path = Path(path)
     if path.is_file():
-        return [(case_name(path, in_case_folder=False), path)]
+        # <case>/ct.nii.gz names its case by its folder, any other file by its own name.
+        return [(case_name(path), path)]
     if (path / "metadata.csv").exists():
         cohort = load_cohort(path)
         return [(case.case_id, case.ct_path) for case in cohort.cases()]
@@ -137,6 +152,8 @@ def check_distinct_outputs(cases: Sequence[tuple[str, Path]]) -> None:
     letter case, which are one folder on case-insensitive file systems)."""
     seen: dict[str, Path] = {}
     for case_id, ct_path in cases:
+        if not case_id:
+            continue  # a file named only '.nii.gz' is skipped with its own message by predict_cases
         key = case_id.casefold()
         if key in seen:
             raise PredictionInputError(
@@ -163,17 +180,42 @@ def unreadable_reason(ct_path: Path) -> str | None:
     return None
 
 
+SUMMARY_FILE = "predictions.csv"
+SUMMARY_COLUMNS = ["case_id", "ct_path", "score", "threshold_mm3", "decision", "error"]
+POSITIVE, NEGATIVE = "tumor", "no tumor"
+
+
 @dataclass
 class PredictionSummary:
-    """What a prediction run wrote and skipped.
+    """What a prediction run wrote and skipped, and the per-case table it wrote (``<out>/predictions.csv``).
 
     Attributes:
         written: (case id, output folder, predicted tumor volume in mm^3) per predicted scan.
         skipped: (CT path, reason) per file that could not be read or holds non-finite voxels.
+        rows: one row per case, in :data:`SUMMARY_COLUMNS`: the score (predicted tumor volume, mm^3),
+            the threshold m applied, the decision (``tumor`` when the score exceeds m, else
+            ``no tumor``; empty for a skipped file) and the error of a skipped file.
     """
 
     written: list[tuple[str, Path, float]] = field(default_factory=list)
     skipped: list[tuple[Path, str]] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)
+
+
+def decision(score: float, threshold_mm3: float) -> str:
+    """docs/design.md "Scan-level detection": positive when the predicted tumor volume exceeds m."""
+    return POSITIVE if score > threshold_mm3 else NEGATIVE
+
+
+def write_summary(summary: PredictionSummary, out: Path) -> Path:
+    """Write the per-case table atomically (rewritten after every case, so a stopped run keeps its rows)."""
+    import pandas as pd
+
+    from lightning_modules.data.cohort import atomic_write_csv
+
+    path = Path(out) / SUMMARY_FILE
+    atomic_write_csv(pd.DataFrame(summary.rows, columns=SUMMARY_COLUMNS), path)
+    return path
 
 
 def predict_cases(
@@ -182,6 +224,7 @@ def predict_cases(
     cases: Sequence[tuple[str, Path]],
     out: Path,
     report: Callable[[str], None] = lambda line: None,
+    threshold_mm3: float | None = None,
 ) -> PredictionSummary:
     """Predict every case and write its masks under ``out/<case id>``; unreadable files are skipped.
 
@@ -196,27 +239,41 @@ def predict_cases(
         cases: (case id, CT path) pairs, e.g. from :func:`input_cases`.
         out: output folder.
         report: called with one line per scan written or skipped (e.g. ``print``).
+        threshold_mm3: the operating point m of the decisions (``benchx predict`` passes the one the
+            model applies); None leaves the decision column empty.
     """
     check_output_folder(out)
     check_distinct_outputs(cases)
     summary = PredictionSummary()
+    threshold = "" if threshold_mm3 is None else float(threshold_mm3)
+
+    def skip(case_id: str, ct_path: Path, reason: str, line: str) -> None:
+        summary.skipped.append((Path(ct_path), reason))
+        summary.rows.append({"case_id": case_id, "ct_path": str(ct_path), "score": "", "threshold_mm3": threshold,
+                             "decision": "", "error": reason})
+        report(line)
+        write_summary(summary, out)
+
     for case_id, ct_path in cases:
         try:
             labels, affine = predict_scan(module, data, ct_path)
-        except NonFiniteScanError as error:
-            summary.skipped.append((Path(ct_path), str(error).removeprefix(f"{ct_path}: ")))
-            report(f"{case_id}: skipped, {error}")
+        except UnusableScanError as error:
+            skip(case_id, ct_path, str(error).removeprefix(f"{ct_path}: "), f"{case_id or ct_path}: skipped, {error}")
             continue
         except Exception:
             reason = unreadable_reason(Path(ct_path))
             if reason is None:
                 raise
-            summary.skipped.append((Path(ct_path), reason))
-            report(f"{case_id}: skipped, cannot read {ct_path}: {reason}")
+            skip(case_id, ct_path, reason, f"{case_id or ct_path}: skipped, cannot read {ct_path}: {reason}")
             continue
         write_prediction(Path(out) / case_id, labels, affine, list(data.classes))
         voxel = float(abs(np.linalg.det(affine[:3, :3])))
         volume = int((labels == module.tumor_label).sum()) * voxel
         summary.written.append((case_id, Path(out) / case_id, volume))
-        report(f"{case_id}: predicted {data.tumor_class} volume {volume:.1f} mm^3 -> {Path(out) / case_id}")
+        verdict = "" if threshold == "" else decision(volume, threshold)
+        summary.rows.append({"case_id": case_id, "ct_path": str(ct_path), "score": volume, "threshold_mm3": threshold,
+                             "decision": verdict, "error": ""})
+        write_summary(summary, out)
+        said = "" if threshold == "" else f", m = {threshold:g} mm^3: {verdict}"
+        report(f"{case_id}: predicted {data.tumor_class} volume {volume:.1f} mm^3{said} -> {Path(out) / case_id}")
     return summary

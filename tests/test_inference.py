@@ -159,3 +159,62 @@ def test_predict_refuses_a_run_id_of_the_wrong_shape(tmp_path, capsys):
         predict_main(["--run-id", "../../etc", "--input", str(tmp_path), "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2
     assert "not an MLflow run id" in capsys.readouterr().err
+
+
+def test_zero_spacing_2d_4d_and_nameless_files_are_skipped_each_named_and_the_rest_predicted(tiny_phantom, tmp_path, capsys):
+    import shutil
+
+    from broken_volumes import write_zero_spacing_ct
+
+    root, split = tiny_phantom
+    overrides = tiny_overrides(root, split, tmp_path, steps=1)
+    result = train(load_recipe(RECIPES / "unet.yaml", overrides))
+    cases = list(load_cohort(root).cases())[:3]
+    folder = tmp_path / "scans"
+    folder.mkdir()
+    shutil.copy(cases[0].ct_path, folder / f"{cases[0].case_id}.nii.gz")
+    shutil.copy(cases[1].ct_path, folder / f"{cases[1].case_id}.nii.gz")
+    image = nib.load(cases[2].ct_path)
+    voxels = np.asarray(image.dataobj)
+    flat = folder / "flat.nii.gz"
+    nib.save(nib.Nifti1Image(voxels[:, :, 0], image.affine), str(flat))
+    series = folder / "series.nii.gz"
+    nib.save(nib.Nifti1Image(np.stack([voxels, voxels], axis=-1), image.affine), str(series))
+    zero = write_zero_spacing_ct(folder / "zero.nii.gz", voxels, image.affine)
+    nameless = folder / ".nii.gz"
+    shutil.copy(cases[2].ct_path, nameless)
+    out = tmp_path / "predictions"
+    code = predict_main(["--checkpoint", str(result.last_checkpoint), "--recipe", str(RECIPES / "unet.yaml"),
+                         "--input", str(folder), "--out", str(out), *overrides])
+    captured = capsys.readouterr()
+    assert code == EXIT_SKIPPED and "Traceback" not in captured.err
+    assert f"flat: skipped, {flat}: not a 3D volume (shape {voxels.shape[:2]})" in captured.out
+    assert f"series: skipped, {series}: not a 3D volume (shape {(*voxels.shape, 2)})" in captured.out
+    assert f"zero: skipped, {zero}: singular affine / zero spacing" in captured.out
+    assert f"{nameless}: skipped, {nameless}: the file name is only a suffix" in captured.out
+    assert "4 file(s) skipped" in captured.err
+    for case in cases[:2]:
+        assert (out / case.case_id / "prediction.nii.gz").exists()
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(c.case_id for c in cases[:2])
+    # The per-case table: a decision at m for each predicted case, the error (and no decision) for each skipped file.
+    table = pd.read_csv(out / "predictions.csv", keep_default_na=False)
+    assert list(table.columns) == ["case_id", "ct_path", "score", "threshold_mm3", "decision", "error"]
+    assert len(table) == 6 and set(table["threshold_mm3"]) == {50.0}
+    predicted = table[table["error"] == ""]
+    assert sorted(predicted["case_id"]) == sorted(c.case_id for c in cases[:2])
+    for _, row in predicted.iterrows():
+        assert row["decision"] == ("tumor" if float(row["score"]) > 50.0 else "no tumor")
+        assert f"{row['case_id']}: predicted pancreatic_lesion volume {float(row['score']):.1f} mm^3, m = 50 mm^3: {row['decision']}" in captured.out
+    skipped = table[table["error"] != ""].set_index("ct_path")
+    assert skipped.loc[str(zero), "error"].startswith("singular affine / zero spacing")
+    assert set(skipped["decision"]) == {""} and set(skipped["score"]) == {""}
+    assert "operating point: m = 50 mm^3 (recipe)" in captured.out
+
+
+def test_a_case_folder_ct_is_named_by_its_folder_and_out_has_help(tiny_phantom, tmp_path, capsys):
+    from lightning_modules.commands.predict import parser
+
+    root, _ = tiny_phantom
+    case = next(load_cohort(root).cases())
+    assert input_cases(case.ct_path) == [(case.case_id, case.ct_path)]
+    assert "predictions.csv" in parser().format_help().split("--out OUT", 1)[1]

@@ -1,7 +1,9 @@
 """``benchx predict``: segment CT scans with a trained model; masks on each scan's own grid and affine.
 
 Parses the model source, the input and the output folder and calls
-:func:`lightning_modules.inference.predict_cases`. Exit status: 0 when every scan was predicted,
+:func:`lightning_modules.inference.predict_cases` at the operating point m the model applies (the
+one recorded on its registered version, else its recipe's ``detection.threshold_mm3``, as the
+pyfunc does): each case's decision is printed with m and written to ``<out>/predictions.csv``. Exit status: 0 when every scan was predicted,
 2 on a bad model source or input (through the dispatcher: a missing tracking store, inputs whose
 outputs would collide, an ``--out`` that is a file; nothing is written), 3 when some files could not
 be read or hold NaN or infinite voxels (they are listed at the end; the others were predicted).
@@ -35,7 +37,9 @@ def parser() -> argparse.ArgumentParser:
     )
     add_model_source_arguments(parser)
     parser.add_argument("--input", required=True, help="a CT .nii.gz, a cohort folder, or a folder of CTs")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", required=True,
+                        help="output folder: <out>/<case>/prediction.nii.gz and segmentations/<class>.nii.gz per case, "
+                        "and <out>/predictions.csv (case, score, threshold, decision, error per case)")
     add_overrides_argument(parser)
     return parser
 
@@ -43,7 +47,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_command_line(parser(), sys.argv[1:] if argv is None else argv)
     # Heavy imports after parsing, so --help answers at once.
-    from lightning_modules.inference import check_output_folder, input_cases, predict_cases
+    from lightning_modules.inference import SUMMARY_FILE, check_output_folder, input_cases, predict_cases
+    from lightning_modules.tracking import tracking_uri
+    from lightning_modules.tracking.pyfunc import applied_operating_point
     from lightning_modules.models.checkpoints import load_module_from_checkpoint
     from lightning_modules.tracking.artifacts import resolve_model_source
 
@@ -56,7 +62,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(folder), args.run_id, args.checkpoint, args.recipe, split_overrides(args.overrides)
         )
         module = load_module_from_checkpoint(recipe, checkpoint)
-    summary = predict_cases(module, recipe.data, cases, Path(args.out), report=print)
+    threshold, source = applied_operating_point(args.run_id, tracking_uri(recipe.tracking.uri) if args.run_id else None,
+                                                float(recipe.detection.threshold_mm3))
+    print(f"operating point: m = {threshold:g} mm^3 ({source}); a case is 'tumor' when its predicted "
+          f"{recipe.data.tumor_class} volume exceeds m")
+    summary = predict_cases(module, recipe.data, cases, Path(args.out), report=print, threshold_mm3=threshold)
+    print(f"per-case table: {Path(args.out) / SUMMARY_FILE}")
     if summary.skipped:
         print(f"benchx predict: {len(summary.skipped)} file(s) skipped, they could not be read or predicted:", file=sys.stderr)
         for path, reason in summary.skipped:

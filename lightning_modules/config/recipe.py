@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.config.loader import RecipeError
+from lightning_modules.config.memory import available_memory_bytes
 
 __all__ = [
     "CacheMode", "DataConfig", "DetectionConfig", "DetectionScore", "LossConfig", "MixingMode", "ModelConfig",
@@ -202,11 +203,21 @@ class Recipe:
     profiles: dict[str, Any] = field(default_factory=dict)
 
 
+MIN_SPACING_MM, MAX_SPACING_MM = 0.1, 100.0
+# What Lightning's Trainer(precision=...) accepts.
+PRECISIONS = ("64-true", "64", "32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "16-true", "bf16-true",
+              "transformer-engine", "transformer-engine-float16")
+# One batch of float32 input patches must fit in half the available memory (the network's
+# activations take many times more; this bound only refuses what can never be allocated).
+PATCH_BYTES_PER_VOXEL = 4
+
+
 # The numeric settings with an obvious valid range: (dotted key, test, what it must be). Each test
 # is written so that NaN fails it (every comparison with NaN is false).
 RANGES: tuple[tuple[str, Callable[[float], bool], str], ...] = (
     ("seed", lambda v: v >= 0, ">= 0"),
-    ("data.spacing", lambda v: 0 < v < math.inf, "> 0 mm"),
+    # Resampled to a finer grid than 0.1 mm an abdominal CT has trillions of voxels.
+    ("data.spacing", lambda v: MIN_SPACING_MM <= v <= MAX_SPACING_MM, f"> 0 mm, within [{MIN_SPACING_MM}, {MAX_SPACING_MM}] mm"),
     ("data.patch_size", lambda v: v >= 1, ">= 1 voxel"),
     ("data.batch_size", lambda v: v >= 1, ">= 1"),
     ("data.samples_per_volume", lambda v: v >= 1, ">= 1"),
@@ -282,3 +293,52 @@ def check_values(config: DictConfig, source: str = "recipe") -> None:
                           "(synthx.real_steps and synthx.ratio > 0)")
     if len(config.trainer.sw_roi_size) not in (0, 3):
         raise RecipeError(f"{source}: trainer.sw_roi_size needs 3 values (or none: data.patch_size)")
+    check_trainer_choices(config.trainer, source)
+    check_patch_memory(config, source)
+
+
+def check_trainer_choices(trainer: DictConfig, source: str = "recipe") -> None:
+    """``trainer.precision`` one of Lightning's; ``trainer.devices`` a count, -1, "auto" or device indices."""
+    precision = str(trainer.precision)
+    if precision not in PRECISIONS:
+        raise RecipeError(f"{source}: trainer.precision must be one of {', '.join(PRECISIONS)}, got {trainer.precision!r}")
+    devices = trainer.devices
+    if OmegaConf.is_list(devices) or isinstance(devices, (list, tuple)):
+        items = list(devices)
+        valid = bool(items) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items)
+    elif isinstance(devices, bool):
+        valid = False
+    elif isinstance(devices, int):
+        valid = devices >= 1 or devices == -1
+    else:
+        text = str(devices).strip()
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        valid = text == "auto" or text == "-1" or (bool(parts) and all(p.isdigit() for p in parts)
+                                                   and (len(parts) > 1 or text.endswith(",") or int(parts[0]) >= 1))
+    if not valid:
+        raise RecipeError(f"{source}: trainer.devices must be a number of devices >= 1, -1 (all), 'auto', "
+                          f"or a list of device indices such as [0, 1], got {devices!r}")
+
+
+def check_patch_memory(config: DictConfig, source: str = "recipe", available: int | None = None) -> None:
+    """One batch of input patches (and one sliding window batch) within half the available memory.
+
+    Args:
+        available: the available memory in bytes (default: what the system reports; unknown: not checked).
+    """
+    available = available_memory_bytes() if available is None else int(available)
+    if available is None:
+        return
+    limit = available // 2
+    data, trainer = config.data, config.trainer
+    batches = [("data.patch_size", list(data.patch_size), int(data.batch_size) * int(data.samples_per_volume))]
+    if len(trainer.sw_roi_size):
+        batches.append(("trainer.sw_roi_size", list(trainer.sw_roi_size), int(trainer.sw_batch_size)))
+    for key, size, count in batches:
+        needed = math.prod(int(n) for n in size) * count * PATCH_BYTES_PER_VOXEL
+        if needed > limit:
+            raise RecipeError(
+                f"{source}: {key} {size} x {count} patches per batch is {needed / 1e9:,.1f} GB of float32 input alone, "
+                f"more than half the available memory ({limit / 1e9:,.1f} GB): use a smaller {key} "
+                f"(each dimension at most about {int((limit / (count * PATCH_BYTES_PER_VOXEL)) ** (1 / 3))} voxels)"
+            )

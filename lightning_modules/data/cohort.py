@@ -30,7 +30,7 @@ import nibabel as nib
 import numpy as np
 import pandas as pd
 
-from lightning_modules.data.metadata import METADATA_FILE, normalize_metadata
+from lightning_modules.data.metadata import METADATA_FILE, MetadataReadError, normalize_metadata, read_metadata_csv
 from lightning_modules.data.problems import Problem
 
 # The AbdomenAtlas organ classes this framework knows (docs/design.md "Cohorts on disk").
@@ -188,10 +188,18 @@ def detect_layout(root: Path) -> tuple[str, str, str]:
 
 
 def read_metadata(root: Path) -> tuple[pd.DataFrame, list[Problem]]:
+    """The normalized metadata table of a cohort and its problems (:func:`read_metadata_csv` reads it).
+
+    Raises:
+        CohortError: the file is missing, empty, ragged or not UTF-8.
+    """
     path = Path(root) / METADATA_FILE
     if not path.exists():
         raise CohortError([Problem("<cohort>", str(path), "metadata file is missing")], root)
-    raw = pd.read_csv(path, dtype=str, keep_default_na=False)
+    try:
+        raw = read_metadata_csv(path)
+    except MetadataReadError as error:
+        raise CohortError([error.problem], root) from error
     return normalize_metadata(raw)
 
 

@@ -12,7 +12,7 @@ normalized table has them), :data:`OPTIONAL_COLUMNS` (known, kept when present) 
 
 Example::
 
-    table, problems = normalize_metadata(pd.read_csv("data/phantom/metadata.csv", dtype=str))
+    table, problems = normalize_metadata(read_metadata_csv("data/phantom/metadata.csv"))
 """
 
 from __future__ import annotations
@@ -204,6 +204,36 @@ def _normalize_binary(value, column: str) -> int:
     if text in {"0", "0.0", "false", "no", "n", "negative"}:
         return 0
     raise ValueError(f"{column} must be 0 or 1, got {value!r}")
+
+
+class MetadataReadError(ValueError):
+    """A ``metadata.csv`` that cannot be read as a table; ``problem`` names the file and what is wrong."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        super().__init__(str(problem))
+
+
+def read_metadata_csv(path) -> pd.DataFrame:
+    """The raw table of a cohort's ``metadata.csv``, every cell as text: the one reader of that file.
+
+    Raises:
+        MetadataReadError: the file is empty, ragged (a row with more fields than the header), not
+            UTF-8 text, or not readable; the message names the file and, where known, the line.
+    """
+    try:
+        return pd.read_csv(path, dtype=str, keep_default_na=False, encoding="utf-8")
+    except pd.errors.EmptyDataError:
+        message = "cannot read metadata: the file is empty (it needs a header line with at least case_id)"
+    except pd.errors.ParserError as error:
+        detail = str(error).strip().replace("Error tokenizing data. C error: ", "")
+        message = f"cannot read metadata: ragged table, every row needs the header's number of fields ({detail})"
+    except UnicodeDecodeError as error:
+        message = (f"cannot read metadata: not UTF-8 text (byte 0x{error.object[error.start]:02x} at offset "
+                   f"{error.start}); save it as UTF-8")
+    except OSError as error:
+        message = f"cannot read metadata: {error}"
+    raise MetadataReadError(Problem("<cohort>", str(path), message))
 
 
 def canonical_column(name: str) -> str:

@@ -4,7 +4,8 @@ Checks the metadata table (required columns, unknown categorical values, duplica
 ids, synthetic rows without a source case), then every case's files: folder present, CT and masks
 readable to the last byte (a truncated ``.nii.gz`` reads its header fine and fails only on the
 data), masks on the CT's grid and affine, masks binary, CT voxels finite, required organ masks
-present (a missing lesion file means "no lesion"), and the ``tumor`` column agreeing with the
+present (a missing lesion file means "no lesion"), the CT's geometry (a singular affine, e.g. a zero
+slice spacing) and every file's declared size (checked on the header, before any voxel is read), and the ``tumor`` column agreeing with the
 lesion mask (any non-zero voxel is lesion, as :meth:`Cohort.resolve_tumor_labels` reads it, so a
 0/255 mask is reported once, as not binary). Training calls :func:`raise_if_invalid` first and
 refuses a broken cohort. See ``docs/design.md "Cohorts on disk"``.
@@ -35,6 +36,7 @@ from lightning_modules.data.cohort import Case, Cohort, CohortError, is_lesion_c
 from lightning_modules.data.metadata import METADATA_FILE
 from lightning_modules.data.problems import Problem
 from lightning_modules.data.splits import SplitError, load_split
+from lightning_modules.data.volume_checks import geometry_problem, size_problem
 
 DEFAULT_CLASSES = ("pancreas", "pancreatic_lesion")
 # Affines written by different tools differ in float rounding; 1e-3 mm is far below any voxel size.
@@ -118,20 +120,29 @@ def _check_ct(check: _CaseCheck) -> tuple[list[Problem], tuple[int, ...] | None,
     path = check.case.ct_path
     if not path.exists():
         return [check.problem(path, "CT file is missing")], None, None
-    problems = []
     try:
-        if check.check_voxels:
-            image, ct = read_volume(path)
-            if ct.dtype.kind == "f" and not np.isfinite(ct).all():
-                bad = int(np.count_nonzero(~np.isfinite(ct)))
-                problems.append(check.problem(path, f"CT has {bad} NaN/inf voxel(s)"))
-        else:
-            image = nib.load(str(path))
+        image = nib.load(str(path))
     except READ_ERRORS as error:
         return [check.problem(path, f"unreadable or truncated NIfTI: {error}")], None, None
     shape = tuple(image.shape)
+    # The header's declared size is checked before any voxel is read (a 30000^3 header is 100 TB).
+    too_large = size_problem(shape)
+    if too_large:
+        return [check.problem(path, too_large)], None, None
+    problems = []
     if len(shape) != 3:
         problems.append(check.problem(path, f"CT is not a 3D volume (shape {shape})"))
+    geometry = geometry_problem(image.affine)
+    if geometry:
+        problems.append(check.problem(path, geometry))
+    if check.check_voxels:
+        try:
+            ct = np.asanyarray(image.dataobj)
+        except READ_ERRORS as error:
+            return [check.problem(path, f"unreadable or truncated NIfTI: {error}")], None, None
+        if ct.dtype.kind == "f" and not np.isfinite(ct).all():
+            bad = int(np.count_nonzero(~np.isfinite(ct)))
+            problems.insert(0, check.problem(path, f"CT has {bad} NaN/inf voxel(s)"))
     return problems, shape, image.affine
 
 
@@ -146,7 +157,11 @@ def _check_mask(check: _CaseCheck, class_name: str) -> list[Problem]:
             return [check.problem(path, "metadata tumor=1 but the lesion mask is missing (no lesion)")]
         return []
     try:
-        image, mask = read_volume(path) if check.check_voxels else (nib.load(str(path)), None)
+        image = nib.load(str(path))
+        too_large = size_problem(tuple(image.shape))
+        if too_large:
+            return [check.problem(path, too_large)]
+        mask = np.asanyarray(image.dataobj) if check.check_voxels else None
     except READ_ERRORS as error:
         return [check.problem(path, f"unreadable or truncated NIfTI: {error}")]
     problems = _grid_problems(check, path, image)

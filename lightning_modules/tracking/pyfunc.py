@@ -32,7 +32,11 @@ Example::
 
 from __future__ import annotations
 
+import ast
+import logging
+import re
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -41,15 +45,24 @@ import mlflow.pyfunc
 import pandas as pd
 
 from lightning_modules.models.checkpoints import CHECKPOINT_ARTIFACT, RECIPE_ARTIFACT
+from lightning_modules.tracking.operating_point import (  # noqa: F401 (the pyfunc's names for them)
+    OPERATING_POINT_RULE_TAG,
+    OPERATING_POINT_RUN_TAG,
+    OPERATING_POINT_TAG,
+    applied_operating_point,
+    is_model_uri,
+    model_versions_of_run,
+    operating_point_description,
+    record_operating_point,
+    same_validation_cases,
+    version_operating_point,
+)
 
 MODEL_NAME = "model"
 REGISTERED_PREFIX = "benchx-"
 OUTPUT_COLUMNS = ["case_id", "mask", "tumor_volume_mm3", "tumor_detected", "error"]
-# The override key (model_config at load, params per call) and the registered version's tags.
+# The override key (model_config at load, params per call); the version tags are in tracking.operating_point.
 THRESHOLD_KEY = "threshold_mm3"
-OPERATING_POINT_TAG = "operating_point_mm3"
-OPERATING_POINT_RULE_TAG = "operating_point_rule"
-OPERATING_POINT_RUN_TAG = "operating_point_run"
 REQUIREMENTS = ("torch", "lightning", "monai", "nibabel", "numpy", "pandas", "omegaconf", "einops", "mlflow")
 
 
@@ -66,7 +79,8 @@ def signature():
     inputs = Schema(
         [
             ColSpec("string", "ct_path", required=False),
-            ColSpec(Array(Array(Array("float"))), "ct", required=False),
+            # double: a JSON request (mlflow models serve) carries numbers as float64; float32 is refused there.
+            ColSpec(Array(Array(Array("double"))), "ct", required=False),
             ColSpec(Array(Array("double")), "affine", required=False),
         ]
     )
@@ -113,6 +127,8 @@ class SegmentationModel(mlflow.pyfunc.PythonModel):
 
     def load_context(self, context) -> None:
         from lightning_modules.recipe import load_recipe
+
+        _remember_dropped_columns()
         from lightning_modules.models.checkpoints import load_module_from_checkpoint
 
         self.recipe = load_recipe(context.artifacts[RECIPE_ARTIFACT], resolved=True)
@@ -130,10 +146,12 @@ class SegmentationModel(mlflow.pyfunc.PythonModel):
 
     def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
+        dropped, _DROPPED.columns = getattr(_DROPPED, "columns", None), None
         if not {"ct_path", "ct"} & set(frame.columns):
+            got = sorted({*map(str, frame.columns), *(dropped or [])})
             raise ValueError(
                 f"the input has no 'ct_path' column (a NIfTI file per row) and no 'ct' column (a 3-D volume in HU, "
-                f"with an optional 'affine'); it has {list(frame.columns)}"
+                f"with an optional 'affine'); it has {got if got else 'no columns'}"
             )
         threshold = self.threshold_mm3
         if params and params.get(THRESHOLD_KEY) is not None:
@@ -145,7 +163,7 @@ class SegmentationModel(mlflow.pyfunc.PythonModel):
         """One scan's result, or its problem in ``error``: a bad file or input must not cost the other rows."""
         import numpy as np
 
-        from lightning_modules.inference import NonFiniteScanError, predict_scan, unreadable_reason
+        from lightning_modules.inference import UnusableScanError, predict_scan, unreadable_reason
 
         path = row.get("ct_path") if "ct_path" in row else None
         volume_in = row.get("ct") if "ct" in row else None
@@ -156,7 +174,7 @@ class SegmentationModel(mlflow.pyfunc.PythonModel):
                     raise ValueError(f"{path}: no such file")
                 try:
                     labels, affine = predict_scan(self.module, self.recipe.data, path)
-                except NonFiniteScanError:
+                except UnusableScanError:
                     raise
                 except Exception as error:
                     reason = unreadable_reason(Path(path))
@@ -186,11 +204,15 @@ class SegmentationModel(mlflow.pyfunc.PythonModel):
         import nibabel as nib
         import numpy as np
 
+        from lightning_modules.data.volume_checks import geometry_problem
         from lightning_modules.inference import predict_scan
 
         if volume.ndim != 3:
             raise ValueError(f"ct must be a 3-D volume, got shape {volume.shape}")
         affine = np.eye(4) if affine is None else np.asarray([np.asarray(r, dtype=float) for r in affine])
+        problem = geometry_problem(affine)
+        if problem:
+            raise ValueError(f"ct: {problem}; no prediction is made")
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "ct.nii.gz"
             nib.save(nib.Nifti1Image(volume, affine), str(path))
@@ -198,6 +220,30 @@ class SegmentationModel(mlflow.pyfunc.PythonModel):
                 return predict_scan(self.module, self.recipe.data, path)
             except ValueError as error:
                 raise ValueError(str(error).replace(str(path), "ct")) from error
+
+
+# The columns MLflow's schema enforcement dropped before the last call of this thread: it drops the
+# columns the signature does not declare (logging them) and calls predict with the rest.
+_DROPPED = threading.local()
+ENFORCEMENT_LOGGER = "mlflow.models.utils"
+
+
+class _DroppedColumns(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if text.startswith("Found extra inputs"):
+            match = re.search(r"`(\[.*\])`", text)
+            try:
+                _DROPPED.columns = [str(c) for c in ast.literal_eval(match.group(1))] if match else None
+            except (ValueError, SyntaxError):
+                _DROPPED.columns = None
+        return True
+
+
+def _remember_dropped_columns() -> None:
+    logger = logging.getLogger(ENFORCEMENT_LOGGER)
+    if not any(isinstance(f, _DroppedColumns) for f in logger.filters):
+        logger.addFilter(_DroppedColumns())
 
 
 def _threshold(value, source: str) -> float:
@@ -231,43 +277,10 @@ def recorded_operating_point(model_dir: Path) -> tuple[float, str] | None:
     model_id = getattr(info, "model_id", None)
     mine = [v for v in versions if model_id is None or getattr(v, "model_id", None) in (None, model_id)]
     for version in sorted(mine, key=lambda v: int(v.version), reverse=True):
-        if OPERATING_POINT_TAG in version.tags:
-            return float(version.tags[OPERATING_POINT_TAG]), f"registered model {version.name} version {version.version}"
+        point = version_operating_point(version)
+        if point is not None:
+            return point
     return None
-
-
-def record_operating_point(evaluation_run_id: str, uri: str) -> dict[str, str] | None:
-    """Record an evaluation's validation-chosen operating point on the registered version it evaluated.
-
-    Only an evaluation on the split the model was trained with (same ``split_sha256``), without the
-    training-overlap override and without a fallback to the fixed point, records: its validation
-    cases are then the model's own validation split. Returns the tags set, or None.
-    """
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
-    run = client.get_run(evaluation_run_id)
-    tags, metrics = run.data.tags, run.data.metrics
-    name, number, training = tags.get("registered_model"), tags.get("model_version"), tags.get("training_run_id")
-    threshold = metrics.get("operating_point/val_chosen")
-    if not (name and number and training) or threshold is None:
-        return None
-    if tags.get("training_overlap_override") or tags.get("threshold_fallback.val_chosen"):
-        return None
-    try:
-        trained_on = client.get_run(training).data.tags.get("split_sha256")
-    except Exception:  # the training run is gone from this store: nothing to compare the split with
-        return None
-    if trained_on != tags.get("split_sha256"):
-        return None
-    point = {
-        OPERATING_POINT_TAG: repr(float(threshold)),
-        OPERATING_POINT_RULE_TAG: tags.get("operating_point.val_chosen.rule", ""),
-        OPERATING_POINT_RUN_TAG: evaluation_run_id,
-    }
-    for key, value in point.items():
-        client.set_model_version_tag(name, str(number), key, value)
-    return point
 
 
 def _case_id(path: str) -> str:
@@ -340,13 +353,6 @@ class logging_into:
         return False
 
 
-def model_versions_of_run(run_id: str, uri: str) -> list:
-    """Registered versions whose source is the given training run."""
-    from mlflow.tracking import MlflowClient
-
-    return list(MlflowClient(tracking_uri=uri).search_model_versions(f"run_id = '{run_id}'"))
-
-
 def set_aliases(training_run_id: str, uri: str, aliases: list[str], prefix: str = REGISTERED_PREFIX) -> str | None:
     """Point ``aliases`` at the registered version of a training run (the newest of the models whose
     name starts with ``prefix``); returns ``name/version``, or None when the run registered none."""
@@ -366,10 +372,6 @@ def alias_name(text: str) -> str:
     """An alias MLflow accepts (letters, digits, '_' and '-'; not 'latest' or 'v<number>')."""
     alias = "".join(c if c.isalnum() or c in "-_" else "-" for c in text).strip("-") or "study"
     return f"{alias}-model" if alias == "latest" or (alias[0] == "v" and alias[1:].isdigit()) else alias
-
-
-def is_model_uri(source: str | None) -> bool:
-    return bool(source) and str(source).startswith("models:/")
 
 
 def model_version_tags(source: str | None, uri: str) -> dict[str, str]:

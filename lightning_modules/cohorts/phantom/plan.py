@@ -15,6 +15,10 @@ import pandas as pd
 
 from lightning_modules.data.cohort import ORGAN_CLASSES
 from lightning_modules.data.metadata import OPTIONAL_COLUMNS, STANDARD_COLUMNS, UNKNOWN
+from lightning_modules.data.volume_checks import size_problem
+
+# Float32 volumes of a case's shape held at once while it is rendered (about 5, measured).
+RENDER_COPIES = 6
 
 CASE_ID_PREFIX = "PH"
 PATIENT_ID_PREFIX = "PT"
@@ -346,6 +350,11 @@ def _check_count_and_seed(n_cases, seed) -> None:
 def _check_shape_and_spacing(shape, spacing) -> None:
     if len(shape) != 3 or any(int(n) != n or n < MIN_SHAPE for n in shape):
         raise ValueError(f"shape must be 3 integers, each at least {MIN_SHAPE}, got {tuple(shape)!r}")
+    # Refused before anything is allocated: rendering one case holds about five float32 copies of it.
+    too_large = size_problem(shape, subject="--shape asks for", consequence="nothing was written",
+                             copies=RENDER_COPIES)
+    if too_large:
+        raise ValueError(too_large)
     if len(spacing) != 3 or any(not np.isfinite(s) or s <= 0 for s in spacing):
         raise ValueError(f"spacing must be 3 positive numbers (mm), got {tuple(spacing)!r}")
 

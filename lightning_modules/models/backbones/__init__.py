@@ -201,6 +201,27 @@ def check_backbone_config(
     return bound
 
 
+def check_channel_widths(backbone: str, options: dict, source: str = "recipe") -> None:
+    """``model.options.channels`` (the width of each level): at least two widths, each an integer >= 1,
+    and for a builder with ``strides`` one stride fewer than widths."""
+    if "channels" not in options:
+        return
+    channels = options["channels"]
+    widths = list(channels) if isinstance(channels, (list, tuple)) else None
+    if not widths or len(widths) < 2 or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in widths):
+        raise RecipeError(f"{source}: model.options.channels must list at least 2 level widths, each an integer >= 1, "
+                          f"got {channels!r}")
+    try:
+        parameters = inspect.signature(get_backbone(backbone).builder).parameters
+    except KeyError:
+        return  # an unknown backbone is named by check_backbone_config
+    if "strides" in parameters:
+        strides = options.get("strides", parameters["strides"].default)
+        if len(list(strides)) != len(widths) - 1:
+            raise RecipeError(f"{source}: model.options.strides needs one stride fewer than model.options.channels "
+                              f"({len(widths) - 1} for {widths}), got {list(strides)}")
+
+
 def check_model_section(model: ModelConfig, data: DataConfig, trainer: TrainerConfig, source: str = "recipe") -> None:
     """The recipe's backbone and its options (``model``) against the builder's signature and shape
     rules, at the training patch (``data.patch_size``) and at the sliding window (``trainer.sw_roi_size``).
@@ -209,6 +230,7 @@ def check_model_section(model: ModelConfig, data: DataConfig, trainer: TrainerCo
         RecipeError: naming ``source`` and what is wrong.
     """
     options = dict(OmegaConf.to_container(model.options, resolve=True))
+    check_channel_widths(model.backbone, options, source)
     sizes = [("data.patch_size", data.patch_size)]
     if len(trainer.sw_roi_size):
         sizes.append(("trainer.sw_roi_size", trainer.sw_roi_size))
