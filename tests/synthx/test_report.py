@@ -69,6 +69,15 @@ def test_aliases_point_at_the_study_versions(finished_study):
     assert description.startswith(f"baseline arm of study {settings.experiment}"), description
     assert "Recipe: unet" in description and "Data: " in description and "split sha256" in description
     assert f"m = {chosen:,.0f} mm³ chosen on validation" in description, description
+    # Every arm's version states the m that a model loaded from its alias applies (not the recipe's).
+    from lightning_modules.tracking.operating_point import applied_operating_point
+
+    for arm in ("baseline", "sham", "synthx"):
+        alias = f"{settings.experiment}-{arm}"
+        applied, source = applied_operating_point(f"models:/benchx-unet@{alias}", uri, 50.0)
+        stated = client.get_model_version_by_alias("benchx-unet", alias).description
+        assert source.startswith("registered model"), (arm, source)
+        assert f"m = {applied:,.0f} mm³ chosen on validation" in stated, (arm, stated)
     evaluated = client.get_run(tags["step.evaluate_synthx"]).data.tags
     version = client.get_model_version_by_alias("benchx-unet", f"{settings.experiment}-synthx").version
     assert evaluated.get("model_version") == str(version) and evaluated.get("registered_model") == "benchx-unet"

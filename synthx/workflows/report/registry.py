@@ -3,22 +3,20 @@ on each registered version naming its arm, study, recipe, data and operating poi
 
 from __future__ import annotations
 
+from lightning_modules.tracking.operating_point import operating_point_description
 from lightning_modules.tracking.pyfunc import set_aliases
 from synthx.labels import arm_label
 from synthx.workflows.report.runs import study_arms, StudyRuns
 
 
-def model_version_description(study: StudyRuns, step: str, arm: str, experiment: str, evaluation: str | None) -> str:
-    """A registered version's description: arm, study, recipe, data and validation-chosen operating point."""
+def model_version_description(study: StudyRuns, step: str, arm: str, experiment: str, version: str, uri: str) -> str:
+    """A registered version's description: arm, study, recipe, data and the operating point the version
+    applies (read back from the version itself, so the text states what a loaded model does)."""
     tags = study.run(step).data.tags
     params = study.run(step).data.params
-    point = "not chosen (no evaluation run)"
-    if evaluation:
-        run = study.client.get_run(evaluation)
-        threshold = run.data.metrics.get("operating_point/val_chosen")
-        if threshold is not None:
-            rule = run.data.tags.get("operating_point.val_chosen.rule", "")
-            point = f"m = {threshold:,.0f} mm³ chosen on validation{f' by {rule}' if rule else ''} (evaluation run {evaluation})"
+    name, _, number = version.partition("/")
+    recipe_m = params.get("detection.threshold_mm3")
+    point = operating_point_description(name, number, uri, float(recipe_m) if recipe_m else None)
     data = params.get("data.root") or tags.get("eval_cohort") or "see the training run"
     return (f"{arm_label(arm)} arm of study {experiment} (parent run {study.parent.info.run_id}, "
             f"training run {study.steps[step]}). Recipe: {tags.get('recipe', 'not recorded')} (profile {tags.get('profile', '-')}), synthetic ratio "
@@ -36,11 +34,10 @@ def publish_arms(study: StudyRuns, uri: str) -> dict[str, str]:
     for step, variant in study_arms(study):
         # Scoped by experiment: one experiment's study never moves another's aliases.
         aliases[variant] = set_aliases(study.steps[step], uri, [f"{experiment}-{variant}"])
-        evaluation = study.steps.get(f"evaluate_{variant}") or study.steps.get(f"evaluate_{step}")
         if aliases[variant]:
             name, _, version = aliases[variant].partition("/")
             study.client.update_model_version(name, version, description=model_version_description(
-                study, step, variant, experiment, evaluation))
+                study, step, variant, experiment, aliases[variant], uri))
     if "synthx_train" in study.steps:
         aliases["generator"] = set_aliases(study.steps["synthx_train"], uri, [experiment], prefix="synthx-")
     for variant, target in aliases.items():
