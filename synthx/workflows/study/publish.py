@@ -22,7 +22,8 @@ from synthx.workflows.study.runner import StudyRunner
 
 def publish_comparison(runner: StudyRunner, comparison: dict, endpoint: PrimaryEndpoint) -> pd.DataFrame:
     """Copy the comparison's text table onto the parent run with each row's role (primary, secondary,
-    schedule) and the primary result; print them and return the labelled comparison table."""
+    schedule) and the primary result; print the primary result and where the table is, and return the
+    labelled comparison table."""
     client = runner.client
     with tempfile.TemporaryDirectory() as folder:
         table = pd.read_csv(client.download_artifacts(comparison["run_id"], "comparison/test_comparison.csv", folder))
@@ -39,7 +40,10 @@ def publish_comparison(runner: StudyRunner, comparison: dict, endpoint: PrimaryE
             if value == value:  # NaN is not logged
                 client.log_metric(runner.parent_id, f"endpoint/{column}", value)
     client.set_tag(runner.parent_id, "comparison_run_id", comparison["run_id"])
-    print(text)
+    # The full table (every subgroup, metric and operating point) stays in the run; the console gets
+    # the primary result and the verdict.
+    print(f"[study] the full comparison ({len(text.splitlines())} lines): artifact comparison/test_comparison.txt "
+          f"of run {runner.parent_id}")
     print(summary)
     return table
 

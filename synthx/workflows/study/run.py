@@ -153,8 +153,10 @@ def _run_study(settings: StudySettings, parent_tags: dict[str, str] | None, stop
         if locked:
             side_by_side = baseline_test_sets(runner.client, baseline_evaluation["run_id"], evaluations["baseline"]["run_id"])
             runner.client.log_text(runner.parent_id, side_by_side.to_csv(index=False), "study/baseline_test_sets.csv")
-            print("[study] the baseline on the development test split and on the locked cohort:")
-            print(side_by_side.to_string(index=False))
+            overall = side_by_side[side_by_side["attribute"] == "overall"]
+            print("[study] the baseline on the development test split and on the locked cohort (all scans; every "
+                  "subgroup: artifact study/baseline_test_sets.csv):")
+            print(overall.drop(columns=["attribute"]).to_string(index=False))
 
         print(f"[study] report: {publish_study(runner.uri, runner.parent_id, settings.output_dir)}")
         runner.finish()
