@@ -107,3 +107,46 @@ def test_relative_links_in_documents_resolve():
             if not (REPO_ROOT / path).parent.joinpath(file_part).exists():
                 broken.append(f"{path}: {target}")
     assert not broken, "links to files that do not exist: " + ", ".join(broken)
+
+
+# What the main job's and the pooled study's figures depend on: a change here makes generated results stale.
+RESULT_CODE_PATHS = ("lightning_modules", "synthx", "recipes", "splits", "MLproject", "pyproject.toml",
+                     ".ci/constraints.txt", ".ci/setup")
+GENERATED_COMMIT = re.compile(r"at commit `([0-9a-f]{40})`")
+
+
+def stale_generated_blocks(texts: dict[str, str], head: str = "HEAD") -> list[str]:
+    """The generated blocks (README's and the pages') whose commit is unknown or whose code path
+    (RESULT_CODE_PATHS) has changed between that commit and ``head``."""
+    stale = []
+    for name, text in texts.items():
+        for block in GENERATED_BLOCK.finditer(text):
+            for commit in GENERATED_COMMIT.findall(block.group(0)):
+                known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO_ROOT).returncode == 0
+                if not known:
+                    stale.append(f"{name}: commit {commit} is not in this repository's history")
+                    continue
+                changed = subprocess.run(["git", "diff", "--name-only", commit, head, "--", *RESULT_CODE_PATHS],
+                                         cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.split()
+                if changed:
+                    stale.append(f"{name}: generated at {commit[:12]}, since then {len(changed)} file(s) of its "
+                                 f"code path changed (e.g. {', '.join(changed[:3])})")
+    return stale
+
+
+def test_generated_results_come_from_the_current_code():
+    """README's and the docs' generated blocks name the commit whose code made them; that commit's code
+    path must be the current one (regenerate with ``benchx report --markdown`` after a change)."""
+    texts = {name: (REPO_ROOT / name).read_text(encoding="utf-8") for name in ("README.md", *sorted(GENERATED_PAGES))}
+    assert any(GENERATED_COMMIT.search(text) for text in texts.values()), "no generated block names its commit"
+    stale = stale_generated_blocks(texts)
+    assert not stale, "results generated from other code:\n" + "\n".join(stale)
+
+
+def test_a_block_generated_before_a_code_change_is_stale():
+    first = subprocess.run(["git", "rev-list", "--max-parents=0", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()[0]
+    block = f"<!-- benchx-results:start -->\nrun at commit `{first}`.\n<!-- benchx-results:end -->"
+    assert stale_generated_blocks({"README.md": block}), "the first commit's code is not today's"
+    unknown = block.replace(first, "0" * 40)
+    assert "not in this repository's history" in stale_generated_blocks({"README.md": unknown})[0]
