@@ -1,10 +1,17 @@
-"""BenchX base package: recipes, data, models, evaluation, tracking, training and the commands.
+"""BenchX base package: the libraries, the workflows built on them, and the ``benchx`` commands.
 
-Subpackages: ``config`` (layered recipes), ``data`` (cohorts, splits, datamodule, phantom, importers,
-audit), ``models`` (backbones, SegmentationModule, checkpoints), ``evaluation`` (detection, subgroups,
-bootstrap, evaluate/compare) and ``commands`` (argparse for ``benchx``). The base never imports
-:mod:`synthx` (docs/design.md "Layering"): a synthetic cohort is just a cohort on disk with
-``synthetic=1`` rows.
+Libraries (import no MLflow): ``config`` (the recipe schema, value checks and pinned CPU arithmetic;
+imports nothing else of the project), ``data`` (cohorts on disk, metadata, splits, the datamodule,
+mixing and exposure), ``cohorts`` (the phantom, importers and the leakage audit), ``models``
+(backbones, planning, the SegmentationModule, checkpoints), ``evaluation`` (scan-level detection,
+subgroups, thresholds, small-count statistics, the bootstrap and seed pooling) and ``inference``.
+``recipe`` loads a whole recipe and has each layer check its section. Above them: ``tracking`` (the
+MLflow adapter, pyfunc serving and the registry's operating point), ``workflows`` (train, evaluate,
+operating points, the comparison table, training overlap), ``trainer``, and ``commands`` with
+``cli`` (argparse for ``benchx``). The base never imports :mod:`synthx` (docs/design.md
+"Layering"): a synthetic cohort is just a cohort on disk with ``synthetic=1`` rows.
+
+Importing the package pins torch's CPU arithmetic to one path (:mod:`lightning_modules.config.numerics`).
 """
 
 __version__ = "0.1.0"
