@@ -78,3 +78,18 @@ def test_a_malformed_subgroup_is_refused_before_any_run_is_read():
         compare(["a" * 32, "b" * 32], subgroup="arterial")
     with pytest.raises(EvaluationError, match="unknown subgroup attribute 'colour'"):
         compare(["a" * 32, "b" * 32], subgroup="colour:red")
+
+
+def test_compare_adds_the_subgroup_point_only_when_a_subgroup_is_named(monkeypatch):
+    import lightning_modules.workflows.evaluate as evaluate_module
+
+    loaded = dict(zip(("a" * 32, "b" * 32), runs()))
+    monkeypatch.setattr(evaluate_module, "_load_run", lambda client, run_id, stage, folder: loaded[run_id])
+    table, logged = compare(list(loaded), "test", uri="sqlite:///:memory:", n_resamples=20, subgroup="phase:arterial")
+    assert logged is None
+    assert set(table["operating_point"]) == {"fixed", "val_chosen", "matched_specificity", "subgroup_matched_specificity"}
+    direct = subgroup_rows(*loaded.values())[0]
+    at_point = table[table["operating_point"] == "subgroup_matched_specificity"]
+    assert at_point["threshold_b"].iloc[0] == direct["threshold_b"].iloc[0]
+    plain, _ = compare(list(loaded), "test", uri="sqlite:///:memory:", n_resamples=20)
+    assert set(plain["operating_point"]) == {"fixed", "val_chosen", "matched_specificity"}
