@@ -100,9 +100,18 @@ class PrimaryEndpoint:
         kept = {key: value for key, value in asdict(self).items() if key not in ("version", *ENDPOINT_VERSIONS[1])}
         return [PrimaryEndpoint.of_version(v, **kept) for v in sorted(ENDPOINT_VERSIONS) if v < self.version]
 
-    def mask(self, table: pd.DataFrame) -> pd.Series:
-        return ((table["run"] == self.arm) & (table["metric"] == self.metric) & (table["attribute"] == self.attribute)
-                & (table["group"].astype(str) == self.group) & (table["operating_point"] == self.operating_point))
+    def mask(self, table: pd.DataFrame, metric: str | None = None) -> pd.Series:
+        """The table's rows of this endpoint (of ``metric`` instead of the endpoint's when given).
+
+        At ``subgroup_matched_specificity`` only rows matched within the endpoint's own subgroup
+        count (column ``matched_subgroup``): thresholds matched within another subgroup are not its.
+        """
+        rows = ((table["run"] == self.arm) & (table["metric"] == (metric or self.metric))
+                & (table["attribute"] == self.attribute) & (table["group"].astype(str) == self.group)
+                & (table["operating_point"] == self.operating_point))
+        if self.operating_point == SUBGROUP_POINT and "matched_subgroup" in table.columns:
+            rows &= table["matched_subgroup"].astype(str) == self.subgroup
+        return rows
 
 
 def endpoint_rows(table: pd.DataFrame, endpoint: PrimaryEndpoint) -> pd.DataFrame:
@@ -115,9 +124,7 @@ def endpoint_rows(table: pd.DataFrame, endpoint: PrimaryEndpoint) -> pd.DataFram
     Raises:
         ValueError: the rows hold more than one pair of thresholds (not one comparison).
     """
-    rows = table[(table["run"] == endpoint.arm) & (table["attribute"] == endpoint.attribute)
-                 & (table["group"].astype(str) == endpoint.group) & (table["operating_point"] == endpoint.operating_point)
-                 & table["metric"].isin(ENDPOINT_METRICS)]
+    rows = table[pd.concat([endpoint.mask(table, metric) for metric in ENDPOINT_METRICS], axis=1).any(axis=1)]
     rows = rows.set_index("metric").reindex([m for m in ENDPOINT_METRICS if m in set(rows["metric"])]).reset_index()
     if {"threshold_a", "threshold_b"} <= set(rows.columns) and len(rows.drop_duplicates(["threshold_a", "threshold_b"])) > 1:
         raise ValueError(f"the endpoint rows of {endpoint.subgroup} at {endpoint.operating_point} hold several thresholds")

@@ -102,3 +102,7 @@ def test_a_comparison_at_the_endpoints_subgroup_holds_its_three_rows_and_the_ver
     assert len(rows.drop_duplicates(["threshold_a", "threshold_b"])) == 1
     assert len(endpoint_rows(table, PrimaryEndpoint.of_version(1))) == 3
     assert (label_results(table, endpoint)["role"] == "primary").sum() == 1
+    # Thresholds matched within another subgroup are not the endpoint's.
+    venous = _compare_pair(sham, synthx, {**settings, "subgroup": ("phase", "venous")}, [])
+    assert endpoint_rows(venous, endpoint).empty
+    assert (label_results(venous, endpoint)["role"] == "primary").sum() == 0
