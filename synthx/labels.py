@@ -18,7 +18,8 @@ METRICS = {"sensitivity": "Sensitivity", "specificity": "Specificity", "f1": "F1
            "auc_binary": "AUC (decision)", "n": "Scans", "n_patients": "Patients", "positives": "Tumor scans",
            "negatives": "Healthy scans"}
 POINTS = {"val_chosen": "the validation-chosen operating point", "fixed": "BenchX's fixed m",
-          "matched_specificity": "matched specificity"}
+          "matched_specificity": "matched specificity",
+          "subgroup_matched_specificity": "subgroup-matched specificity"}
 
 
 def arm_label(arm: str) -> str:

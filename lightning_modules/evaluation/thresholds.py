@@ -8,7 +8,12 @@ Three are reported:
   rule's choices on B patient resamples of the validation records (a bagged cut-point,
   :func:`bagged_threshold`), with the percentile interval of those choices;
 - ``matched_specificity`` (comparisons only): the other model's m chosen on its validation records
-  so that its specificity equals the baseline's there.
+  so that its specificity equals the baseline's there;
+- ``subgroup_matched_specificity`` (comparisons only): the same rule restricted to one subgroup
+  (e.g. ``phase:arterial``): the other model's m chosen on its validation records so that its
+  specificity over that subgroup's healthy validation scans equals the baseline's over the same
+  subgroup. An endpoint judged within a subgroup is compared at equal specificity there; overall
+  matching can leave the subgroup's specificities far apart.
 
 When validation gives nothing to choose from (every score equal, no positives, no negatives) the
 choice falls back to the fixed m and says why (:attr:`OperatingPoint.fallback`); it never raises,
@@ -30,10 +35,10 @@ import numpy as np
 import pandas as pd
 
 from lightning_modules.evaluation.bootstrap import patient_index, resample_indices
-from lightning_modules.evaluation.records import labels, scores, source_name
+from lightning_modules.evaluation.records import attribute_values, labels, scores, source_name
 
 RULES = ("f1", "youden")
-OPERATING_POINTS = ("fixed", "val_chosen", "matched_specificity")
+OPERATING_POINTS = ("fixed", "val_chosen", "matched_specificity", "subgroup_matched_specificity")
 
 
 class ThresholdError(ValueError):
@@ -45,9 +50,10 @@ class OperatingPoint:
     """A threshold and how it was reached.
 
     Attributes:
-        name: ``fixed``, ``val_chosen`` or ``matched_specificity``.
+        name: one of :data:`OPERATING_POINTS`.
         threshold: m (mm³ for the volume score, a probability for ``max_prob``).
-        rule: ``fixed``, ``f1``, ``youden`` or ``matched_specificity``.
+        rule: ``fixed``, ``f1``, ``youden``, ``matched_specificity`` or
+            ``subgroup_matched_specificity`` (then ``within <attribute>:<group>`` follows).
         fallback: why the fixed m was used instead of a chosen one ('' when it was not).
         interval: for a bagged choice, the percentile interval of the resamples' choices (else None);
             ``rule`` then says how many resamples chose.
@@ -155,22 +161,27 @@ def resampled_matched_thresholds(
     baseline_choices: np.ndarray,
     records: pd.DataFrame,
     score: str = "volume",
+    subgroup: tuple[str, str] | None = None,
 ) -> np.ndarray:
     """The matched-specificity threshold of another model on each patient resample of validation.
 
     In resample r the baseline's specificity at its choice ``baseline_choices[r]`` on its resample r
     is the target, and the other model's threshold is matched to it on its own resample r (the
-    same patients when both runs hold the same validation cases). NaN where the baseline's choice
-    is NaN or a resample holds no negatives.
+    same patients when both runs hold the same validation cases). With ``subgroup`` =
+    (attribute, group) both the target and the match count only that subgroup's scans of the
+    resample (:func:`subgroup_matched_specificity_point`). NaN where the baseline's choice is NaN
+    or a resample holds no negatives (in the subgroup).
     """
     base_values, base_truth = scores(baseline_records, score), labels(baseline_records)
     values, truth = scores(records, score), labels(records)
+    base_members, members = subgroup_members(baseline_records, subgroup), subgroup_members(records, subgroup)
     n_resamples = len(baseline_choices)
     matched = np.full(n_resamples, np.nan)
     resamples = zip(_patient_resamples(baseline_records, n_resamples), _patient_resamples(records, n_resamples))
     for r, (base_picked, picked) in enumerate(resamples):
+        base_picked, picked = base_picked[base_members[base_picked]], picked[members[picked]]
         negatives = ~base_truth[base_picked]
-        if np.isnan(baseline_choices[r]) or not negatives.any():
+        if np.isnan(baseline_choices[r]) or not negatives.any() or len(picked) == 0:
             continue
         target = float((base_values[base_picked][negatives] <= baseline_choices[r]).mean())
         matched[r] = _matched_threshold(values[picked], truth[picked], target)
@@ -276,8 +287,20 @@ def choose_operating_point(
         return OperatingPoint("val_chosen", float(fixed), rule, str(error))
 
 
-def specificity_at(records: pd.DataFrame, threshold: float, score: str = "volume") -> float:
-    """Specificity of the records at a threshold (NaN without negatives)."""
+def subgroup_members(records: pd.DataFrame, subgroup: tuple[str, str] | None) -> np.ndarray:
+    """Which records belong to ``subgroup`` = (attribute, group), as the comparison's subgroup rows
+    count them (``records.attribute_values``); every record when ``subgroup`` is None or overall."""
+    if subgroup is None or tuple(subgroup) == ("overall", "all"):
+        return np.ones(len(records), dtype=bool)
+    attribute, group = subgroup
+    return attribute_values(records, attribute) == str(group)
+
+
+def specificity_at(
+    records: pd.DataFrame, threshold: float, score: str = "volume", subgroup: tuple[str, str] | None = None
+) -> float:
+    """Specificity of the records (of ``subgroup``'s records when given) at a threshold (NaN without negatives)."""
+    records = records[subgroup_members(records, subgroup)]
     truth = labels(records)
     negatives = int((~truth).sum())
     if negatives == 0:
@@ -311,6 +334,47 @@ def matched_specificity_point(
     if not (~truth).any():
         return fallback(f"{source_name(records)}: no negative scans to match specificity on")
     return OperatingPoint("matched_specificity", _matched_threshold(values, truth, target_specificity), "matched_specificity")
+
+
+def subgroup_matched_specificity_point(
+    records: pd.DataFrame | None,
+    target_specificity: float,
+    fixed: float,
+    subgroup: tuple[str, str],
+    score: str = "volume",
+) -> OperatingPoint:
+    """:func:`matched_specificity_point` within one subgroup: the threshold on these (validation)
+    records whose specificity over ``subgroup``'s negative scans equals ``target_specificity``.
+
+    The target is the baseline's specificity over the same subgroup of its validation records at
+    its validation-chosen m (``specificity_at(..., subgroup=subgroup)``); the baseline keeps that m.
+    Only validation records are read, so the test cohort cannot move the threshold. Falls back to
+    the fixed m, with the reason, when the subgroup has no validation records, no negative scans
+    or no target.
+
+    Args:
+        records: the other model's validation records.
+        target_specificity: the baseline's validation specificity within the subgroup.
+        fixed: the recipe's fixed m.
+        subgroup: (attribute, group), e.g. ``("phase", "arterial")``.
+        score: ``volume`` or ``max_prob``.
+    """
+    name = "subgroup_matched_specificity"
+    rule = f"{name} within {subgroup[0]}:{subgroup[1]}"
+
+    def fallback(reason: str) -> OperatingPoint:
+        return OperatingPoint(name, float(fixed), rule, reason)
+
+    if records is None or len(records) == 0:
+        return fallback("no validation records to match specificity on")
+    within = records[subgroup_members(records, subgroup)]
+    if not np.isfinite(target_specificity):
+        return fallback(f"the baseline's validation specificity in {subgroup[0]}:{subgroup[1]} is undefined "
+                        "(no negative scans there)")
+    values, truth = scores(within, score), labels(within)
+    if not (~truth).any():
+        return fallback(f"{source_name(records)}: no negative scans in {subgroup[0]}:{subgroup[1]} to match specificity on")
+    return OperatingPoint(name, _matched_threshold(values, truth, target_specificity), rule)
 
 
 def _matched_threshold(values: np.ndarray, truth: np.ndarray, target_specificity: float) -> float:

@@ -17,7 +17,7 @@ learned from comes from its training run, else from the checkpoint's own provena
 refuses any of them evaluated with ``allow_training_overlap`` (its numbers are contaminated) or
 without the training-overlap check (tag ``training_overlap_check: unavailable``: nothing shows they
 are not), and writes the table of BenchX table 6 at each operating point (fixed m, validation-chosen, matched
-specificity): for each subgroup its patients, positives and negatives, baseline and augmented
+specificity, and with ``subgroup`` specificity matched within that subgroup): for each subgroup its patients, positives and negatives, baseline and augmented
 with their Wilson intervals, the difference with its paired bootstrap CI (at the chosen points
 including the threshold's uncertainty) and Newcombe's interval, the exact McNemar p (sensitivity,
 specificity) or DeLong's p (AUC), the share of resamples where it was defined, and whether it is
@@ -34,7 +34,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -52,14 +51,7 @@ from lightning_modules.evaluation.bootstrap import evaluation_set_hash, paired_d
 from lightning_modules.evaluation.callback import FALLBACK_TAG, SubgroupEvaluation
 from lightning_modules.evaluation.figures import close, comparison_figure
 from lightning_modules.evaluation.records import fixed_rule_score, score_column
-from lightning_modules.evaluation.thresholds import (
-    choose_operating_point,
-    matched_specificity_point,
-    OperatingPoint,
-    resampled_matched_thresholds,
-    RULES,
-    specificity_at,
-)
+from lightning_modules.evaluation.thresholds import choose_operating_point, RULES
 from lightning_modules.cohorts.audit.signatures import ScanSignatures, scan_signatures
 from lightning_modules.models.checkpoints import load_module_from_checkpoint, ModelSourceError
 from lightning_modules.run_folder import RunRecord
@@ -83,9 +75,9 @@ from lightning_modules.trainer import (
 # The comparison table's cells and the operating points' metric, read by the study, its report and
 # the replicates through this module.
 from lightning_modules.workflows.comparison_table import format_comparison, is_flagged, percent, significance_mark  # noqa: F401
+from lightning_modules.workflows.matched_points import matched_point, nested_thresholds, parse_subgroup, SUBGROUP_POINT
 from lightning_modules.workflows.operating_points import (
     log_operating_points,
-    nested_choices,
     OPERATING_POINT_METRIC,
     operating_points,
     point_score,
@@ -328,55 +320,37 @@ def _rechoose_on_score(run: EvaluatedRun, score: str, n_resamples: int, confiden
     run.thresholds["val_chosen"], run.fallback = point.threshold, point.fallback
 
 
-def _matched_point(baseline: EvaluatedRun, other: EvaluatedRun, score: str) -> OperatingPoint:
-    target = math.nan
-    if baseline.val_records is not None:
-        target = specificity_at(baseline.val_records, baseline.thresholds["val_chosen"], score)
-    return matched_specificity_point(other.val_records, target, other.thresholds["fixed"], score)
-
-
-def _nested_thresholds(baseline: EvaluatedRun, other: EvaluatedRun, matched: OperatingPoint, score: str, n_resamples: int):
-    """Per chosen operating point, (baseline's, other's) threshold on each validation resample, or None.
-
-    A run whose validation point fell back to the fixed m keeps it in every resample (None).
-    """
-    base = None if baseline.fallback else nested_choices(baseline.val_records, baseline.rule, score, n_resamples)
-    chosen = None if other.fallback else nested_choices(other.val_records, other.rule, score, n_resamples)
-    matched_choices = None
-    if base is not None and not matched.fallback and other.val_records is not None:
-        matched_choices = resampled_matched_thresholds(baseline.val_records, base, other.val_records, score)
-    return {
-        "val_chosen": None if base is None and chosen is None else (base, chosen),
-        "matched_specificity": None if base is None and matched_choices is None else (base, matched_choices),
-    }
-
-
 def _compare_pair(baseline: EvaluatedRun, other: EvaluatedRun, settings: dict, notes: list[str]) -> pd.DataFrame:
-    """The paired comparison of one run with the baseline at the three operating points.
+    """The paired comparison of one run with the baseline at the three operating points, and at
+    ``subgroup_matched_specificity`` when ``settings["subgroup"]`` names a subgroup.
 
     The fixed m reads the raw predicted tumor volume (BenchX's rule); at the validation-chosen and
     matched-specificity points the test CIs include the threshold's uncertainty (each validation
     resample's choice applied to the paired test resample).
     """
-    score = settings["score"]
-    matched = _matched_point(baseline, other, score)
-    if matched.fallback:
-        notes.append(f"{other.name} ({other.run_id}): matched specificity: {matched.fallback}; the fixed m is used")
+    score, subgroup = settings["score"], settings.get("subgroup")
+    matched = {"matched_specificity": matched_point(baseline, other, score)}
+    if subgroup is not None:
+        matched[SUBGROUP_POINT] = matched_point(baseline, other, score, subgroup)
+    for name, point in matched.items():
+        if point.fallback:
+            notes.append(f"{other.name} ({other.run_id}): {name.replace('_', ' ')}: {point.fallback}; the fixed m is used")
     pairs = {
         "fixed": (baseline.thresholds["fixed"], other.thresholds["fixed"]),
         "val_chosen": (baseline.thresholds["val_chosen"], other.thresholds["val_chosen"]),
-        "matched_specificity": (baseline.thresholds["val_chosen"], matched.threshold),
+        **{name: (baseline.thresholds["val_chosen"], point.threshold) for name, point in matched.items()},
     }
-    nested = _nested_thresholds(baseline, other, matched, score, int(settings["n_resamples"]))
+    nested = nested_thresholds(baseline, other, matched, score, int(settings["n_resamples"]), subgroup)
     fixed_score = point_score("fixed", score, baseline.records)
     if fixed_score != point_score("fixed", score, other.records):
         fixed_score = score
     if fixed_score == score and fixed_rule_score(score) != score:
         notes.append(f"{other.name} ({other.run_id}): records without raw_volume_mm3; the fixed m reads {score_column(score)}")
+    settings = {key: settings[key] for key in ("n_resamples", "confidence", "score")}
     fixed_settings = {**settings, "score": fixed_score}
     (fixed_table,) = paired_differences(baseline.records, [(other.records, *pairs["fixed"])], **fixed_settings)
     # One pass over the resamples for the chosen points (the baseline evaluated once per threshold).
-    chosen = ("val_chosen", "matched_specificity")
+    chosen = [point for point in pairs if point != "fixed"]
     tables = [fixed_table] + paired_differences(
         baseline.records, [(other.records, *pairs[point]) for point in chosen], **settings,
         resample_thresholds=[nested[point] for point in chosen],
@@ -391,6 +365,8 @@ def _compare_pair(baseline: EvaluatedRun, other: EvaluatedRun, settings: dict, n
         table.insert(5, "threshold_b", threshold_b)
         table.insert(6, "score", fixed_score if point == "fixed" else score)
         table.insert(7, "nested_threshold", bool(table.attrs.get("nested_threshold", False)))
+        # The subgroup whose healthy validation scans set the subgroup-matched thresholds ('' elsewhere).
+        table["matched_subgroup"] = f"{subgroup[0]}:{subgroup[1]}" if point == SUBGROUP_POINT else ""
         frames.append(table)
     return pd.concat(frames, ignore_index=True)
 
@@ -429,9 +405,12 @@ def compare(
     n_resamples: int = 2000,
     confidence: float = 0.95,
     score: str = "volume",
+    subgroup: str | tuple[str, str] | None = None,
 ) -> tuple[pd.DataFrame, str | None]:
     """Paired comparison of evaluation runs against the first (the baseline), BenchX table 6 shape,
-    at the fixed m, the validation-chosen m and matched specificity.
+    at the fixed m, the validation-chosen m and matched specificity; with ``subgroup``
+    (``"phase:arterial"``) also at ``subgroup_matched_specificity``: each run's m matched on
+    validation to the baseline's specificity within that subgroup (column ``matched_subgroup``).
 
     Returns the comparison table (``attrs["notes"]`` lists operating-point fallbacks, each also
     logged) and the MLflow run id it was logged to (None without an experiment).
@@ -440,9 +419,13 @@ def compare(
         EvaluationError: fewer than two runs, a malformed or repeated run id, a run without
             records, a run evaluated with the training overlap allowed (tag
             ``training_overlap_override``) or without the check (``training_overlap_check``
-            unavailable or not recorded), or runs evaluated on different sets.
+            unavailable or not recorded), runs evaluated on different sets, or a malformed subgroup.
     """
     run_ids = _check_run_ids(run_ids)
+    try:
+        subgroup = parse_subgroup(subgroup)
+    except ValueError as error:
+        raise EvaluationError(str(error)) from error
     uri = tracking_uri(uri)
     client = MlflowClient(tracking_uri=uri)
     with tempfile.TemporaryDirectory() as folder:
@@ -455,7 +438,7 @@ def compare(
         for run in runs:
             _rechoose_on_score(run, score, n_resamples, confidence)
     notes = [f"{run.name} ({run.run_id}): validation operating point: {run.fallback}" for run in runs if run.fallback]
-    settings = {"n_resamples": n_resamples, "confidence": confidence, "score": score}
+    settings = {"n_resamples": n_resamples, "confidence": confidence, "score": score, "subgroup": subgroup}
     comparison = pd.concat([_compare_pair(runs[0], other, settings, notes) for other in runs[1:]], ignore_index=True)
     for note in notes:
         log.warning("compare: %s", note)

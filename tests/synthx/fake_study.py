@@ -22,6 +22,7 @@ from mlflow.tracking import MlflowClient
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conftest import new_sqlite_store  # noqa: E402
+from synthx.endpoint import PrimaryEndpoint  # noqa: E402
 
 GROUPS = [("overall", "all"), ("phase", "non-contrast"), ("phase", "arterial"), ("phase", "venous"), ("phase", "delayed")]
 SENSITIVITY = {
@@ -90,6 +91,10 @@ def write_study(folder: Path, painter: str = "synthx", comparison: pd.DataFrame 
     experiment = client.create_experiment("fake-study", artifact_location=str(Path(folder) / "artifacts"))
     parent = client.create_run(experiment, run_name="study-unet", tags={"stage": "study", "git_commit": "abc123"})
     parent_id = parent.info.run_id
+    # A study that judged the endpoint at overall matched specificity (version 1, logged before versions).
+    for key, value in PrimaryEndpoint.of_version(1).params().items():
+        if key != "endpoint.version":
+            client.log_param(parent_id, key, value)
 
     def child(step: str, tags: dict | None = None):
         run = client.create_run(experiment, run_name=step, tags={"mlflow.parentRunId": parent_id, **(tags or {})})

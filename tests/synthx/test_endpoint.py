@@ -25,7 +25,7 @@ def _comparison() -> pd.DataFrame:
 
 
 def test_roles_and_one_holm_family_over_all_secondary_rows():
-    endpoint = PrimaryEndpoint()
+    endpoint = PrimaryEndpoint.of_version(1)  # the table holds the overall matched point only
     table = label_results(_comparison(), endpoint)
     primary = table[table["role"] == "primary"]
     assert len(primary) == 1
@@ -54,6 +54,7 @@ def test_a_missing_endpoint_row_is_said_not_hidden():
     table = _comparison()
     table = table[table["group"] != "arterial"]
     assert "not in the comparison" in endpoint_summary(table, PrimaryEndpoint())
+    assert "not in the comparison" in endpoint_summary(table, PrimaryEndpoint.of_version(1))
     with pytest.raises(TypeError):
         PrimaryEndpoint(unknown="x")  # the endpoint's fields are fixed
 

@@ -19,6 +19,9 @@ from test_report_arms import tables_of  # noqa: E402
 from lightning_modules.evaluation.small_counts import mcnemar_exact_p, newcombe_paired_interval  # noqa: E402
 from synthx.endpoint import endpoint_summary, family_mark, label_results, PrimaryEndpoint  # noqa: E402
 
+# The fake study's tables hold the overall matched point: the endpoint judged there (version 1).
+ENDPOINT = PrimaryEndpoint.of_version(1)
+
 
 def _row(table: pd.DataFrame, run: str, reference: str, point: str, group: str = "arterial",
          metric: str = "sensitivity") -> pd.Index:
@@ -52,7 +55,7 @@ def test_marks_come_from_the_family_holm_not_the_per_attribute_one(tmp_path):
     from synthx.workflows.report.runs import load_study
 
     table = disagreeing_family()
-    labelled = label_results(table, PrimaryEndpoint())
+    labelled = label_results(table, ENDPOINT)
     assert labelled.loc[_row(table, "synthx", "sham", "val_chosen"), "significant_family"].item() is False
     assert labelled.loc[_row(table, "synthx", "sham", "matched_specificity"), "significant_family"].item() is True
 
@@ -83,13 +86,13 @@ def test_a_shown_interval_spanning_zero_is_never_marked():
     table.loc[rows, ["delta", "ci_low", "ci_high", "p_value", "significant", "p_holm", "significant_holm"]] = \
         [0.273, -0.100, 0.411, 0.0027, True, 0.0027, True]
     table.loc[~table.index.isin(rows), "supported"] = False  # a family of one: Holm leaves p = 0.0027
-    labelled = label_results(table, PrimaryEndpoint())
+    labelled = label_results(table, ENDPOINT)
     row = labelled.loc[rows].iloc[0]
     assert row["p_family"] == pytest.approx(0.0027) and not row["significant_family"]
     assert family_mark(row) == ""
     page = comparison_html(labelled)
     assert re.search(r"\+27\.3 \[-10\.0, \+41\.1\]</td>", page), "no mark after an interval through 0"
-    summary = endpoint_summary(labelled, PrimaryEndpoint())
+    summary = endpoint_summary(labelled, ENDPOINT)
     assert "+27.3 points" not in summary, "not listed among the significant secondary results"
 
 
@@ -115,12 +118,12 @@ def test_the_exact_mcnemar_test_decides_where_newcombe_s_interval_disagrees():
     row = table.loc[_row(table, "synthx", "sham", "matched_specificity")].iloc[0]
     assert (round(100 * row["newcombe_low"], 1), round(100 * row["newcombe_high"], 1)) == (0.2, 45.2)
     assert row["p_value"] == pytest.approx(0.125)
-    primary = study_verdict(table, endpoint=PrimaryEndpoint())[-1]
+    primary = study_verdict(table, endpoint=ENDPOINT)[-1]
     assert "sham found 14 of 18 (78%), SynthX found 18 of 18 (100%)" in primary and " - undetermined (" in primary, primary
     assert ("(SynthX - sham +22.2 percentage points, Newcombe 95% CI +0.2 to +45.2; the exact McNemar test "
             "decides, p = 0.125, not below 0.05).") in primary, primary
     # Twelve found by both, six by SynthX alone: p = 0.031, and the same rule closes it.
-    closed = study_verdict(_verdict_table(only_synthx=6, only_sham=0, both=12), endpoint=PrimaryEndpoint())[-1]
+    closed = study_verdict(_verdict_table(only_synthx=6, only_sham=0, both=12), endpoint=ENDPOINT)[-1]
     assert "sham found 12 of 18 (67%), SynthX found 18 of 18 (100%)" in closed
     assert " - closed (" in closed and "the exact McNemar test decides, p = 0.0312)." in closed, closed
 
@@ -132,9 +135,9 @@ def test_the_reader_meets_one_named_interval_per_quantity(tmp_path):
     from synthx.workflows.report.markdown_page import results_table
 
     table = _verdict_table(only_synthx=4, only_sham=0)
-    labelled = label_results(table, PrimaryEndpoint())
-    verdict = study_verdict(labelled, endpoint=PrimaryEndpoint())
-    summary = endpoint_summary(labelled, PrimaryEndpoint())
+    labelled = label_results(table, ENDPOINT)
+    verdict = study_verdict(labelled, endpoint=ENDPOINT)
+    summary = endpoint_summary(labelled, ENDPOINT)
     assert "Newcombe 95% CI +0.2 to +45.2" in verdict[-1] and "Newcombe 95% CI +0.2 to +45.2" in summary
     assert "supported:" not in summary and "significant: True" not in summary
     assert "exact McNemar test p = 0.125: not significant at 5%" in summary, summary

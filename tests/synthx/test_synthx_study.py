@@ -292,7 +292,8 @@ def test_primary_endpoint_is_logged_before_any_step(tiny_phantom, tmp_path, monk
         study.run_study(_study_settings(root, split, tmp_path))
     assert seen["steps"] == {}, "no step ran before"
     assert seen["params"]["endpoint.metric"] == "sensitivity" and seen["params"]["endpoint.group"] == "arterial"
-    assert seen["params"]["endpoint.operating_point"] == "matched_specificity"
+    assert seen["params"]["endpoint.operating_point"] == "subgroup_matched_specificity"
+    assert seen["params"]["endpoint.version"] == "2"
     assert seen["params"]["endpoint.arm"] == "synthx" and seen["params"]["endpoint.reference"] == "sham"
     assert "synthx minus sham" in seen["tag"]
 

@@ -71,7 +71,7 @@ def _comparison(runs: list[tuple[str, str]]) -> pd.DataFrame:
     """A comparison table in the compare step's shape: (run, reference) pairs at two operating points."""
     rows = []
     for run, reference in runs:
-        for point in ("fixed", "val_chosen", "matched_specificity"):
+        for point in ("fixed", "val_chosen", "matched_specificity", "subgroup_matched_specificity"):
             for group, positives, a, b, low, high in (("arterial", 11, 0.0, 4 / 11 if run == "synthx" else 0.0, 0.09, 0.64),
                                                       ("non-contrast", 8, 0.25, 0.25, -0.25, 0.25),
                                                       ("venous", 40, 0.9, 0.85, -0.1, 0.0)):
@@ -90,7 +90,7 @@ def test_study_verdict_of_today_s_two_arm_comparison():
     assert [line.split(",")[0] for line in lines] == ["Scarcity gap (arterial)", "Physics gap (non-contrast)",
                                                        "Primary endpoint (sensitivity in arterial)"]
     assert "baseline found 0 of 11 (0%), SynthX found 4 of 11 (36%) - closed (SynthX - baseline" in lines[0]
-    assert "validation-chosen" in lines[0] and "matched specificity" in lines[2]
+    assert "validation-chosen" in lines[0] and "at subgroup-matched specificity" in lines[2]
     assert "- not closed" in lines[1], "2 of 8 in both arms: nothing more found"
 
 
