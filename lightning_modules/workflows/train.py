@@ -231,10 +231,11 @@ def prepare_data(recipe: DictConfig, datamodule: CohortDataModule | None = None)
 
 
 def recipe_datamodule(recipe: DictConfig, synthetic_root: Path | None = None) -> CohortDataModule:
-    """The data layer of a recipe: its data and mixing sections, seed and schedule length, and the
-    disk cache's default folder under ``tracking.output_dir``."""
+    """The data layer of a recipe: its data and mixing sections (the synthesis ratio, and with
+    ``synthx.real_steps`` the exposure-matched schedule), seed, and the disk cache's default folder
+    under ``tracking.output_dir``."""
     return mixing_datamodule(
-        recipe.data, recipe.synthx, seed=int(recipe.seed), max_steps=int(recipe.trainer.max_steps),
+        recipe.data, recipe.synthx, seed=recipe.seed,
         synthetic_root=synthetic_root, cache_dir=default_cache_dir(recipe.tracking.output_dir),
     )
 

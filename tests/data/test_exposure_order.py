@@ -12,7 +12,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from lightning_modules.data.exposure import ExposureMatchedSampler, matched_total_steps
+from lightning_modules.data.exposure import ExposureMatchedSampler
 from lightning_modules.data.mixing import MixingSampler
 
 
@@ -39,8 +39,7 @@ MATCHED = {
 
 def _matched(n_real, batch, steps, ratio, seed, n_synthetic, sham) -> ExposureMatchedSampler:
     substitutes = [[j % n_real, (3 * j + 1) % n_real] for j in range(n_synthetic)] if sham else None
-    return ExposureMatchedSampler(n_real, batch, steps, matched_total_steps(steps, ratio), seed,
-                                  n_synthetic=n_synthetic, substitutes=substitutes)
+    return ExposureMatchedSampler(n_real, batch, steps, ratio, seed, n_synthetic=n_synthetic, substitutes=substitutes)
 
 
 @pytest.mark.parametrize("case", list(MATCHED))
