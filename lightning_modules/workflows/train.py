@@ -45,6 +45,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.cohorts.audit import check_split_leakage
+from lightning_modules.config.recipe import Normalization
 from lightning_modules.recipe import recipe_to_yaml, recipe_variant
 from lightning_modules.data.cohort import atomic_write_bytes, CohortError, load_cohort
 from lightning_modules.data.datamodule import CohortDataModule, default_cache_dir
@@ -244,7 +245,7 @@ def measured_intensity(recipe: DictConfig, train_ids: list[str]) -> DictConfig:
     """With ``data.normalization: ct`` and no ``data.ct_intensity`` yet: the training cases'
     foreground statistics (:func:`lightning_modules.data.intensity.ct_intensity_properties`) written
     into the recipe, which the run logs, so evaluation and the registered model apply the same."""
-    if str(recipe.data.normalization) != "ct" or recipe.data.ct_intensity is not None:
+    if recipe.data.normalization != Normalization.ct or recipe.data.ct_intensity is not None:
         return recipe
     stats = ct_intensity_properties(load_cohort(recipe.data.root), train_ids, list(recipe.data.classes))
     return recipe_variant(recipe, {"data": {"ct_intensity": stats}}, source=f"{recipe.name} (CT intensities measured)")
