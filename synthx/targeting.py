@@ -223,7 +223,7 @@ def resolve_targets(
         lesion_class: the lesion mask that defines a positive case when ``tumor`` is not recorded.
         baseline_records: the baseline's per-case VALIDATION records (``need`` only).
         threshold: the baseline's operating point for records without a ``prediction`` column
-            (default: ``detection``'s; :func:`need_operating_point`).
+            (default: ``detection``'s).
         score: ``volume`` or ``max_prob``, the score the threshold applies to (default: ``detection``'s).
         detection: the baseline's segmentation recipe's ``detection`` section, whose
             ``threshold_mm3`` and ``score`` apply when ``threshold`` and ``score`` are not given.
@@ -325,35 +325,16 @@ def canvas_mask(cases: pd.DataFrame) -> pd.Series:
     )
 
 
-def need_operating_point(
-    threshold: float | None, score: DetectionScore | str | None, detection: DetectionConfig | None
-) -> tuple[float, DetectionScore]:
-    """The (threshold, score) the need rule applies to records without a ``prediction`` column.
-
-    ``threshold`` and ``score`` when given; else the recipe's ``detection.threshold_mm3`` and
-    ``detection.score``; a caller without a recipe gets the schema's (BenchX's fixed m on the volume).
-    """
-    source = DetectionConfig() if detection is None else detection
-    chosen = source.threshold_mm3 if threshold is None else threshold
-    return chosen, DetectionScore(source.score if score is None else score)
-
-
-def validation_misses(
-    records: pd.DataFrame,
-    split: pd.DataFrame,
-    threshold: float | None = None,
-    score: DetectionScore | str | None = None,
-    detection: DetectionConfig | None = None,
-) -> pd.DataFrame:
+def validation_misses(records: pd.DataFrame, split: pd.DataFrame, threshold: float | None = None,
+                      score: DetectionScore | str | None = None, detection: DetectionConfig | None = None) -> pd.DataFrame:
     """The baseline's validation positives with ``missed`` (1 = not detected) and their sex, age band, phase.
 
     Args:
         records: per-case validation records (the evaluation callback's ``val`` records).
         split: the split table; every record must be a ``val`` case of it.
-        threshold: operating point for records without a ``prediction`` column (default: the
-            recipe's, :func:`need_operating_point`).
+        threshold: operating point for records without a ``prediction`` column (default: the recipe's).
         score: ``volume`` or ``max_prob`` (default: the recipe's).
-        detection: the segmentation recipe's ``detection`` section.
+        detection: the segmentation recipe's ``detection`` section (default: the schema's, BenchX's fixed m).
 
     Raises:
         TargetingError: a record outside the validation split (naming the case), missing columns.
@@ -371,7 +352,9 @@ def validation_misses(
     if "prediction" in records.columns:
         detected = pd.to_numeric(records["prediction"], errors="coerce").fillna(0).to_numpy() == 1
     else:
-        detected = decisions(records, *need_operating_point(threshold, score, detection))
+        source = DetectionConfig() if detection is None else detection
+        threshold = source.threshold_mm3 if threshold is None else threshold
+        detected = decisions(records, threshold, DetectionScore(source.score if score is None else score))
     table = records[list(CELL_COLUMNS)].astype(str).copy()
     table["label"] = pd.to_numeric(records["label"], errors="coerce").to_numpy()
     table["missed"] = (~detected).astype(int)
