@@ -36,6 +36,8 @@ Example::
 
     targets = resolve_targets("data/phantom", "splits/phantom.csv", "min_positives:4")
     targets = resolve_targets("data/phantom", "splits/phantom.csv", "need:40", baseline_records=val_records, threshold=50.0)
+    targets = resolve_targets("data/phantom", "splits/phantom.csv", "need:40", baseline_records=val_records,
+                              detection=recipe.detection)  # the segmentation recipe's m and score
     log_targets(targets)  # inside an active MLflow run
 """
 
@@ -48,6 +50,7 @@ from typing import Mapping, Sequence
 
 import pandas as pd
 
+from lightning_modules.config.recipe import DetectionConfig, DetectionScore
 from lightning_modules.data.cohort import Cohort, load_cohort
 from lightning_modules.data.metadata import AGE_BAND_NAMES, PHASES, SEXES, UNKNOWN, normalize_phase, normalize_sex
 from lightning_modules.data.splits import SPLITS as SPLIT_NAMES
@@ -206,7 +209,8 @@ def resolve_targets(
     lesion_class: str = "pancreatic_lesion",
     baseline_records: pd.DataFrame | None = None,
     threshold: float | None = None,
-    score: str = "volume",
+    score: DetectionScore | str | None = None,
+    detection: DetectionConfig | None = None,
 ) -> pd.DataFrame:
     """The targeting table for a cohort, its split and a rule (see the module docstring).
 
@@ -219,8 +223,10 @@ def resolve_targets(
         lesion_class: the lesion mask that defines a positive case when ``tumor`` is not recorded.
         baseline_records: the baseline's per-case VALIDATION records (``need`` only).
         threshold: the baseline's operating point for records without a ``prediction`` column
-            (default: the recipe schema's fixed m, ``detection.threshold_mm3``).
-        score: ``volume`` or ``max_prob``, the score the threshold applies to.
+            (default: ``detection``'s).
+        score: ``volume`` or ``max_prob``, the score the threshold applies to (default: ``detection``'s).
+        detection: the baseline's segmentation recipe's ``detection`` section, whose
+            ``threshold_mm3`` and ``score`` apply when ``threshold`` and ``score`` are not given.
     """
     cohort = cohort_root if isinstance(cohort_root, Cohort) else load_cohort(cohort_root)
     split = load_split(split_path, cohort)
@@ -235,7 +241,7 @@ def resolve_targets(
     if kind == "need":
         if baseline_records is None:
             raise TargetingError(f"rule {rule!r} needs the baseline's validation records (baseline_records)")
-        missed = validation_misses(baseline_records, split, threshold, score)
+        missed = validation_misses(baseline_records, split, threshold, score, detection)
         return plan_need(train_counts, count_canvases(cases, grid), cell_deficits(missed, grid), int(argument))
     if budget is None:
         raise TargetingError(f"rule {rule!r} needs a total synthetic budget (--budget N)")
@@ -319,21 +325,20 @@ def canvas_mask(cases: pd.DataFrame) -> pd.Series:
     )
 
 
-def validation_misses(
-    records: pd.DataFrame, split: pd.DataFrame, threshold: float | None = None, score: str = "volume"
-) -> pd.DataFrame:
+def validation_misses(records: pd.DataFrame, split: pd.DataFrame, threshold: float | None = None,
+                      score: DetectionScore | str | None = None, detection: DetectionConfig | None = None) -> pd.DataFrame:
     """The baseline's validation positives with ``missed`` (1 = not detected) and their sex, age band, phase.
 
     Args:
         records: per-case validation records (the evaluation callback's ``val`` records).
         split: the split table; every record must be a ``val`` case of it.
-        threshold: operating point for records without a ``prediction`` column (default: the fixed m).
-        score: ``volume`` or ``max_prob``.
+        threshold: operating point for records without a ``prediction`` column (default: the recipe's).
+        score: ``volume`` or ``max_prob`` (default: the recipe's).
+        detection: the segmentation recipe's ``detection`` section (default: the schema's, BenchX's fixed m).
 
     Raises:
         TargetingError: a record outside the validation split (naming the case), missing columns.
     """
-    from lightning_modules.config.recipe import DetectionConfig
     from lightning_modules.evaluation.detection import decisions
 
     missing = [c for c in ("case_id", "label", *CELL_COLUMNS) if c not in records.columns]
@@ -347,7 +352,9 @@ def validation_misses(
     if "prediction" in records.columns:
         detected = pd.to_numeric(records["prediction"], errors="coerce").fillna(0).to_numpy() == 1
     else:
-        detected = decisions(records, DetectionConfig.threshold_mm3 if threshold is None else float(threshold), score)
+        source = DetectionConfig() if detection is None else detection
+        threshold = source.threshold_mm3 if threshold is None else threshold
+        detected = decisions(records, threshold, DetectionScore(source.score if score is None else score))
     table = records[list(CELL_COLUMNS)].astype(str).copy()
     table["label"] = pd.to_numeric(records["label"], errors="coerce").to_numpy()
     table["missed"] = (~detected).astype(int)

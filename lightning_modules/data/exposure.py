@@ -1,11 +1,13 @@
 """Exposure-matched training schedules: every arm of a study sees the same real draws (docs/design.md
 "Arms with equal real exposure").
 
-A schedule is a stream of draws for the whole training, ``trainer.max_steps x batch`` long. Its real
-draws are the first ``synthx.real_steps x batch`` draws of one real stream: epoch after epoch a seeded
-permutation of the real training cases (cut to whole batches, as the loader's ``drop_last`` would).
-The real stream depends on the seed and the number of real cases only, so the baseline
-(``max_steps = real_steps``), the sham arm and the SynthX arm (``max_steps = real_steps x (1 + r)``)
+A schedule is set by the real steps S (``synthx.real_steps``) and the synthesis ratio r
+(``synthx.ratio``, synthetic per real draw): it is a stream of draws for the whole training,
+:func:`matched_total_steps` ``(S, r) = S + round(r x S)`` steps of ``batch`` draws long (the
+recipe's ``trainer.max_steps`` must equal it: :func:`check_schedule`). Its real draws are the first
+``S x batch`` draws of one real stream: epoch after epoch a seeded permutation of the real training
+cases (cut to whole batches, as the loader's ``drop_last`` would). The real stream depends on the
+seed and the number of real cases only, so the baseline (r = 0), the sham arm and the SynthX arm
 draw the same real cases, in the same order, the same number of times. The extra draws fill
 synthetic slots at seeded positions; slot after slot cycles through the synthetic cases in random
 order. In the sham arm each slot is filled instead by a real training positive of the same
@@ -37,7 +39,7 @@ EXPOSURE_ARTIFACT = "exposure/cases.csv"
 
 def matched_total_steps(real_steps: int, ratio: float) -> int:
     """The optimizer steps of an arm with synthetic share ``ratio`` (synthetic per real draw) and equal real draws."""
-    return int(real_steps) + int(round(float(ratio) * int(real_steps)))
+    return real_steps + round(ratio * real_steps)
 
 
 def check_schedule(mixing: SynthXMixConfig, trainer: TrainerConfig, source: str = "recipe") -> None:
@@ -60,20 +62,23 @@ class ExposureMatchedSampler(Sampler[int]):
     Args:
         n_real: real training cases (indices 0..n_real-1).
         batch_size: draws per optimizer step.
-        real_steps: steps whose draws are real (the baseline's steps).
-        total_steps: the arm's steps (``trainer.max_steps``); the extra draws are synthetic slots.
+        real_steps: steps whose draws are real (the baseline's steps, ``synthx.real_steps``).
+        ratio: the synthesis ratio r (``synthx.ratio``, >= 0): the arm trains
+            ``total_steps = matched_total_steps(real_steps, ratio)`` steps, the extra draws being
+            synthetic slots; 0 is the baseline.
         seed: the recipe's seed.
-        n_synthetic: synthetic cases (indices n_real..); needed when total_steps > real_steps.
+        n_synthetic: synthetic cases (indices n_real..); needed when the schedule has slots.
         substitutes: sham arm: for each synthetic case, the real indices that may stand in for it
             (the real training positives of its cell); a slot then yields one of them.
     """
 
-    def __init__(self, n_real: int, batch_size: int, real_steps: int, total_steps: int, seed: int = 0,
+    def __init__(self, n_real: int, batch_size: int, real_steps: int, ratio: float, seed: int = 0,
                  n_synthetic: int = 0, substitutes: Sequence[Sequence[int]] | None = None):
         if n_real < 1 or batch_size < 1 or real_steps < 1:
             raise ValueError("an exposure-matched schedule needs real cases, a batch and real steps")
-        if total_steps < real_steps:
-            raise ValueError(f"trainer.max_steps ({total_steps}) is below synthx.real_steps ({real_steps})")
+        if not ratio >= 0:
+            raise ValueError(f"synthx.ratio must be >= 0, got {ratio}")
+        total_steps = matched_total_steps(real_steps, ratio)
         if total_steps > real_steps and n_synthetic < 1:
             raise ValueError("synthetic slots in the schedule but the synthetic cohort has no cases")
         if substitutes is not None:
@@ -83,7 +88,7 @@ class ExposureMatchedSampler(Sampler[int]):
             if empty:
                 raise ValueError(f"synthetic case(s) {empty} have no real training positive to stand in for them")
         self.n_real, self.n_synthetic, self.batch_size = int(n_real), int(n_synthetic), int(batch_size)
-        self.real_steps, self.total_steps, self.seed = int(real_steps), int(total_steps), int(seed)
+        self.real_steps, self.ratio, self.total_steps, self.seed = real_steps, ratio, total_steps, int(seed)
         self.substitutes = [np.asarray(s, dtype=np.int64) for s in substitutes] if substitutes is not None else None
         self.epoch = 0
         self._stream: tuple[np.ndarray, np.ndarray] | None = None

@@ -66,12 +66,13 @@ class MixingSampler(Sampler[int]):
             order is drawn (e.g. to log them).
     """
 
-    def __init__(self, n_real: int, n_synthetic: int, ratio: float, seed: int = 0, mode: str = "add", report=None):
+    def __init__(self, n_real: int, n_synthetic: int, ratio: float, seed: int = 0,
+                 mode: MixingMode = MixingMode.add, report=None):
         if mode not in set(MixingMode):
             raise ValueError(f"synthx.mode must be one of {', '.join(MixingMode)}, got {mode!r}")
         if n_synthetic == 0 and ratio > 0:
             raise ValueError("synthesis ratio > 0 but the synthetic cohort has no cases")
-        self.n_real, self.n_synthetic, self.ratio, self.seed, self.mode = n_real, n_synthetic, float(ratio), int(seed), mode
+        self.n_real, self.n_synthetic, self.ratio, self.seed, self.mode = n_real, n_synthetic, ratio, seed, MixingMode(mode)
         self.report = report
         self.epoch = 0
         self.history: list[tuple[int, int, int]] = []  # (epoch, real, synthetic) exposures per drawn epoch
@@ -80,11 +81,11 @@ class MixingSampler(Sampler[int]):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return self.n_real + (round(self.ratio * self.n_real) if self.mode == "add" else 0)
+        return self.n_real + (round(self.ratio * self.n_real) if self.mode == MixingMode.add else 0)
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = self._add(generator) if self.mode == "add" else self._displace(generator)
+        order = self._add(generator) if self.mode == MixingMode.add else self._displace(generator)
         synthetic = int((order >= self.n_real).sum())
         self.history.append((self.epoch, len(order) - synthetic, synthetic))
         if self.report is not None:
@@ -159,7 +160,7 @@ class MixedTrainingSet(Dataset):
     ``inner``: the items as a (cached) dataset, e.g. :meth:`CohortDataModule.cached`.
     """
 
-    def __init__(self, inner: Dataset, n_real: int, ratio: float, seed: int, mode: str = "add", report=None):
+    def __init__(self, inner: Dataset, n_real: int, ratio: float, seed: int, mode: MixingMode = MixingMode.add, report=None):
         self.inner = inner
         self.n_real = n_real
         self.n_synthetic = len(inner) - n_real
@@ -177,17 +178,19 @@ def mixing_datamodule(
     mixing: SynthXMixConfig,
     *,
     seed: int,
-    max_steps: int,
     synthetic_root: Path | None = None,
     cache_dir: str | Path | None = None,
 ) -> CohortDataModule:
     """The recipe's datamodule; with ``synthx.ratio > 0`` its training set mixes in the synthetic cohort.
 
+    The ratio r goes as it is to the sampler: :class:`MixingSampler`, or with ``synthx.real_steps``
+    the :class:`~lightning_modules.data.exposure.ExposureMatchedSampler`, whose schedule is
+    ``real_steps`` and r (the recipe's ``trainer.max_steps`` is checked to match it when it is loaded).
+
     Args:
         data: the recipe's data section.
         mixing: its ``synthx`` section (ratio, mode, cohort, exposure-matched schedule, sham).
         seed: the recipe's seed.
-        max_steps: ``trainer.max_steps`` (the length of an exposure-matched schedule).
         synthetic_root: the synthetic cohort's folder (default: ``synthx.cohort``). A cohort named by
             its generator run (``synthx.generator_run``) is found in the tracking store by the training
             workflow (:func:`lightning_modules.tracking.datasets.resolve_synthetic_cohort`), not here.
@@ -195,13 +198,13 @@ def mixing_datamodule(
     """
     if synthetic_root is None and mixing.cohort:
         synthetic_root = Path(mixing.cohort)
-    if synthetic_root is None and mixing.generator_run and float(mixing.ratio) > 0:
+    ratio: float = mixing.ratio
+    if synthetic_root is None and mixing.generator_run and ratio > 0:
         raise CohortError([f"synthx.generator_run={mixing.generator_run}: its cohort is found in the tracking "
                            "store; pass lightning_modules.tracking.datasets.resolve_synthetic_cohort(recipe) "
                            "(benchx train does)"])
-    ratio = float(mixing.ratio)
     if mixing.real_steps is not None:
-        return matched_datamodule(data, mixing, seed=seed, max_steps=max_steps,
+        return matched_datamodule(data, mixing, seed=seed,
                                   synthetic_root=synthetic_root if ratio > 0 else None, cache_dir=cache_dir)
     if ratio == 0.0 or synthetic_root is None:
         if ratio > 0:
@@ -215,7 +218,7 @@ def mixing_datamodule(
         synth_items = case_items(synthetic, synthetic.case_ids, classes)
         return MixedTrainingSet(
             datamodule.cached(real_items + synth_items, transforms), len(real_items), ratio,
-            int(seed), str(mixing.mode), exposure_logger(datamodule),
+            seed, mixing.mode, exposure_logger(datamodule),
         )
 
     datamodule = CohortDataModule(data, seed, train_dataset_factory=build, cache_dir=cache_dir)
@@ -255,17 +258,18 @@ def matched_datamodule(
     mixing: SynthXMixConfig,
     *,
     seed: int,
-    max_steps: int,
     synthetic_root: Path | None,
     cache_dir: str | Path | None = None,
 ) -> CohortDataModule:
     """The datamodule of an exposure-matched arm (:mod:`lightning_modules.data.exposure`); the
-    arguments are :func:`mixing_datamodule`'s.
+    arguments are :func:`mixing_datamodule`'s. Its sampler's schedule is ``synthx.real_steps`` and
+    ``synthx.ratio``.
 
     ``synthetic_root`` None: the baseline (real draws only). With ``synthx.sham`` the synthetic cohort
     only says which cells the slots belong to; its cases are never loaded for training.
     """
-    if float(mixing.ratio) > 0 and synthetic_root is None:
+    ratio: float = mixing.ratio
+    if ratio > 0 and synthetic_root is None:
         raise CohortError(["synthx.ratio > 0 needs synthx.cohort or synthx.generator_run"])
     synthetic = load_cohort(synthetic_root) if synthetic_root is not None else None
     sham = bool(mixing.sham)
@@ -285,8 +289,8 @@ def matched_datamodule(
             else:
                 synth_items = case_items(synthetic, synthetic.case_ids, classes)
         sampler = ExposureMatchedSampler(
-            len(real_items), int(data.batch_size), int(mixing.real_steps), int(max_steps),
-            int(seed), n_synthetic=len(synthetic.metadata) if synthetic is not None else 0, substitutes=substitutes,
+            len(real_items), data.batch_size, mixing.real_steps, ratio,
+            seed, n_synthetic=len(synthetic.metadata) if synthetic is not None else 0, substitutes=substitutes,
         )
         items = real_items + synth_items
         return MatchedTrainingSet(items, datamodule.cached(items, transforms), sampler, match)

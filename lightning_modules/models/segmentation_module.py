@@ -28,6 +28,7 @@ from monai.losses import DiceCELoss
 from monai.optimizers import WarmupCosineSchedule
 from torch import nn
 
+from lightning_modules.config.recipe import OptimizerName, Schedule
 from lightning_modules.data.lesions import largest_lesion_extent_mm, pancreas_location, tumor_size_group
 from lightning_modules.data.metadata import RECORD_COLUMNS, UNKNOWN
 from lightning_modules.models.segmentation_metrics import dice_per_class, surface_dice_per_class
@@ -48,16 +49,16 @@ def deep_supervision_weights(n_outputs: int, decay: float = 0.5) -> list[float]:
     return [w / total for w in weights]
 
 
-def lr_lambda(schedule: str, max_steps: int, warmup_steps: int = 0, power: float = 0.9):
+def lr_lambda(schedule: Schedule, max_steps: int, warmup_steps: int = 0, power: float = 0.9):
     """Learning-rate multiplier per optimizer step."""
 
     def factor(step: int) -> float:
         if warmup_steps and step < warmup_steps:
             return (step + 1) / warmup_steps
         progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-        if schedule == "poly":
+        if schedule == Schedule.poly:
             return (1.0 - progress) ** power
-        if schedule == "cosine":
+        if schedule == Schedule.cosine:
             return 0.5 * (1.0 + math.cos(math.pi * progress))
         return 1.0
 
@@ -73,9 +74,9 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim: dict, max_steps:
     cosine part is identical, and the warm-up ramp reaches the full rate one step later (step
     ``warmup_steps`` rather than ``warmup_steps - 1``). Every other schedule: :func:`lr_lambda`.
     """
-    schedule = optim.get("schedule", "constant")
+    schedule = optim.get("schedule", Schedule.constant)
     warmup_steps = int(optim.get("warmup_steps", 0))
-    if schedule == "cosine" and warmup_steps > 0:
+    if schedule == Schedule.cosine and warmup_steps > 0:
         return WarmupCosineSchedule(optimizer, warmup_steps=warmup_steps, t_total=max_steps, end_lr=0.0, cycles=0.5)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(schedule, max_steps, warmup_steps, float(optim.get("poly_power", 0.9)))
@@ -296,10 +297,10 @@ class SegmentationModule(pl.LightningModule):
 
     def configure_optimizers(self):
         optim = self.optim
-        name = optim.get("name", "sgd")
+        name = optim.get("name", OptimizerName.sgd)
         lr = float(optim.get("lr", 1e-2))
         weight_decay = float(optim.get("weight_decay", 0.0))
-        if name == "sgd":
+        if name == OptimizerName.sgd:
             optimizer = torch.optim.SGD(
                 self.network.parameters(),
                 lr=lr,
@@ -307,7 +308,7 @@ class SegmentationModule(pl.LightningModule):
                 nesterov=bool(optim.get("nesterov", True)),
                 weight_decay=weight_decay,
             )
-        elif name == "adamw":
+        elif name == OptimizerName.adamw:
             optimizer = torch.optim.AdamW(self.network.parameters(), lr=lr, weight_decay=weight_decay)
         else:
             raise ValueError(f"unknown optimizer {name!r}")

@@ -45,6 +45,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.cohorts.audit import check_split_leakage
+from lightning_modules.config.recipe import Normalization
 from lightning_modules.recipe import recipe_to_yaml, recipe_variant
 from lightning_modules.data.cohort import atomic_write_bytes, CohortError, load_cohort
 from lightning_modules.data.datamodule import CohortDataModule, default_cache_dir
@@ -231,10 +232,11 @@ def prepare_data(recipe: DictConfig, datamodule: CohortDataModule | None = None)
 
 
 def recipe_datamodule(recipe: DictConfig, synthetic_root: Path | None = None) -> CohortDataModule:
-    """The data layer of a recipe: its data and mixing sections, seed and schedule length, and the
-    disk cache's default folder under ``tracking.output_dir``."""
+    """The data layer of a recipe: its data and mixing sections (the synthesis ratio, and with
+    ``synthx.real_steps`` the exposure-matched schedule), seed, and the disk cache's default folder
+    under ``tracking.output_dir``."""
     return mixing_datamodule(
-        recipe.data, recipe.synthx, seed=int(recipe.seed), max_steps=int(recipe.trainer.max_steps),
+        recipe.data, recipe.synthx, seed=recipe.seed,
         synthetic_root=synthetic_root, cache_dir=default_cache_dir(recipe.tracking.output_dir),
     )
 
@@ -243,7 +245,7 @@ def measured_intensity(recipe: DictConfig, train_ids: list[str]) -> DictConfig:
     """With ``data.normalization: ct`` and no ``data.ct_intensity`` yet: the training cases'
     foreground statistics (:func:`lightning_modules.data.intensity.ct_intensity_properties`) written
     into the recipe, which the run logs, so evaluation and the registered model apply the same."""
-    if str(recipe.data.normalization) != "ct" or recipe.data.ct_intensity is not None:
+    if recipe.data.normalization != Normalization.ct or recipe.data.ct_intensity is not None:
         return recipe
     stats = ct_intensity_properties(load_cohort(recipe.data.root), train_ids, list(recipe.data.classes))
     return recipe_variant(recipe, {"data": {"ct_intensity": stats}}, source=f"{recipe.name} (CT intensities measured)")

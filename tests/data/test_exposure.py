@@ -15,18 +15,18 @@ from lightning_modules.data.exposure import ExposureMatchedSampler, matched_tota
 
 
 def _arms(n_real=13, batch=2, real_steps=20, ratio=0.3, seed=4):
-    total = matched_total_steps(real_steps, ratio)
     positives = [[1, 4], [7]]  # the real positives of synthetic case 0's cell and of case 1's
     return {
-        "baseline": ExposureMatchedSampler(n_real, batch, real_steps, real_steps, seed),
-        "sham": ExposureMatchedSampler(n_real, batch, real_steps, total, seed, n_synthetic=2, substitutes=positives),
-        "synthx": ExposureMatchedSampler(n_real, batch, real_steps, total, seed, n_synthetic=2),
+        "baseline": ExposureMatchedSampler(n_real, batch, real_steps, 0.0, seed),
+        "sham": ExposureMatchedSampler(n_real, batch, real_steps, ratio, seed, n_synthetic=2, substitutes=positives),
+        "synthx": ExposureMatchedSampler(n_real, batch, real_steps, ratio, seed, n_synthetic=2),
     }
 
 
 def test_every_arm_draws_each_real_case_as_often_as_the_baseline():
     arms = _arms()
     assert matched_total_steps(20, 0.3) == 26
+    assert [sampler.total_steps for sampler in arms.values()] == [20, 26, 26]
     tables = {name: sampler.exposures(sampler.total_steps) for name, sampler in arms.items()}
     real = {name: table["real_draws"].to_numpy()[:13] for name, table in tables.items()}
     assert real["baseline"].sum() == 40 and (real["baseline"] >= 2).all()  # 40 draws over 13 cases
@@ -63,7 +63,11 @@ def test_the_sampler_hands_out_the_stream_in_whole_batch_epochs():
     half = sampler.exposures(13)
     assert half["real_draws"].sum() + half["slot_draws"].sum() == 26
     with pytest.raises(ValueError, match="no real training positive"):
-        ExposureMatchedSampler(5, 2, 4, 6, n_synthetic=1, substitutes=[[]])
+        ExposureMatchedSampler(5, 2, 4, 0.5, n_synthetic=1, substitutes=[[]])
+    with pytest.raises(ValueError, match="synthetic cohort has no cases"):
+        ExposureMatchedSampler(5, 2, 4, 0.5)
+    with pytest.raises(ValueError, match="synthx.ratio must be >= 0"):
+        ExposureMatchedSampler(5, 2, 4, -0.5, n_synthetic=1)
 
 
 def test_sham_substitutes_match_the_synthetic_case_cell():
@@ -122,3 +126,34 @@ def test_trainings_log_equal_real_exposures_per_case(tiny_phantom, tmp_path):
     assert metrics["sham"]["exposure/sham_draws"] == 4 and metrics["sham"]["exposure/synthetic_draws"] == 0
     assert metrics["synthx"]["exposure/synthetic_draws"] == 4 and metrics["baseline"]["exposure/steps"] == 4
     assert runs["sham"].data.tags["exposure_schedule"] == "sham"
+
+
+def test_the_recipe_ratio_reaches_both_samplers_as_a_float(tiny_phantom, tmp_path):
+    """The datamodule hands synthx.ratio itself to the sampler: the exposure-matched one builds its
+    schedule from (real_steps, r), which is the recipe's trainer.max_steps long; the plain one mixes at r."""
+    import sys
+
+    from lightning_modules.config.recipe import MixingMode
+    from lightning_modules.data.mixing import ExposureMatchedSampler as MatchedInMixing, MixingSampler
+    from lightning_modules.workflows.train import recipe_datamodule
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "synthx"))
+    from test_synthx_study import fake_synthetic_cohort
+
+    root, split = tiny_phantom
+    synthetic = fake_synthetic_cohort(root, split, tmp_path / "synthetic", n=2)
+    base = [*tiny_overrides(root, split, tmp_path, steps=8), f"synthx.cohort={synthetic}"]
+    matched = load_recipe(RECIPES / "unet.yaml", [*base, "synthx.real_steps=8", "synthx.ratio=0.25", "trainer.max_steps=10"])
+    datamodule = recipe_datamodule(matched)
+    datamodule.setup("fit")
+    sampler = datamodule.datasets["train"].sampler
+    assert isinstance(sampler, MatchedInMixing)
+    assert type(sampler.ratio) is float and sampler.ratio == 0.25
+    assert (sampler.real_steps, sampler.total_steps) == (8, matched.trainer.max_steps)
+    assert sampler.exposures(10)["slot_draws"].sum() == 2 * matched.data.batch_size  # round(0.25 x 8) slot steps
+    plain = load_recipe(RECIPES / "unet.yaml", [*base, "synthx.ratio=0.5", "synthx.mode=displace"])
+    datamodule = recipe_datamodule(plain)
+    datamodule.setup("fit")
+    sampler = datamodule.datasets["train"].sampler
+    assert isinstance(sampler, MixingSampler)
+    assert type(sampler.ratio) is float and sampler.ratio == 0.5 and sampler.mode is MixingMode.displace

@@ -56,6 +56,24 @@ def test_deep_supervision_weights_and_schedules():
     assert lr_lambda("constant", 10)(7) == 1.0
 
 
+def test_optimizer_and_schedule_follow_the_recipe_enums():
+    """The recipe's typed choices (OptimizerName, Schedule) and their text (a checkpoint's hparams) act alike."""
+    from lightning_modules.config.recipe import OptimizerName, Schedule
+
+    for schedule in Schedule:
+        typed, text = lr_lambda(schedule, max_steps=10, warmup_steps=2), lr_lambda(str(schedule), max_steps=10, warmup_steps=2)
+        assert [typed(step) for step in range(12)] == [text(step) for step in range(12)]
+    assert lr_lambda(Schedule.poly, max_steps=10, power=1.0)(5) == pytest.approx(0.5)
+    kinds = {OptimizerName.sgd: torch.optim.SGD, OptimizerName.adamw: torch.optim.AdamW}
+    for name, kind in kinds.items():
+        module = tiny_module(optim={"name": name, "lr": 1e-2, "schedule": Schedule.cosine, "warmup_steps": 1})
+        configured = module.configure_optimizers()
+        assert type(configured["optimizer"]) is kind
+        assert type(configured["lr_scheduler"]["scheduler"]).__name__ == "WarmupCosineSchedule"
+    with pytest.raises(ValueError, match="unknown optimizer 'lbfgs'"):
+        tiny_module(optim={"name": "lbfgs"}).configure_optimizers()
+
+
 def _reference_warmup_cosine(step: int, warmup: int, total: int) -> float:
     """LinearWarmupCosineAnnealingLR's closed form with its defaults (warm-up start and final rate 0), as
     the UNETR, SwinUNETR and Universal Model training code use it: step/(warmup - 1) during the warm-up,

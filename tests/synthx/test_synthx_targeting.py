@@ -329,3 +329,29 @@ def test_match_spends_the_budget_only_on_cells_with_a_canvas(cohort_with_split):
     assert targets["canvases"].tolist() == [0, 0, 0, 1, 1, 1]
     with pytest.raises(TargetingError, match="no cell of the target distribution has a healthy training scan"):
         resolve_targets(root, split, "match:uniform", budget=3, sexes=["M"], age_bands=["le20"])
+
+
+def test_need_applies_the_recipe_detection_threshold(need_cohort):
+    """Records without a prediction are judged at the recipe's detection.threshold_mm3, not the schema's default."""
+    from conftest import RECIPES
+    from lightning_modules.config.recipe import DetectionConfig
+    from lightning_modules.recipe import load_recipe
+    from synthx.targeting import validation_misses
+
+    root, split, records = need_cohort
+    strict = load_recipe(RECIPES / "unet.yaml", ["detection.threshold_mm3=150"])
+    assert strict.detection.threshold_mm3 != DetectionConfig.threshold_mm3
+    split_table = pd.read_csv(split)
+    # Volumes are 0 or 100 mm^3: at the schema's m = 50 three of the eight positives are missed, at the recipe's 150 all.
+    assert validation_misses(records, split_table)["missed"].sum() == 3
+    assert validation_misses(records, split_table, detection=strict.detection)["missed"].sum() == 8
+    assert validation_misses(records, split_table, threshold=50.0, detection=strict.detection)["missed"].sum() == 3
+    # Every positive missed alike: the four fillable cells share the budget (test_need_spreads_the_budget_...).
+    targets = resolve_targets(root, split, "need:8", baseline_records=records, detection=strict.detection, **NEED_GRID)
+    assert targets[targets["canvases"] > 0]["requested"].tolist() == [2, 2, 2, 2]
+    default = resolve_targets(root, split, "need:8", baseline_records=records, **NEED_GRID)
+    assert default[default["canvases"] > 0]["requested"].tolist() != [2, 2, 2, 2]
+    # The recipe's score applies too: a max_prob recipe reads the records' max_prob column.
+    by_probability = load_recipe(RECIPES / "unet.yaml", ["detection.score=max_prob", "detection.threshold_mm3=0.5"])
+    scored = records.assign(max_prob=[0.9] * 8 + [0.1])
+    assert validation_misses(scored, split_table, detection=by_probability.detection)["missed"].sum() == 0
