@@ -3,18 +3,18 @@
 Builds a synthetic evaluation the size of BenchX (85,355 scans; patients with one or more scans;
 all 7 attributes), then times
 
-1. :func:`lightning_modules.evaluation.bootstrap.bootstrap_subgroup_metrics` with 2,000 resamples (every
+1. :func:`lightning_modules.evaluation.subgroup_intervals.bootstrap_subgroup_metrics` with 2,000 resamples (every
    subgroup's sensitivity, specificity, F1, AUC and auc_binary with 95% CIs, patients, defined shares),
-   and :func:`~lightning_modules.evaluation.bootstrap.paired_difference` of two runs (one operating
+   and :func:`~lightning_modules.evaluation.paired_comparison.paired_difference` of two runs (one operating
    point of a comparison; ``benchx compare`` makes three), and
 2. a straightforward loop that, per resample, expands the drawn patients to their scans and calls
    scikit-learn (confusion_matrix, recall_score, f1_score, roc_auc_score) for every subgroup. The
    loop runs on a few resamples only; its time is extrapolated to the full count, and the output
    says so. It also checks that the loop's values equal the vectorized ones on those resamples.
 3. BenchX's comparison: ``--models`` models (12 by default) each compared with one baseline by
-   :func:`lightning_modules.evaluation.bootstrap.paired_differences` (every subgroup, every metric,
+   :func:`lightning_modules.evaluation.paired_comparison.paired_differences` (every subgroup, every metric,
    2,000 paired resamples, the baseline evaluated once per resample), timed in all, and checked
-   against :func:`~lightning_modules.evaluation.bootstrap.paired_difference` of one pair alone.
+   against :func:`~lightning_modules.evaluation.paired_comparison.paired_difference` of one pair alone.
    Target: <= 30 s on 2 cores.
 
 Run::
@@ -39,13 +39,9 @@ from sklearn.metrics import confusion_matrix, f1_score, recall_score, roc_auc_sc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_modules.evaluation.bootstrap import (  # noqa: E402
-    bootstrap_subgroup_metrics,
-    evaluation_seed,
-    paired_difference,
-    paired_differences,
-    resample_indices,
-)
+from lightning_modules.evaluation.bootstrap import evaluation_seed, resample_indices  # noqa: E402
+from lightning_modules.evaluation.paired_comparison import paired_difference, paired_differences  # noqa: E402
+from lightning_modules.evaluation.subgroup_intervals import bootstrap_subgroup_metrics  # noqa: E402
 from lightning_modules.evaluation.detection import WeightedSubgroupEvaluator  # noqa: E402
 from lightning_modules.evaluation.subgroups import subgroup_membership  # noqa: E402
 from lightning_modules.data.metadata import AGE_BAND_NAMES  # noqa: E402

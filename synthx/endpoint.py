@@ -200,7 +200,7 @@ def label_results(table: pd.DataFrame, endpoint: PrimaryEndpoint, alpha: float =
     ``significant_family``: significant by its own test, ``p_family`` below ``alpha``, and its shown
     interval (:func:`shown_interval`) excludes 0.
     """
-    from lightning_modules.evaluation.bootstrap import holm_adjust
+    from lightning_modules.evaluation.multiplicity import holm_adjust
 
     table = table.copy()
     primary = endpoint.mask(table)

@@ -1,7 +1,8 @@
 """Evaluation of trained models as scan-level tumor detectors, overall and per subgroup.
 
 Pure metrics (``records``, ``detection``, ``thresholds``, ``subgroups``, ``bootstrap``,
-``small_counts``, ``seed_pooling``, ``metric_keys``), the thin Lightning adapter (``callback``),
+``subgroup_intervals``, ``paired_comparison``, ``multiplicity``, ``small_counts``, ``seed_pooling``,
+``metric_keys``), the thin Lightning adapter (``callback``),
 what an evaluation leaves in its run, read back through a given client (``artifacts``), and figures
 (``figures``); see docs/design.md "Scan-level detection".
 The evaluate and compare runs are :mod:`lightning_modules.workflows.evaluate`; the training-time

@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_modules.config.recipe import DetectionConfig
 from lightning_modules.evaluation.artifacts import log_evaluation_artifacts
-from lightning_modules.evaluation.bootstrap import bootstrap_subgroup_metrics
+from lightning_modules.evaluation.subgroup_intervals import bootstrap_subgroup_metrics
 from lightning_modules.evaluation.detection import subgroup_metrics
 from lightning_modules.evaluation.metric_keys import headline_metric_keys, mlflow_metric_keys
 from lightning_modules.evaluation.records import fixed_rule_score

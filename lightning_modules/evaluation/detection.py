@@ -126,7 +126,7 @@ class WeightedSubgroupEvaluator:
         """Another run's evaluator on the reference's evaluation set, reusing its patients and subgroups.
 
         For a paired comparison, where the caller has checked that ``records`` hold the same cases
-        with the same patients, labels and attributes (``bootstrap._check_same_evaluation_set``):
+        with the same patients, labels and attributes (``paired_comparison._check_same_evaluation_set``):
         only the scores are read (and validated), in the reference's case order, so comparing
         many runs with one reference does not rebuild the subgroups for each.
 

@@ -44,16 +44,18 @@ import scipy.stats
 from lightning_modules.evaluation.bootstrap import (
     DEFAULT_MEMORY_BUDGET_MB,
     _block_size,
-    _check_same_evaluation_set,
     _check_settings,
-    _comparison_columns,
     _defined,
     _exact_float_dtype,
     _resolve_seed,
-    bootstrap_p_values,
     evaluation_set_hash,
     patient_weight_blocks,
     percentile_interval,
+)
+from lightning_modules.evaluation.paired_comparison import (
+    _check_same_evaluation_set,
+    _comparison_columns,
+    bootstrap_p_values,
 )
 from lightning_modules.evaluation.detection import WeightedSubgroupEvaluator
 from lightning_modules.evaluation.records import ATTRIBUTES
@@ -178,7 +180,7 @@ def pool_deltas(per_seed: np.ndarray, resampled: np.ndarray, counts: np.ndarray,
         ``interval`` (``t`` or ``bootstrap``: which one the headline is), ``boot_ci_low``, ``boot_ci_high``
         (percentile interval of :func:`pooled_resamples`; NaN where the mean is undefined),
         ``defined_fraction``, ``p_bootstrap``
-        (:func:`~lightning_modules.evaluation.bootstrap.bootstrap_p_values`), ``seeds_up`` and ``seeds_down``.
+        (:func:`~lightning_modules.evaluation.paired_comparison.bootstrap_p_values`), ``seeds_up`` and ``seeds_down``.
     """
     pooled = seed_t_interval(per_seed, confidence)
     mean = pooled["mean_delta"]

@@ -47,7 +47,8 @@ from omegaconf import DictConfig
 from lightning_modules.data.datamodule import CohortDataModule, default_cache_dir
 from lightning_modules.data.splits import split_sha256
 from lightning_modules.evaluation.artifacts import download_records
-from lightning_modules.evaluation.bootstrap import evaluation_set_hash, paired_differences
+from lightning_modules.evaluation.bootstrap import evaluation_set_hash
+from lightning_modules.evaluation.paired_comparison import paired_differences
 from lightning_modules.evaluation.callback import FALLBACK_TAG, SubgroupEvaluation
 from lightning_modules.evaluation.figures import close, comparison_figure
 from lightning_modules.evaluation.records import fixed_rule_score, score_column

@@ -16,7 +16,7 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from lightning_modules.evaluation.artifacts import log_evaluation_artifacts
-from lightning_modules.evaluation.bootstrap import bootstrap_subgroup_metrics
+from lightning_modules.evaluation.subgroup_intervals import bootstrap_subgroup_metrics
 from lightning_modules.evaluation.callback import FALLBACK_TAG, SubgroupEvaluation
 from lightning_modules.evaluation.metric_keys import headline_metric_keys
 from lightning_modules.evaluation.records import fixed_rule_score

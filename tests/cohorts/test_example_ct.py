@@ -21,7 +21,7 @@ import pytest
 from lightning_modules.cohorts import example_ct
 from lightning_modules.data.cohort import load_cohort
 from lightning_modules.cohorts.importers import TOTALSEGMENTATOR_V2_LABELS, list_dicom, run_import
-from lightning_modules.cohorts.importers.core import SOURCE_NAME_TO_ATLAS
+from lightning_modules.cohorts.importers.class_maps import SOURCE_NAME_TO_ATLAS
 from lightning_modules.data.validation import validate_cohort
 
 

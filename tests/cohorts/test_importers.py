@@ -23,7 +23,7 @@ import pytest
 from lightning_modules.commands.import_cohort import main as import_main
 from lightning_modules.cohorts import importers
 from lightning_modules.data.cohort import load_cohort
-from lightning_modules.cohorts.importers import core
+from lightning_modules.cohorts.importers import resumable_import
 from lightning_modules.data.validation import validate_cohort
 
 SHAPE = (12, 10, 8)
@@ -260,7 +260,7 @@ def test_label_on_another_grid_is_quarantined_with_nothing_half_written(tmp_path
 def test_resume_after_a_kill_only_does_the_remainder(tmp_path, monkeypatch):
     src = make_nnunet(tmp_path / "Dataset904_Resume", n_cases=3)
     out = tmp_path / "cohort"
-    real_write_case = core.write_case
+    real_write_case = resumable_import.write_case
     calls = []
 
     def killed_on_second_case(root, case_id, *args, **kwargs):
@@ -271,10 +271,10 @@ def test_resume_after_a_kill_only_does_the_remainder(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real_write_case(root, case_id, *args, **kwargs)
 
-    monkeypatch.setattr(core, "write_case", killed_on_second_case)
+    monkeypatch.setattr(resumable_import, "write_case", killed_on_second_case)
     with pytest.raises(KeyboardInterrupt):
         importers.import_source("nnunet", src, out)
-    monkeypatch.setattr(core, "write_case", real_write_case)
+    monkeypatch.setattr(resumable_import, "write_case", real_write_case)
     assert load_cohort(out).case_ids == ["tiny_000"]
     finished = [out / "tiny_000" / "ct.nii.gz", out / "tiny_000" / "segmentations" / "pancreas.nii.gz"]
     before = [(p.stat().st_ino, p.stat().st_mtime_ns) for p in finished]

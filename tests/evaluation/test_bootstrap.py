@@ -1,5 +1,6 @@
-"""Tests for lightning_modules.evaluation.bootstrap: seeded patient-level resampling, the vectorized CIs against a
-slow scikit-learn loop on the same resamples, and paired differences.
+"""Tests for lightning_modules.evaluation.bootstrap (seeded patient-level resampling), subgroup_intervals (the
+vectorized CIs against a slow scikit-learn loop on the same resamples), paired_comparison (paired differences)
+and multiplicity (Holm).
 
 Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/test_bootstrap.py -x -q
 """
@@ -16,18 +17,16 @@ import pytest
 from sklearn.metrics import confusion_matrix, f1_score, recall_score, roc_auc_score
 
 from lightning_modules.evaluation.bootstrap import (
-    bootstrap_p_values,
-    bootstrap_subgroup_metrics,
     case_weight_matrix,
     evaluation_set_hash,
-    holm_adjust,
-    paired_difference,
-    paired_differences,
     patient_index,
     patient_weight_blocks,
     resample_indices,
     resample_statistics,
 )
+from lightning_modules.evaluation.multiplicity import holm_adjust
+from lightning_modules.evaluation.paired_comparison import bootstrap_p_values, paired_difference, paired_differences
+from lightning_modules.evaluation.subgroup_intervals import bootstrap_subgroup_metrics
 from lightning_modules.evaluation.detection import WeightedSubgroupEvaluator, subgroup_metrics
 from lightning_modules.evaluation.records import ATTRIBUTE_COLUMNS
 from lightning_modules.data.metadata import AGE_BAND_NAMES, PHASES

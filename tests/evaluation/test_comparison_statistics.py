@@ -7,7 +7,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lightning_modules.evaluation.bootstrap import bootstrap_subgroup_metrics, paired_difference
+from lightning_modules.evaluation.paired_comparison import paired_difference
+from lightning_modules.evaluation.subgroup_intervals import bootstrap_subgroup_metrics
 from lightning_modules.evaluation.thresholds import (
     choose_threshold,
     resampled_choices,

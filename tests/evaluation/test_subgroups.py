@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 from test_detection_metrics import random_records, small_records
 
-from lightning_modules.evaluation.bootstrap import bootstrap_subgroup_metrics, paired_difference
+from lightning_modules.evaluation.paired_comparison import paired_difference
+from lightning_modules.evaluation.subgroup_intervals import bootstrap_subgroup_metrics
 from lightning_modules.evaluation.detection import subgroup_metrics
 from lightning_modules.evaluation.subgroups import MIN_NEGATIVES, MIN_PATIENTS, MIN_POSITIVES, gaps, supported
 

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lightning_modules.evaluation.bootstrap import holm_adjust
+from lightning_modules.evaluation.multiplicity import holm_adjust
 from synthx.endpoint import PrimaryEndpoint, endpoint_summary, label_results
 
 

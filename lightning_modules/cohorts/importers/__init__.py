@@ -23,30 +23,25 @@ The exit status is 0 when every case is in the cohort, 1 when some are quarantin
 
 from __future__ import annotations
 
-from lightning_modules.cohorts.importers.core import (
+from lightning_modules.cohorts.importers.class_maps import (
     ATLAS_CLASSES,
-    QUARANTINE_FILE,
     TOTALSEGMENTATOR_V1_LABELS,
     TOTALSEGMENTATOR_V2_LABELS,
-    ImportCaseError,
-    ImportReport,
-    ImportSourceError,
-    LoadedCase,
-    SourceCase,
     class_map_from_argument,
     load_class_map,
-    read_metadata_overrides,
-    run_import,
 )
-from lightning_modules.cohorts.importers.dicom import (
+from lightning_modules.cohorts.importers.dicom import list_dicom
+from lightning_modules.cohorts.importers.dicom_privacy import (
     folder_pseudonym,
-    list_dicom,
     looks_like_date_or_identifier,
     name_is_harmless,
     pseudonymous_patient_id,
-    series_geometry,
 )
+from lightning_modules.cohorts.importers.dicom_series import series_geometry
+from lightning_modules.cohorts.importers.metadata_rows import read_metadata_overrides
 from lightning_modules.cohorts.importers.nifti import list_msd, list_nnunet, list_totalsegmentator
+from lightning_modules.cohorts.importers.resumable_import import QUARANTINE_FILE, ImportReport, run_import
+from lightning_modules.cohorts.importers.source_cases import ImportCaseError, ImportSourceError, LoadedCase, SourceCase
 
 __all__ = [
     "ATLAS_CLASSES",

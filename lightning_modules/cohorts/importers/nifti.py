@@ -1,8 +1,8 @@
 """NIfTI sources: TotalSegmentator folders, nnU-Net raw datasets and Medical Segmentation Decathlon tasks.
 
 Each ``list_*`` function reads only the dataset's index (folder names, ``dataset.json``) and returns
-:class:`~lightning_modules.cohorts.importers.core.SourceCase` objects for
-:func:`~lightning_modules.cohorts.importers.core.run_import`. Images keep their own grid and affine; a mask on
+:class:`~lightning_modules.cohorts.importers.source_cases.SourceCase` objects for
+:func:`~lightning_modules.cohorts.importers.resumable_import.run_import`. Images keep their own grid and affine; a mask on
 another grid is an error for that case (masks are never resampled).
 
 Source layouts:
@@ -37,23 +37,18 @@ import numpy as np
 import pandas as pd
 
 from lightning_modules.data.cohort import CT_FILE, SEGMENTATION_DIR
-from lightning_modules.cohorts.importers.core import (
+from lightning_modules.cohorts.importers.class_maps import (
     LESION_SYNONYMS,
     SOURCE_NAME_TO_ATLAS,
     ClassValues,
-    ImportCaseError,
-    ImportSourceError,
-    LoadedCase,
-    SourceCase,
     UserClassMap,
     builtin_class_map,
     class_values_from_user_map,
-    load_nifti,
     masks_from_label_volume,
-    require_same_grid,
     resolve_class_values,
-    to_int16_hu,
 )
+from lightning_modules.cohorts.importers.source_cases import ImportCaseError, ImportSourceError, LoadedCase, SourceCase
+from lightning_modules.cohorts.importers.volumes import load_nifti, require_same_grid, to_int16_hu
 
 logger = logging.getLogger("lightning_modules.cohorts.importers")
 
