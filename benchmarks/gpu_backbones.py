@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.peak_memory import PeakMemory  # noqa: E402
 from lightning_modules.recipe import load_recipe  # noqa: E402
 from lightning_modules.models.backbones import BACKBONES  # noqa: E402
-from lightning_modules.models.backbones.nnunet import is_planned, plan_nnunet  # noqa: E402
+from lightning_modules.models.backbones.nnunet import is_planned  # noqa: E402
+from lightning_modules.models.planning import plan_nnunet  # noqa: E402
 from lightning_modules.models.checkpoints import build_module  # noqa: E402
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"

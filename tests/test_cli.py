@@ -279,7 +279,7 @@ def test_the_commands_help_defaults_are_the_libraries_defaults():
     from synthx.commands import replicates, study, sweep
     from synthx.workflows import replicates as replicates_workflow
     from synthx.workflows import sweep as sweep_workflow
-    from synthx.workflows.study import StudySettings
+    from synthx.workflows.study.settings import StudySettings
 
     defaults = {field.name: field.default for field in fields(StudySettings)}
     assert study.DEFAULTS == {name: defaults[name] for name in study.DEFAULTS}

@@ -119,7 +119,7 @@ def test_tumors_needed_is_the_first_count_from_which_the_power_holds():
 
 
 def test_the_locked_cohort_is_sized_in_the_phantoms_own_arterial_tumors():
-    from synthx.workflows.study import LOCKED_CASES as STUDY_LOCKED_CASES, LOCKED_SEED_OFFSET
+    from synthx.workflows.study.settings import LOCKED_CASES as STUDY_LOCKED_CASES, LOCKED_SEED_OFFSET
 
     assert (LOCKED_CASES, LOCKED_SEED) == (STUDY_LOCKED_CASES, 0 + LOCKED_SEED_OFFSET)
     cases = locked_cases_for(25)
