@@ -143,8 +143,9 @@ def _build_dry_run_module(recipe, stage: str):
     return module, module.denoiser, described
 
 
-def _optimisation_step(module, network, stage: str, batch: dict, clip) -> float:
-    """One training step as the trainer runs it (loss, backward, clipping, AdamW/Adam, EMA); seconds."""
+def _optimisation_step(module, network, stage: str, batch: dict, clip) -> tuple[float, float]:
+    """One training step as the trainer runs it (loss, backward, clipping, AdamW/Adam, EMA):
+    (wall-clock seconds, CPU seconds of the process, all threads)."""
     import time
 
     import torch
@@ -154,7 +155,7 @@ def _optimisation_step(module, network, stage: str, batch: dict, clip) -> float:
 
     optimizers = module.configure_optimizers()
     optimizer = optimizers["optimizer"] if isinstance(optimizers, dict) else optimizers
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     if stage == "autoencoder":
         loss = module.loss(batch)[0]
     else:
@@ -168,7 +169,7 @@ def _optimisation_step(module, network, stage: str, batch: dict, clip) -> float:
     optimizer.zero_grad(set_to_none=True)
     if getattr(module, "ema", None) is not None:
         module.ema.step(network.parameters())
-    return time.perf_counter() - started
+    return time.perf_counter() - started, time.process_time() - cpu_started
 
 
 def _peak_bytes() -> int:
@@ -199,12 +200,12 @@ def dry_run(recipe, stage: str = "generator") -> str:
     before = _peak_bytes()
     counter = FlopCounterMode(display=False)
     with counter:
-        first_seconds = _optimisation_step(module, network, stage, _synthetic_batch(1, patch, generator), clip)
+        first_seconds, _ = _optimisation_step(module, network, stage, _synthetic_batch(1, patch, generator), clip)
     flops_per_sample = counter.get_total_flops()
     per_sample_bytes = max(_peak_bytes() - before, 0)
     fits = first_seconds * batch_size <= DRY_RUN_MAX_SECONDS and before + per_sample_bytes * batch_size <= DRY_RUN_MAX_BYTES
     timed_batch = batch_size if fits else 1
-    seconds = _optimisation_step(module, network, stage, _synthetic_batch(timed_batch, patch, generator), clip)
+    seconds, cpu_seconds = _optimisation_step(module, network, stage, _synthetic_batch(timed_batch, patch, generator), clip)
     max_steps = int(recipe.autoencoder.max_steps if stage == "autoencoder" else recipe.trainer.max_steps)
     flops_per_step = flops_per_sample * batch_size
     total = flops_per_step * max_steps
@@ -221,7 +222,8 @@ def dry_run(recipe, stage: str = "generator") -> str:
         latent = "x".join(str(p // module.vae.downsampling_factor) for p in patch)
         lines.append(f"  latent mode: the denoiser sees {module.vae.config.latent_channels} x {latent} latents")
     lines.append(
-        f"  step time on the CPU ({torch.get_num_threads()} threads, float32): {seconds:.2f} s at batch {timed_batch}; "
+        f"  step time on the CPU ({torch.get_num_threads()} threads, float32): {seconds:.2f} s at batch {timed_batch} "
+        f"(wall clock; {cpu_seconds:.2f} s of CPU time); "
         f"peak memory {_peak_bytes() / 2**30:.2f} GB (process maximum RSS)"
     )
     if not fits:

@@ -70,7 +70,7 @@ def test_generator_dry_run_reports_counts_time_memory_flops_and_writes_nothing(t
     assert numbers(r"denoiser ([\d,]+) parameters", out) == (count(denoiser),)
     assert numbers(r"autoencoder ([\d,]+) parameters \(frozen, built from the recipe's autoencoder section", out) == (count(autoencoder),)
     assert "the denoiser sees 8 x 8x8x16 latents" in out
-    seconds, batch, memory = numbers(r"([\d.]+) s at batch (\d+); peak memory ([\d.]+) GB", out)
+    seconds, batch, memory = numbers(r"([\d.]+) s at batch (\d+) \(wall clock; [\d.]+ s of CPU time\); peak memory ([\d.]+) GB", out)
     assert seconds > 0 and batch == 2 and memory > 0 and "reduced batch" not in out
     per_patch, per_step, total = numbers(r"([\d.e+]+) per patch, ([\d.e+]+) at batch 2; ([\d.e+]+) for 60,000 steps", out)
     assert per_patch > 0 and per_step == pytest.approx(2 * per_patch, rel=1e-3) and total == pytest.approx(60_000 * per_step, rel=1e-3)
@@ -84,6 +84,6 @@ def test_autoencoder_dry_run_and_the_reduced_batch(tmp_path, monkeypatch, capsys
     out = dry_run(["--stage", "autoencoder"], tmp_path, monkeypatch, capsys)
     recipe = load_synthx_recipe(RECIPE, ["profile=gpu", *SMALL])
     assert numbers(r"autoencoder ([\d,]+) parameters \(trained\)", out) == (count(SynthXAutoencoderModule.from_recipe(recipe).autoencoder),)
-    assert "denoiser" not in out and re.search(r"[\d.]+ s at batch 1;", out)
+    assert "denoiser" not in out and re.search(r"[\d.]+ s at batch 1 \(wall clock", out)
     assert "reduced batch: the timed step ran at batch 1, not 2" in out
     assert re.search(r"[\d.e+]+ at batch 2; [\d.e+]+ for 20,000 steps", out)
