@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides += [f"data.split={args.split}"] if args.split else []
     recipe = load_synthx_recipe(args.recipe, overrides)  # refused before torch and diffusers load
     if args.dry_run:
-        print(dry_run(recipe, args.stage))
+        print(dry_run(recipe, args.stage, source=args.recipe))
         return 0
     from synthx.training import train_autoencoder, train_synthx
 
@@ -179,19 +179,27 @@ def _peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def dry_run(recipe, stage: str = "generator") -> str:
+def dry_run(recipe, stage: str = "generator", source: str = "recipe") -> str:
     """Build the recipe's models at full size and run one optimisation step on the CPU; the report.
 
     A first step at batch 1 counts the FLOPs (``torch.utils.flop_counter``, forward and backward) and
     warms up; the timed step then runs at ``data.batch_size``, or at batch 1 when a full batch,
     projected from the first step, would take over :data:`DRY_RUN_MAX_SECONDS` or
     :data:`DRY_RUN_MAX_BYTES`. Nothing is written and no MLflow run is opened.
+
+    Raises:
+        RecipeError: naming ``source``, when the recipe's shapes do not fit its networks.
     """
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     torch.manual_seed(int(recipe.seed))
-    module, network, described = _build_dry_run_module(recipe, stage)
+    from synthx.config import RecipeError
+
+    try:
+        module, network, described = _build_dry_run_module(recipe, stage)
+    except ValueError as error:  # a patch the latent and U-Net downsampling do not divide
+        raise RecipeError(f"{source}: {error}") from None
     module.on_fit_start()
     module.train()
     patch, batch_size = [int(p) for p in recipe.data.patch_size], int(recipe.data.batch_size)
@@ -235,7 +243,7 @@ def dry_run(recipe, stage: str = "generator") -> str:
     lines += [
         f"  FLOPs per step (counted, forward + backward): {flops_per_sample:.3e} per patch, {flops_per_step:.3e} "
         f"at batch {batch_size}; {total:.3e} for {max_steps:,} steps",
-        f"  CPU time for {max_steps:,} steps at this step time"
+        f"  on this CPU, {max_steps:,} steps at this wall-clock step time"
         + ("" if fits else f" (x {batch_size} for the full batch)")
         + f": {per_step_cpu * max_steps / 3600:.1f} h",
         f"  GPU time estimate (compute only, a lower bound): {total / ASSUMED_GPU_FLOPS / 3600:.2f} h for {max_steps:,} steps, "

@@ -87,3 +87,13 @@ def test_autoencoder_dry_run_and_the_reduced_batch(tmp_path, monkeypatch, capsys
     assert "denoiser" not in out and re.search(r"[\d.]+ s at batch 1 \(wall clock", out)
     assert "reduced batch: the timed step ran at batch 1, not 2" in out
     assert re.search(r"[\d.e+]+ at batch 2; [\d.e+]+ for 20,000 steps", out)
+
+
+def test_a_patch_the_latent_u_net_cannot_divide_is_refused_naming_the_recipe(tmp_path, monkeypatch, capsys):
+    from lightning_modules import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["synthx-train", "--recipe", str(RECIPE), "profile=gpu", "data.patch_size=[48,48,48]", "--dry-run"]) == 2
+    error = capsys.readouterr().err
+    assert f"{RECIPE}: latent mode: every data.patch_size value must be divisible by 32" in error
+    assert "Traceback" not in error and list(tmp_path.iterdir()) == []
