@@ -133,8 +133,10 @@ class SynthXTrainingModule(pl.LightningModule):
         self.step_seconds: list[float] = []
 
     @classmethod
-    def from_recipe(cls, recipe: DictConfig) -> "SynthXTrainingModule":
-        vae = load_autoencoder(recipe.model, recipe.data)
+    def from_recipe(cls, recipe: DictConfig, vae: SynthXAutoencoder | None = None) -> "SynthXTrainingModule":
+        """The recipe's module; latent mode loads ``model.vae_path`` unless ``vae`` is given (the dry
+        run passes an untrained one built from the ``autoencoder`` section)."""
+        vae = vae if vae is not None else load_autoencoder(recipe.model, recipe.data)
         in_channels = vae.config.latent_channels if vae is not None else 1
         return cls(
             build_denoiser(recipe.model, recipe.data, in_channels=in_channels),

@@ -111,8 +111,8 @@ def test_recipe_profiles_and_checks():
         load_synthx_recipe(RECIPE, ["model.latent=true"])
     with pytest.raises(RecipeError, match="prediction_type"):
         load_synthx_recipe(RECIPE, ["scheduler.prediction_type=noise"])
-    with pytest.raises(RecipeError, match="profile 'gpu' is not defined"):
-        load_synthx_recipe(RECIPE, ["profile=gpu"])
+    with pytest.raises(RecipeError, match="profile 'tpu' is not defined"):
+        load_synthx_recipe(RECIPE, ["profile=tpu"])
 
 
 def test_only_real_training_cases_with_tumors_are_used(cohort_dir):
