@@ -42,7 +42,8 @@ def refused(done: subprocess.CompletedProcess, *named: str) -> None:
 ])
 def test_a_study_number_out_of_range_is_refused_before_anything_is_created(tmp_path, arguments, named):
     store, out = tmp_path / "mlflow.db", tmp_path / "study"
-    done = benchx("study", "--recipe", str(RECIPES / "unet.yaml"), "--out", str(out), *arguments, cwd=tmp_path, store=store)
+    done = benchx("study", "--recipe", str(RECIPES / "unet.yaml"), "--synthx-recipe", str(RECIPES / "generator" / "synthx.yaml"),
+                  "--out", str(out), *arguments, cwd=tmp_path, store=store)
     refused(done, named)
     assert sorted(path.name for path in tmp_path.iterdir()) == [], "no store, no study folder"
 
@@ -64,7 +65,8 @@ def test_a_study_recipe_error_is_refused_before_torch_is_imported(tmp_path):
 
 @pytest.mark.parametrize("command", [
     ["synthx-train", "--recipe", str(RECIPES / "generator" / "synthx.yaml"), "zz_mistyped.key=1"],
-    ["study", "--recipe", str(RECIPES / "unet.yaml"), "--synthx-override", "zz_mistyped.key=1"],
+    ["study", "--recipe", str(RECIPES / "unet.yaml"), "--synthx-recipe", str(RECIPES / "generator" / "synthx.yaml"),
+     "--synthx-override", "zz_mistyped.key=1"],
 ])
 def test_a_synthx_recipe_error_is_refused_before_torch_or_diffusers_load(tmp_path, command):
     probe = (
