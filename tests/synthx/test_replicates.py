@@ -232,7 +232,7 @@ def test_a_replicate_is_the_study_seeded_in_its_own_folder(capsys):
                                  "fixed", "seed=4"])
     assert command[1:] == ["-m", "lightning_modules.cli", "study", "--recipe", "r.yaml", "seed=4"]
     for arguments, message in ((["--seeds", "2", "--seed", "1"], "not both"), (["--pool-only"], "needs --seeds"),
-                               (["--seeds", "1"], "at least 2")):
+                               (["--seeds", "1"], "argument --seeds: must be an integer >= 2, got 1")):
         with pytest.raises(SystemExit):
             main(arguments)
         assert message in capsys.readouterr().err
