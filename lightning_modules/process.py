@@ -2,7 +2,9 @@
 
 Kept apart from MLflow (:mod:`lightning_modules.tracking`): a command records the code version as a
 tag and turns SIGTERM/SIGINT into :class:`Terminated`, so the run's tracking can end it KILLED and
-the command can exit with the shell's code for that signal.
+the command can exit with the shell's code for that signal (:func:`exit_on_signal` prints the one
+line that says so). Worker processes a command starts (:func:`start_worker`) die with it, and are
+stopped when it stops (:func:`stop_workers`).
 
 Example::
 
@@ -14,10 +16,15 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
+import shlex
 import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 
 def git_commit(path: str | Path | None = None) -> str:
@@ -111,3 +118,100 @@ def raise_if_signalled() -> None:
     """Raise :class:`Terminated` for a signal recorded inside :func:`deferred_signals`."""
     if _SIGNALS["received"] is not None:
         raise Terminated(_SIGNALS["received"])
+
+
+def stop_code(error: BaseException) -> int | None:
+    """The exit code of a process stopped by ``error``: 128 + the signal for :class:`Terminated`, 130
+    for a ``KeyboardInterrupt`` (Ctrl+C outside :func:`terminating_signals`); None for anything else."""
+    if isinstance(error, Terminated):
+        return error.exit_code
+    if isinstance(error, KeyboardInterrupt):
+        return 128 + signal.SIGINT
+    return None
+
+
+def stop_reason(error: BaseException) -> str:
+    """``stopped by SIGTERM`` (or ``SIGINT`` for Ctrl+C) for a stop; the error's type otherwise."""
+    if isinstance(error, Terminated):
+        return str(error)
+    if isinstance(error, KeyboardInterrupt):
+        return f"stopped by {signal.SIGINT.name}"
+    return type(error).__name__
+
+
+@contextlib.contextmanager
+def exit_on_signal(command: str, advice: Callable[[], str]) -> Iterator[None]:
+    """SIGTERM, SIGINT and Ctrl+C inside the block end the process with one line on stderr,
+    ``<command>: stopped by SIGTERM; <advice()>``, and the shell's exit code (143, 130), not a traceback.
+
+    ``advice`` is called when the stop arrives, so it can say what was in flight then.
+    """
+    with terminating_signals():
+        try:
+            yield
+        except (Terminated, KeyboardInterrupt) as stopped:
+            print(f"{command}: {stop_reason(stopped)}; {advice()}", file=sys.stderr, flush=True)
+            raise SystemExit(stop_code(stopped)) from None
+
+
+@contextlib.contextmanager
+def held_signals() -> Iterator[None]:
+    """Inside the block a SIGTERM/SIGINT handled by :func:`terminating_signals` is only recorded,
+    so the cleanup that ends a stopped or failed process's runs is not cut short by a second signal."""
+    deferred = _SIGNALS["deferred"]
+    _SIGNALS["deferred"] = True
+    try:
+        yield
+    finally:
+        _SIGNALS["deferred"] = deferred
+
+
+def rerun_command(program: str = "benchx") -> str | None:
+    """The command line this process was started with, as ``benchx <arguments>``; None when the
+    process is not the ``benchx`` command (a test, a notebook)."""
+    first = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if first is None or not (first.name == program or first.parts[-2:] == ("lightning_modules", "cli.py")):
+        return None
+    return shlex.join([program, *sys.argv[1:]])
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a new child process (``preexec_fn``): ask Linux for SIGTERM when the parent dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        return
+    if os.getppid() != parent:  # the parent died before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def start_worker(args: Sequence[str], **popen: object) -> subprocess.Popen:
+    """Start a worker process that gets SIGTERM when this process dies, even by SIGKILL (Linux).
+
+    Elsewhere the worker starts without that request; :func:`stop_workers` still stops it when this
+    process stops on a signal or an error.
+    """
+    if sys.platform.startswith("linux"):
+        parent = os.getpid()
+        popen["preexec_fn"] = lambda: _die_with_parent(parent)
+    return subprocess.Popen(list(args), **popen)
+
+
+def stop_workers(processes: Iterable[subprocess.Popen], grace_s: float = 60.0) -> list[int]:
+    """SIGTERM each running worker, wait up to ``grace_s`` seconds for all to end their runs, then
+    SIGKILL the rest; returns the exit codes (negative: killed by that signal)."""
+    processes = list(processes)
+    for process in processes:
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return [process.returncode for process in processes]

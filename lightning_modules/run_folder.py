@@ -93,7 +93,7 @@ class RunFolderLock:
             fcntl.flock(guard, fcntl.LOCK_EX)
             holder = read_lock(self.path)
             if holder is not None:
-                if holder.host != me.host or _alive(holder.pid):
+                if holder.host != me.host or pid_alive(holder.pid):
                     raise FolderLockedError(
                         f"{self.folder} is in use by {holder.describe()}; wait for it to end or write to another folder"
                     )
@@ -130,7 +130,8 @@ def read_lock(path: Path) -> LockHolder | None:
         return None
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True while a process with this id runs on this host (one of another user counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -24,7 +24,8 @@ from typing import Sequence
 
 from lightning_modules.commands.common import add_overrides_argument, parse_command_line
 from synthx.painters import PAINTERS
-from synthx.workflows.study import StudySettings, run_study
+from synthx.workflows.study.run import run_study
+from synthx.workflows.study.settings import StudySettings
 
 
 def build_parser() -> argparse.ArgumentParser:

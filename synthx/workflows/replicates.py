@@ -36,7 +36,7 @@ from mlflow.tracking import MlflowClient
 from lightning_modules.evaluation.artifacts import download_records
 from lightning_modules.evaluation.seed_pooling import ArmRecords, comparison_name, format_pooled, pool_seeds
 from lightning_modules.monitoring import format_duration
-from lightning_modules.process import git_commit
+from lightning_modules.process import exit_on_signal, git_commit, rerun_command, start_worker, stop_workers
 from lightning_modules.run_folder import content_key
 from lightning_modules.tracking import experiment_id, tracking_uri
 from lightning_modules.workflows.evaluate import is_flagged, OPERATING_POINT_METRIC, significance_mark
@@ -51,7 +51,8 @@ from synthx.workflows.report import (
     markdown_table,
     study_comparison as comparison_of,
 )
-from synthx.workflows.study import run_study, segmentation_recipe
+from synthx.workflows.study.run import run_study
+from synthx.workflows.study.settings import segmentation_recipe
 
 
 OPERATING_POINTS = ("fixed", "val_chosen", "matched_specificity")
@@ -232,7 +233,7 @@ def run_replicate(settings, seed: int) -> str:
     """Run replicate ``seed`` of a study unless it has finished; returns its parent run id.
 
     A killed replicate resumes: its finished steps are reused and an interrupted training resumes
-    from its checkpoint (:mod:`synthx.workflows.study`). A finished one is never run again.
+    from its checkpoint (:mod:`synthx.workflows.study.run`). A finished one is never run again.
     """
     uri, experiment, key = _store(settings)
     client = MlflowClient(tracking_uri=uri)
@@ -258,6 +259,9 @@ def run_replicates(settings, seeds: Sequence[int], workers: int, command: Sequen
     """Run the unfinished replicates, ``workers`` processes at a time, each ``command + --seed S``.
 
     Each process writes its log to ``<out>/seed-<S>.log``. Finished replicates are not started.
+    The processes die with this one (even by SIGKILL, on Linux); on SIGTERM, SIGINT or an error here
+    they are stopped (each ends its runs KILLED), and on a signal this process exits 143 or 130 after
+    one line naming the command that resumes them.
 
     Raises:
         ReplicateError: a replicate process failed (rerunning the same command resumes it).
@@ -281,23 +285,29 @@ def run_replicates(settings, seeds: Sequence[int], workers: int, command: Sequen
         environment.setdefault(variable, str(threads))
     running: dict[int, tuple[subprocess.Popen, object]] = {}
     failed: list[int] = []
-    while pending or running:
-        while pending and len(running) < workers:
-            seed = pending.pop(0)
-            log = open(out / f"seed-{seed}.log", "a")
-            print(f"[replicates] seed {seed}: started with {environment['OMP_NUM_THREADS']} thread(s) "
-                  f"(log {out / f'seed-{seed}.log'})")
-            running[seed] = (subprocess.Popen([*command, "--seed", str(seed)], stdout=log, stderr=subprocess.STDOUT,
-                                              env=environment), log)
-        time.sleep(1)
-        for seed, (process, log) in list(running.items()):
-            if process.poll() is None:
-                continue
-            log.close()
-            del running[seed]
-            print(f"[replicates] seed {seed}: {'done' if process.returncode == 0 else f'failed ({process.returncode})'}")
-            if process.returncode != 0:
-                failed.append(seed)
+    advice = f"replicate(s) {', '.join(map(str, pending))} stopped; resume with: {rerun_command() or 'the same command'}"
+    with exit_on_signal("benchx study", lambda: advice):
+        try:
+            while pending or running:
+                while pending and len(running) < workers:
+                    seed = pending.pop(0)
+                    log = open(out / f"seed-{seed}.log", "a")
+                    print(f"[replicates] seed {seed}: started with {environment['OMP_NUM_THREADS']} thread(s) "
+                          f"(log {out / f'seed-{seed}.log'})")
+                    running[seed] = (start_worker([*command, "--seed", str(seed)], stdout=log, stderr=subprocess.STDOUT,
+                                                  env=environment), log)
+                time.sleep(1)
+                for seed, (process, log) in list(running.items()):
+                    if process.poll() is None:
+                        continue
+                    log.close()
+                    del running[seed]
+                    print(f"[replicates] seed {seed}: {'done' if process.returncode == 0 else f'failed ({process.returncode})'}")
+                    if process.returncode != 0:
+                        failed.append(seed)
+        except BaseException:
+            stop_workers([process for process, _ in running.values()])
+            raise
     if failed:
         raise ReplicateError(f"replicate(s) {', '.join(map(str, sorted(failed)))} failed (logs: {out}/seed-<seed>.log); "
                              "run the same command again to resume them")

@@ -124,7 +124,7 @@ def test_synthesize_with_the_phantom_painter_writes_a_cohort_and_reports_unfilla
 
 
 def test_a_phantom_painter_study_refuses_generator_settings_it_would_ignore():
-    from synthx.workflows.study import StudySettings
+    from synthx.workflows.study.settings import StudySettings
 
     for changed in ({"synthx_overrides": ["seed=1"]}, {"synthesis_steps": 5}, {"synthx_recipe": "other.yaml"}):
         with pytest.raises(ValueError, match="would be ignored"):

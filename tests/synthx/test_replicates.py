@@ -215,7 +215,7 @@ def test_two_replicates_run_as_two_workers_and_are_pooled(tiny_phantom, tmp_path
 def test_a_replicate_is_the_study_seeded_in_its_own_folder(capsys):
     from synthx.commands.study import main, replicate_command
     from synthx.workflows.replicates import replicate_key, seeded_settings
-    from synthx.workflows.study import StudySettings
+    from synthx.workflows.study.settings import StudySettings
 
     settings = StudySettings(overrides=["trainer.max_steps=4"], synthx_overrides=["trainer.max_steps=2"], output_dir="out/s")
     seeded = seeded_settings(settings, 3)

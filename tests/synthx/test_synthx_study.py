@@ -107,7 +107,7 @@ def test_augmented_training_logs_the_synthetic_cohort_as_a_dataset_input(tiny_ph
 
 
 def _study_settings(root, split, tmp_path):
-    from synthx.workflows.study import StudySettings
+    from synthx.workflows.study.settings import StudySettings
 
     overrides = [o for o in tiny_overrides(root, split, tmp_path) if not o.startswith("profile=")]
     return StudySettings(
@@ -128,8 +128,10 @@ def _study_settings(root, split, tmp_path):
 
 
 def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path, monkeypatch, capsys):
-    import synthx.workflows.study as study
-    from synthx.workflows.study import STEPS, read_targets, run_study
+    import synthx.workflows.study.steps as study
+    from synthx.workflows.study.run import run_study
+    from synthx.workflows.study.settings import STEPS
+    from synthx.workflows.study.steps import read_targets
 
     root, split = tiny_phantom
     settings = _study_settings(root, split, tmp_path)
@@ -139,8 +141,9 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
         raise KeyboardInterrupt("simulated kill during synthesis")
 
     monkeypatch.setattr(study, "synthesize", killed)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as stopped:
         run_study(settings)
+    assert stopped.value.code == 130, "Ctrl+C ends the study with the shell's code for SIGINT"
     first = capsys.readouterr().out
     for step in ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting", "synthx_train"):
         assert f"[study] {step}: done" in first, step
@@ -274,7 +277,7 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
 
 def test_primary_endpoint_is_logged_before_any_step(tiny_phantom, tmp_path, monkeypatch):
     """The parent run carries the endpoint before the data step, let alone a training, has started."""
-    import synthx.workflows.study as study
+    import synthx.workflows.study.run as study
 
     root, split = tiny_phantom
     seen = {}
@@ -285,7 +288,7 @@ def test_primary_endpoint_is_logged_before_any_step(tiny_phantom, tmp_path, monk
         raise KeyboardInterrupt("stop before the first step")
 
     monkeypatch.setattr(study, "_baseline_steps", first_steps)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit):
         study.run_study(_study_settings(root, split, tmp_path))
     assert seen["steps"] == {}, "no step ran before"
     assert seen["params"]["endpoint.metric"] == "sensitivity" and seen["params"]["endpoint.group"] == "arterial"
@@ -295,9 +298,9 @@ def test_primary_endpoint_is_logged_before_any_step(tiny_phantom, tmp_path, monk
 
 
 def test_study_trains_a_changed_generator_recipe_into_its_own_folder(tmp_path, monkeypatch):
-    import synthx.workflows.study as study
+    import synthx.workflows.study.steps as study
     from synthx.config import load_synthx_recipe
-    from synthx.workflows.study import generator_action
+    from synthx.workflows.study.steps import generator_action
 
     folders = []
 
@@ -316,7 +319,8 @@ def test_study_trains_a_changed_generator_recipe_into_its_own_folder(tmp_path, m
 
 def test_targeting_reads_validation_records_only(tiny_phantom, tmp_path):
     """The targeting step needs only evaluation/val_records.csv: an evaluation run without test records suffices."""
-    from synthx.workflows.study import StudySettings, read_targets, targeting_action, validation_records
+    from synthx.workflows.study.settings import StudySettings
+    from synthx.workflows.study.steps import read_targets, targeting_action, validation_records
 
     root, split = tiny_phantom
     uri = new_sqlite_store(tmp_path / "mlflow.db")
@@ -459,18 +463,18 @@ def test_two_concurrent_workers_share_one_journal_study(tiny_phantom, tmp_path):
 
 def test_step_cpu_seconds_count_finished_child_processes():
     """The data step renders the phantom in worker processes: a step's CPU figure must include them."""
-    from synthx.workflows.study import _cpu_seconds
+    from synthx.workflows.study.runner import cpu_seconds
 
-    before = _cpu_seconds()
+    before = cpu_seconds()
     subprocess.run([sys.executable, "-c", "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass"],
                    check=True)
-    assert _cpu_seconds() - before >= 0.45
+    assert cpu_seconds() - before >= 0.45
 
 
 def test_the_study_loads_its_recipe_once_and_builds_the_arms_in_memory(tmp_path, monkeypatch):
     """Every arm's recipe is the loaded recipe with the arm's typed values merged in; the YAML is read
     once, and the arms equal what the same values as command-line overrides give."""
-    import synthx.workflows.study as study
+    import synthx.workflows.study.settings as study
     from lightning_modules.recipe import load_recipe
 
     settings = _study_settings(tmp_path / "cohort", tmp_path / "split.csv", tmp_path)

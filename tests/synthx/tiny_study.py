@@ -20,7 +20,7 @@ def finished_study(tiny_phantom, tmp_path_factory):
     """(settings, tracking uri, parent run id) of a finished tiny study (run once per session)."""
     if "study" not in _CACHE:
         from lightning_modules.recipe import load_recipe
-        from synthx.workflows.study import run_study
+        from synthx.workflows.study.run import run_study
 
         from conftest import RECIPES
 

@@ -1,0 +1,54 @@
+"""The baseline / sham / SynthX study, the project's main job (``benchx study``, MLproject ``main``).
+
+Before any step, the pre-specified primary endpoint is logged on the parent run
+(:mod:`synthx.endpoint`, ``docs/design.md "The primary endpoint"``). Steps, each an MLflow child
+run of one parent run (``mlflow.parentRunId``):
+
+1. ``data``: the cohort (the embedded phantom is generated when absent) and its split (the
+   committed ``splits/phantom.csv`` for the phantom; made once otherwise), validated;
+2. ``locked_cohort`` (phantom cohorts): the locked test cohort, a phantom of another seed that no
+   design decision has seen, viewed together with the development validation split
+   (``docs/design.md "The locked test cohort"``);
+3. ``baseline``: the backbone trained on real data, on the exposure-matched schedule's real draws
+   (``synthx.real_steps``, ``docs/design.md "Arms with equal real exposure"``);
+4. ``evaluate_baseline``: subgroup evaluation on validation and the development test split
+   (operating point chosen on validation when the recipe says so, ``docs/design.md "Scan-level detection"``);
+5. ``targeting``: how many synthetic tumors per (sex, age band, phase) cell. The default rule
+   ``need:B`` spends a budget of B cases where the baseline's VALIDATION sensitivity falls short
+   (``synthx.targeting``); it reads the baseline's validation records only, never test labels;
+6. ``synthx_train``: the SynthX generator trained on the training split's tumors;
+7. ``synthesize``: the targeted cases painted into matching healthy training scans;
+8. ``sham``: the augmented schedule (real_steps x (1 + r) steps, the baseline's real draws) with each
+   synthetic slot filled by a real training positive of the synthetic case's cell;
+9. ``augmented``: the same schedule with the synthetic cases;
+10. ``evaluate_locked_baseline``, ``evaluate_sham``, ``evaluate_synthx``: the three arms on the
+    study's test set (the locked cohort; the split's test set for other cohorts), operating points
+    chosen on the development validation split;
+11. ``compare``: the BenchX table-6 comparison with paired bootstrap differences against the sham
+    arm: SynthX minus sham (the primary endpoint and the secondary family) and baseline minus sham
+    (what the schedule alone does).
+
+The positive control (``painter="phantom"``, ``benchx study --painter phantom``): on the embedded
+phantom, the phantom's own renderer paints the targeted tumors instead of SynthX (no
+``synthx_train`` step), with the same targeting, canvases, ratio and training; it shows what the
+study can detect when the added tumors are as real as the phantom's
+(:mod:`synthx.generation.phantom_painter`).
+
+Resumable: a step is skipped when an identical finished run exists (same step, parameters and code
+version: the key is a hash of the three, stored as the tag ``study_step_key``), so rerunning the
+same command after a failure only does what is missing; an interrupted training resumes from its
+``last.ckpt`` into its MLflow run.
+
+The package, by job:
+
+- :mod:`~synthx.workflows.study.settings`: :class:`StudySettings`, the constants and the recipes of the arms;
+- :mod:`~synthx.workflows.study.runner`: the step runner (:class:`StudyRunner`) and its locks;
+- :mod:`~synthx.workflows.study.steps`: what each step does (one MLflow run each);
+- :mod:`~synthx.workflows.study.run`: :func:`run_study`, the steps in order;
+- :mod:`~synthx.workflows.study.publish`: the comparison, the primary endpoint and the verdict on the parent run.
+
+Example::
+
+    benchx study --recipe recipes/unet.yaml --profile cpu
+    mlflow run . --env-manager local                       # the same, as MLproject `main`
+"""
