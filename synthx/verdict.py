@@ -29,18 +29,32 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import pandas as pd
 
 from synthx.endpoint import PrimaryEndpoint
 from synthx.labels import arm_label, group_label, point_label
+from synthx.painters import PHANTOM_PAINTER
 
 CLOSED, OPEN, UNDETERMINED = "closed", "open", "undetermined"
 VERDICT_WORDS = {CLOSED: "closed", OPEN: "not closed", UNDETERMINED: "undetermined"}  # as sentences print them
 REFERENCE_ARM = "baseline"
 TREATMENT_ARM = "synthx"
 CONTROL_ARM = "sham"
+
+
+POSITIVE_CONTROL_LABEL = "phantom painter (positive control)"
+
+ArmNamer = Callable[[str], str]
+
+
+def arm_namer(painter: str | None = None) -> ArmNamer:
+    """How an arm is named in sentences and tables, by what it is: with the phantom painter (the
+    positive control) the augmented arm is named for that painter, not "SynthX"."""
+    if painter == PHANTOM_PAINTER:
+        return lambda arm: POSITIVE_CONTROL_LABEL if str(arm) == TREATMENT_ARM else arm_label(arm)
+    return arm_label
 
 
 @dataclass(frozen=True)
@@ -88,15 +102,15 @@ def _points(value: float) -> str:
     return "0" if text in ("+0.0", "-0.0") else text
 
 
-def _arm_text(result: ArmResult, metric: str) -> str:
-    name = arm_label(result.arm)
+def _arm_text(result: ArmResult, metric: str, name_of: ArmNamer = arm_label) -> str:
+    name = name_of(result.arm)
     if result.found is not None and result.of is not None:
         return f"{name} found {result.found} of {result.of} ({_percent(result.value)})"
     return f"{name} {_percent(result.value)} {metric}" if metric != "sensitivity" else f"{name} {_percent(result.value)}"
 
 
 def contrast_sentence(label: str, results: Sequence[ArmResult], contrast: Contrast, point: str,
-                      metric: str = "sensitivity") -> str:
+                      metric: str = "sensitivity", name_of: ArmNamer = arm_label) -> str:
     """One verdict sentence, e.g. ``Scarcity gap (arterial), at the validation-chosen operating point:
     baseline found 0 of 11 (0%), sham 0 of 11 (0%), SynthX 0 of 11 (0%) - not closed (SynthX - sham
     0 points, 95% CI 0 to 0).``
@@ -107,10 +121,11 @@ def contrast_sentence(label: str, results: Sequence[ArmResult], contrast: Contra
         contrast: the paired difference that decides the outcome.
         point: the operating point's name (``val_chosen``, ``fixed``, ``matched_specificity``).
         metric: the metric the values are (named when it is not sensitivity).
+        name_of: how an arm is named (:func:`arm_namer`).
     """
     verdict = VERDICT_WORDS[outcome(contrast)]
-    arms = ", ".join(_arm_text(r, metric) for r in results)
-    difference = (f"{arm_label(contrast.treatment)} - {arm_label(contrast.control)} {_points(contrast.delta)} "
+    arms = ", ".join(_arm_text(r, metric, name_of) for r in results)
+    difference = (f"{name_of(contrast.treatment)} - {name_of(contrast.control)} {_points(contrast.delta)} "
                   f"percentage points, 95% CI {_points(contrast.ci_low)} to {_points(contrast.ci_high)}")
     if verdict == "undetermined":
         difference += ", the CI spans 0" if not math.isnan(float(contrast.ci_low)) else ", no CI"
@@ -199,9 +214,10 @@ def available_point(comparison: pd.DataFrame, preferred: str) -> str:
 
 
 def study_verdict(comparison: pd.DataFrame, point: str = "val_chosen", endpoint: PrimaryEndpoint | None = None,
-                  subgroups: Sequence[tuple[str, str, str]] | None = None) -> list[str]:
+                  subgroups: Sequence[tuple[str, str, str]] | None = None, name_of: ArmNamer = arm_label) -> list[str]:
     """The verdict sentences of a comparison table: one per designed gap at ``point``, then the
-    primary endpoint. A subgroup the table lacks gives no sentence."""
+    primary endpoint. A subgroup the table lacks gives no sentence; ``name_of`` names the arms
+    (:func:`arm_namer`: the study's painter decides what the augmented arm is called)."""
     arms = comparison_arms(comparison)
     endpoint = endpoint or PrimaryEndpoint(group=designed_gap_subgroups()[0][2])
     lines = []
@@ -219,7 +235,7 @@ def study_verdict(comparison: pd.DataFrame, point: str = "val_chosen", endpoint:
         if empty and int(rows[empty].iloc[0]) == 0:
             lines.append(empty_sentence(label, group_label(attribute, group), empty))
         else:
-            lines.append(contrast_sentence(label, arm_results(rows, metric), contrast, at, metric))
+            lines.append(contrast_sentence(label, arm_results(rows, metric), contrast, at, metric, name_of))
     return lines
 
 

@@ -71,7 +71,7 @@ def test_the_readme_blocks_are_the_generated_pages():
     """README's generated blocks say what docs/results.md and docs/seeds.md say (both written by
     ``benchx report --markdown`` from the same runs): no hand edit on one side only."""
     from synthx.workflows.replicates import PER_SEED_SECTION, SEEDS_BLOCK
-    from synthx.workflows.report import fill_results_block
+    from synthx.workflows.report.markdown_page import fill_results_block
 
     readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
     results = (REPO_ROOT / "docs" / "results.md").read_text(encoding="utf-8")

@@ -25,7 +25,7 @@ EXPECTED_ERRORS: frozenset[str] = frozenset(
         "synthx.provenance.ProvenanceError",
         "synthx.targeting.TargetingError",
         "synthx.quality.QualityError",
-        "synthx.workflows.report.ReportError",
+        "synthx.workflows.report.runs.ReportError",
         "synthx.workflows.replicates.ReplicateError",
     }
 )

@@ -36,7 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from lightning_modules.tracking import tracking_uri
     from synthx.workflows.replicates import POOLED_STAGE, write_pooled_markdown
-    from synthx.workflows.report import build_report, write_results_markdown
+    from synthx.workflows.report.html_page import build_report
+    from synthx.workflows.report.markdown_page import write_results_markdown
 
     uri = tracking_uri(args.tracking_uri)
     if args.markdown:

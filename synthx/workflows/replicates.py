@@ -44,13 +44,8 @@ from synthx.endpoint import PrimaryEndpoint
 from synthx.labels import arm_label, attribute_label, group_label, point_label
 from synthx.painters import SYNTHX_PAINTER
 from synthx.verdict import Contrast, designed_gap_subgroups, outcome, study_verdict, VERDICT_WORDS
-from synthx.workflows.report import (
-    COMPARISON_ARTIFACT,
-    fill_results_block,
-    load_study,
-    markdown_table,
-    study_comparison as comparison_of,
-)
+from synthx.workflows.report.markdown_page import fill_results_block, markdown_table
+from synthx.workflows.report.runs import COMPARISON_ARTIFACT, load_study, study_comparison as comparison_of
 from synthx.workflows.study.run import run_study
 from synthx.workflows.study.settings import segmentation_recipe
 

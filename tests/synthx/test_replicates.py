@@ -306,7 +306,7 @@ def test_pooling_identical_seeds_reproduces_the_studys_own_comparison(finished_s
     from mlflow.tracking import MlflowClient
 
     from synthx.workflows.replicates import pooled_table
-    from synthx.workflows.report import COMPARISON_ARTIFACT, load_study
+    from synthx.workflows.report.runs import COMPARISON_ARTIFACT, load_study
 
     settings, uri, parent_id = finished_study
     client = MlflowClient(uri)
@@ -334,7 +334,7 @@ def test_the_pooled_page_names_its_runs_and_judges_the_pooled_difference(finishe
 
     from synthx.commands.report import main
     from synthx.workflows.replicates import POOLED_STAGE, pooled_markdown, pooled_table
-    from synthx.workflows.report import load_study, verdict_lines
+    from synthx.workflows.report.runs import load_study, verdict_lines
 
     settings, uri, parent_id = finished_study
     client = MlflowClient(uri)

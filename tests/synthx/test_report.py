@@ -29,7 +29,7 @@ def test_runs_are_named_and_the_parent_carries_the_headline(finished_study):
     assert names["evaluate_synthx"] == "synthx-evaluate-unet-locked"
     assert names["evaluate_sham"] == "sham-evaluate-unet-locked"
 
-    from synthx.workflows.report import headline
+    from synthx.workflows.report.runs import headline
 
     with pytest.MonkeyPatch.context():
         path = client.download_artifacts(steps["compare"], "comparison/test_comparison.csv", str(settings.output_dir))
@@ -43,10 +43,11 @@ def test_runs_are_named_and_the_parent_carries_the_headline(finished_study):
             if value == value:  # defined
                 assert metrics[key] == pytest.approx(value), key
     # The worst group is the minimum over the attribute's defined groups.
-    from synthx.workflows.report import primary_point
+    from synthx.workflows.report.runs import primary_point
 
     primary, _ = primary_point(comparison)
-    phase = primary[(primary["attribute"] == "phase") & (primary["metric"] == "sensitivity") & (primary["positives"] > 0)]
+    phase = primary[(primary["attribute"] == "phase") & (primary["metric"] == "sensitivity") & (primary["positives"] > 0)
+                    & (primary["reference"] == "baseline")]  # the baseline's own values (not sham's, as a reference)
     if phase["a"].notna().any():
         assert metrics["baseline/test/sensitivity_worst/phase"] == pytest.approx(phase["a"].min())
 
@@ -120,7 +121,7 @@ def test_a_missing_item_is_reported_as_not_available(finished_study, tmp_path):
     partial = client.create_run(experiment, run_name="study-partial", tags=tags).info.run_id
     client.set_terminated(empty)
     client.set_terminated(partial)
-    from synthx.workflows.report import build_report
+    from synthx.workflows.report.html_page import build_report
 
     text = build_report(partial, uri, tmp_path / "partial.html", log=False).read_text()
     assert "not available: the study has no &#x27;synthesize&#x27; step" in text or "no 'synthesize' step" in text
@@ -143,7 +144,7 @@ def test_versions_name_a_package_that_is_not_installed(monkeypatch):
     import importlib.metadata as metadata
     from types import SimpleNamespace
 
-    from synthx.workflows import report
+    from synthx.workflows.report import html_page as report
 
     real_version = metadata.version
 
@@ -186,7 +187,7 @@ def test_the_verdict_opens_the_report_and_is_the_parent_s_description(finished_s
 
 def test_benchx_report_markdown_writes_the_results_page(finished_study, tmp_path):
     from lightning_modules.cli import main
-    from synthx.workflows.report import _pct
+    from synthx.workflows.report.formatting import pct as _pct
     from synthx.verdict import study_verdict
 
     settings, uri, parent_id = finished_study
@@ -236,7 +237,8 @@ def test_evaluation_runs_log_headline_metrics_and_the_full_table(finished_study,
 
 
 def test_the_results_block_of_a_readme_is_filled_in_place():
-    from synthx.workflows.report import RESULTS_BLOCK, ReportError, fill_results_block
+    from synthx.workflows.report.markdown_page import RESULTS_BLOCK, fill_results_block
+    from synthx.workflows.report.runs import ReportError
 
     start, end = RESULTS_BLOCK
     readme = f"# Project\n\nintro\n\n{start}\nold figures\n{end}\n\n## After\n"

@@ -303,7 +303,7 @@ def comparison_rows(significant: list[bool], holm: list[bool]) -> pd.DataFrame:
 
 
 def test_tables_mark_a_difference_that_survives_holm_apart_from_one_that_does_not():
-    from synthx.workflows.report import comparison_html
+    from synthx.workflows.report.html_page import comparison_html
 
     table = comparison_rows(significant=[True, True], holm=[True, False])
     lines = {line.split()[0]: line for line in format_comparison(table).splitlines() if line.startswith("phase:")}
