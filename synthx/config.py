@@ -169,6 +169,18 @@ class MaskPriorConfig:
 
 
 @dataclass
+class QualityFilterConfig:
+    """Read by ``benchx synthx-quality --recipe``: drop the synthetic cases a real-vs-synthetic discriminator spots."""
+
+    enabled: bool = False
+    # A synthetic tumor is dropped when its cross-fitted discriminator score exceeds this quantile of
+    # the real training tumors' scores (synthx.realism.quality_filter).
+    real_quantile: float = 0.95
+    # Cross-fitting folds: every tumor is scored by a discriminator trained on the other folds.
+    folds: int = 5
+
+
+@dataclass
 class SynthXRecipe:
     name: str = "synthx"
     seed: int = 0
@@ -184,6 +196,7 @@ class SynthXRecipe:
     trainer: SynthXTrainerConfig = field(default_factory=SynthXTrainerConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     mask_prior: MaskPriorConfig = field(default_factory=MaskPriorConfig)
+    quality_filter: QualityFilterConfig = field(default_factory=QualityFilterConfig)
     tracking: TrackingConfig = field(default_factory=lambda: TrackingConfig(experiment="synthx"))
     profiles: dict[str, Any] = field(default_factory=dict)
 
@@ -243,5 +256,9 @@ def check_synthx_recipe(config: DictConfig, source: str = "recipe") -> None:
         raise RecipeError(f"{source}: mask_prior.size_class_weights has unknown classes {unknown}; expected {', '.join(SIZE_CLASSES)}")
     if any(v < 0 for v in weights.values()) or sum(weights.values()) <= 0:
         raise RecipeError(f"{source}: mask_prior.size_class_weights must be non-negative with a positive sum, got {dict(weights)}")
+    quality = config.quality_filter
+    if not 0.0 < quality.real_quantile <= 1.0 or quality.folds < 2:
+        raise RecipeError(f"{source}: quality_filter.real_quantile must be in (0, 1] and quality_filter.folds >= 2, "
+                          f"got {quality.real_quantile} and {quality.folds}")
     if config.sampling.guidance_scale < 1.0 or config.sampling.num_inference_steps < 1:
         raise RecipeError(f"{source}: sampling.guidance_scale must be >= 1 and sampling.num_inference_steps >= 1")

@@ -18,9 +18,11 @@ of the real cohort's TRAINING split, per phase and per subgroup:
 - Diversity: the mean pairwise normalized cross-correlation (NCC) of fixed-size HU patches centred
   on the tumors, per condition (phase, sex, age band), for synthetic and for real tumors. Synthetic
   NCC far above the real one means the generator repeats itself.
+- Realism (:mod:`synthx.realism`): texture, boundary and shape per tumor; per phase, differences
+  with intervals, a classifier two-sample test and Frechet distances (also for a copy-paste cohort).
 - A grid of example slices (real and synthetic per phase) as a matplotlib figure.
 
-Run (:mod:`synthx.commands.synthx_quality`)::
+Run (:mod:`synthx.commands.synthx_quality`, which logs the report to MLflow)::
 
     benchx synthx-quality --root data/phantom --split splits/phantom.csv --synthetic data/synthetic \
         [--tracking-uri sqlite:///mlflow.db --run-id <generation run id> --out reports/synthx_quality]
@@ -30,12 +32,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-import mlflow
 import nibabel as nib
 import numpy as np
 import pandas as pd
@@ -45,7 +45,7 @@ from scipy.stats import wasserstein_distance
 from lightning_modules.data.cohort import Case, Cohort, load_cohort
 from lightning_modules.data.metadata import AGE_BAND_NAMES, PHASES, SEXES, UNKNOWN
 from lightning_modules.data.splits import load_split
-from lightning_modules.tracking import experiment_id, tracking_uri as resolve_uri
+from synthx.realism import FEATURES as REALISM_FEATURES, organ_rim, realism_features, realism_table
 
 
 PERCENTILES = (5, 25, 50, 75, 95)
@@ -86,20 +86,23 @@ class TumorRecord:
     voxels: int
     rim_voxels: int
     stats: dict[str, float]
+    realism: dict[str, float]
     quantiles: np.ndarray = field(repr=False)
     patch: np.ndarray = field(repr=False)
     slice_image: np.ndarray = field(repr=False)
     slice_mask: np.ndarray = field(repr=False)
+    embedding: np.ndarray | None = field(repr=False, default=None)
 
 
 @dataclass
 class QualityReport:
-    """Everything :func:`quality_report` measured; :func:`log_quality` sends it to MLflow."""
+    """Everything :func:`quality_report` measured (``realism``: :func:`synthx.realism.realism_table`)."""
 
     per_tumor: pd.DataFrame
     intensity: pd.DataFrame
     faithfulness: pd.DataFrame
     diversity: pd.DataFrame
+    realism: pd.DataFrame
     figure: object
     records: list[TumorRecord] = field(repr=False, default_factory=list)
 
@@ -128,14 +131,7 @@ def tumor_statistics(
     values = np.asarray(ct, dtype=np.float64)[tumor]
     if values.size == 0:
         raise ValueError("the tumor mask is empty")
-    # The distance to the tumor, computed in a box that just holds the rim, is the spacing-aware dilation.
-    reach = np.ceil(rim_mm / np.asarray(spacing, dtype=np.float64)).astype(int) + 1
-    coordinates = np.argwhere(tumor)
-    lower = np.maximum(coordinates.min(axis=0) - reach, 0)
-    upper = np.minimum(coordinates.max(axis=0) + reach + 1, tumor.shape)
-    box = tuple(slice(int(a), int(b)) for a, b in zip(lower, upper))
-    distance = ndimage.distance_transform_edt(~tumor[box], sampling=[float(s) for s in spacing])
-    rim = (distance > 0) & (distance <= rim_mm) & np.asarray(organ, dtype=bool)[box]
+    box, rim = organ_rim(tumor, organ, spacing, rim_mm)
     rim_values = np.asarray(ct, dtype=np.float64)[box][rim]
     stats = {"tumor_mean": float(values.mean()), "tumor_sd": float(values.std())}
     for level, value in zip(PERCENTILES, np.percentile(values, PERCENTILES)):
@@ -169,6 +165,8 @@ def collect_tumors(
     organ_class: str = "pancreas",
     rim_mm: float = 5.0,
     patch_size: int = 16,
+    realism: bool = True,
+    embed=None,
 ) -> list[TumorRecord]:
     """Read each case's CT, lesion and organ masks and measure its tumor (cases without a lesion voxel are skipped).
 
@@ -179,6 +177,8 @@ def collect_tumors(
         lesion_class / organ_class: the mask names of the tumor and its organ.
         rim_mm: rim thickness (see :func:`tumor_statistics`).
         patch_size: edge of the cube (voxels) used for diversity.
+        realism: also measure the :func:`synthx.realism.realism_features` (texture, boundary, shape).
+        embed: optionally [(CT, tumor)] -> features (:func:`synthx.realism_encoder.encoder_embedder`).
     """
     records = []
     for case_id in case_ids:
@@ -202,10 +202,12 @@ def collect_tumors(
                 voxels=int(tumor.sum()),
                 rim_voxels=rim_voxels,
                 stats=stats,
+                realism=realism_features(ct, tumor, organ, spacing, rim_mm) if realism else {},
                 quantiles=quantiles,
                 patch=centred_patch(ct, centre, patch_size),
                 slice_image=_crop_slice(ct, centre, 2 * patch_size),
                 slice_mask=_crop_slice(tumor.astype(np.float32), centre, 2 * patch_size),
+                embedding=embed([(ct, tumor)])[0] if embed is not None else None,
             )
         )
     return records
@@ -319,6 +321,17 @@ def diversity_table(records: Sequence[TumorRecord]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["phase", "sex", "age_band", "n_synthetic", "mean_ncc_synthetic", "n_real", "mean_ncc_real"])
 
 
+def realism_frame(records: Sequence[TumorRecord], copy_paste: Sequence[TumorRecord] = ()) -> pd.DataFrame:
+    """One row per tumor for :func:`synthx.realism.realism_table`: ``kind`` real, synthetic or copy_paste."""
+    rows = [
+        {"case_id": r.case_id, "kind": kind or ("synthetic" if r.synthetic else "real"), "phase": r.phase, **r.realism}
+        for group, kind in ((records, None), (copy_paste, "copy_paste"))
+        for r in group
+        if r.phase != UNKNOWN
+    ]
+    return pd.DataFrame(rows, columns=["case_id", "kind", "phase", *REALISM_FEATURES])
+
+
 def example_grid(records: Sequence[TumorRecord], per_kind: int = 2):
     """A figure with one row per phase: ``per_kind`` real then ``per_kind`` synthetic axial slices through tumors."""
     import matplotlib
@@ -356,6 +369,8 @@ def quality_report(
     rim_mm: float = 5.0,
     patch_size: int = 16,
     seed: int = 0,
+    copy_paste_root: Path | str | Cohort | None = None,
+    embed=None,
 ) -> QualityReport:
     """Measure the synthetic tumors of ``synthetic_root`` against the real training tumors of ``real_root``.
 
@@ -366,7 +381,11 @@ def quality_report(
         lesion_class / organ_class: tumor and organ mask names.
         rim_mm: rim thickness for the contrast.
         patch_size: cube edge (voxels) for the diversity NCC.
-        seed: for the cross-validation folds.
+        seed: for the cross-validation folds and the bootstrap.
+        copy_paste_root: optionally a cohort of copy-pasted tumors (its ``synthetic=1`` cases), a
+            third set the realism table compares with the real tumors beside SynthX's.
+        embed: optionally the detector's encoder (:func:`synthx.realism_encoder.encoder_embedder`): the
+            realism table then adds the Frechet distance of its features (``frechet_encoder``).
     """
     real_cohort = real_root if isinstance(real_root, Cohort) else load_cohort(real_root)
     synthetic_cohort = synthetic_root if isinstance(synthetic_root, Cohort) else load_cohort(synthetic_root)
@@ -377,11 +396,18 @@ def quality_report(
     synthetic_ids = list(synthetic_cohort.metadata.loc[synthetic_cohort.metadata["synthetic"] == 1, "case_id"])
     if not synthetic_ids:
         raise QualityError(f"cohort {synthetic_cohort.root} has no synthetic=1 case to assess")
-    real = collect_tumors(real_cohort, real_ids, 0, lesion_class, organ_class, rim_mm, patch_size)
-    synthetic = collect_tumors(synthetic_cohort, synthetic_ids, 1, lesion_class, organ_class, rim_mm, patch_size)
+    real = collect_tumors(real_cohort, real_ids, 0, lesion_class, organ_class, rim_mm, patch_size, embed=embed)
+    synthetic = collect_tumors(synthetic_cohort, synthetic_ids, 1, lesion_class, organ_class, rim_mm, patch_size, embed=embed)
     if not synthetic:
         raise QualityError(f"cohort {synthetic_cohort.root}: no synthetic case has a {lesion_class} voxel")
     records = real + synthetic
+    copy_paste = []
+    if copy_paste_root is not None:
+        pasted = copy_paste_root if isinstance(copy_paste_root, Cohort) else load_cohort(copy_paste_root)
+        pasted_ids = list(pasted.metadata.loc[pasted.metadata["synthetic"] == 1, "case_id"])
+        if not pasted_ids:
+            raise QualityError(f"copy-paste cohort {pasted.root} has no synthetic=1 case to compare")
+        copy_paste = collect_tumors(pasted, pasted_ids, 1, lesion_class, organ_class, rim_mm, patch_size, embed=embed)
     per_tumor = pd.DataFrame(
         [
             {
@@ -394,6 +420,7 @@ def quality_report(
                 "voxels": r.voxels,
                 "rim_voxels": r.rim_voxels,
                 **r.stats,
+                **{name: r.realism[name] for name in REALISM_FEATURES if name not in r.stats},
             }
             for r in records
         ]
@@ -403,82 +430,10 @@ def quality_report(
         intensity=intensity_table(records),
         faithfulness=phase_faithfulness(records, seed),
         diversity=diversity_table(records),
+        realism=realism_table(realism_frame(records, copy_paste), seed=seed, embeddings=_embeddings(records, copy_paste)),
         figure=example_grid(records),
         records=records,
     )
-
-
-def log_quality(report: QualityReport, run_id: str, prefix: str = "synthx_quality") -> None:
-    """Log a report to an MLflow run: tables, figure and metrics ``<prefix>/<statistic>/<attribute>/<group>``.
-
-    Args:
-        report: from :func:`quality_report`.
-        run_id: the run to log into (e.g. the generation run, so the report sits beside its cases).
-        prefix: the artifact folder and metric key prefix.
-    """
-    client = mlflow.MlflowClient()
-    for name, table in (
-        ("per_tumor", report.per_tumor),
-        ("intensity", report.intensity),
-        ("faithfulness", report.faithfulness),
-        ("diversity", report.diversity),
-    ):
-        client.log_table(run_id, data=table, artifact_file=f"{prefix}/{name}.json")
-        client.log_text(run_id, table.to_csv(index=False), f"{prefix}/{name}.csv")
-    client.log_figure(run_id, report.figure, f"{prefix}/examples.png")
-    metrics = {}
-    for row in report.intensity.to_dict("records"):
-        for statistic in LOGGED_STATISTICS:
-            value = row[statistic]
-            # An undefined comparison (no tumor on one side) is left out of the metrics, never logged as 0.
-            if np.isfinite(value):
-                metrics[f"{prefix}/{statistic}/{row['attribute']}/{row['group']}"] = float(value)
-    for row in report.faithfulness.to_dict("records"):
-        if np.isfinite(row["accuracy"]):
-            metrics[f"{prefix}/phase_accuracy/phase/{row['phase']}"] = float(row["accuracy"])
-    for row in report.diversity.to_dict("records"):
-        if np.isfinite(row["mean_ncc_synthetic"]):
-            key = f"{prefix}/mean_ncc_synthetic/phase:sex:age_band/{row['phase']}:{row['sex']}:{row['age_band']}"
-            metrics[key] = float(row["mean_ncc_synthetic"])
-    if metrics:
-        mlflow.MlflowClient().log_batch(run_id, metrics=[mlflow.entities.Metric(k, v, _now_ms(), 0) for k, v in metrics.items()])
-
-
-def assess_synthetic_cohort(
-    real_root: Path | str,
-    split_path: Path | str,
-    synthetic_root: Path | str,
-    tracking_uri: str | None = None,
-    run_id: str | None = None,
-    experiment: str = "synthx",
-    out: Path | str | None = None,
-    lesion_class: str = "pancreatic_lesion",
-    organ_class: str = "pancreas",
-    rim_mm: float = 5.0,
-    seed: int = 0,
-) -> tuple[QualityReport, str]:
-    """:func:`quality_report`, logged to MLflow (a new ``synthx-quality`` run unless ``run_id``) and optionally written to ``out``.
-
-    Returns:
-        (the report, the MLflow run id it was logged to).
-    """
-    report = quality_report(real_root, split_path, synthetic_root, lesion_class, organ_class, rim_mm, seed=seed)
-    uri = resolve_uri(tracking_uri)
-    mlflow.set_tracking_uri(uri)
-    client = mlflow.MlflowClient()
-    logged_to = run_id or client.create_run(experiment_id(experiment, uri), run_name="synthx-quality").info.run_id
-    if run_id is None:
-        client.set_tag(logged_to, "synthetic_cohort", str(Path(synthetic_root).resolve()))
-    log_quality(report, logged_to)
-    if run_id is None:
-        client.set_terminated(logged_to)
-    if out:
-        folder = Path(out)
-        folder.mkdir(parents=True, exist_ok=True)
-        for name in ("per_tumor", "intensity", "faithfulness", "diversity"):
-            getattr(report, name).to_csv(folder / f"{name}.csv", index=False)
-        report.figure.savefig(folder / "examples.png", dpi=120)
-    return report, logged_to
 
 
 # ----------------------------------------------------------------------------------------------
@@ -509,6 +464,12 @@ def _load_mask(case: Case, class_name: str, shape, required: bool) -> np.ndarray
     return mask
 
 
+def _embeddings(records: Sequence[TumorRecord], copy_paste: Sequence[TumorRecord]) -> np.ndarray | None:
+    """The records' encoder features in :func:`realism_frame`'s row order, or None without a detector."""
+    kept = [r.embedding for r in [*records, *copy_paste] if r.phase != UNKNOWN]
+    return np.vstack(kept) if kept and all(e is not None for e in kept) else None
+
+
 def _crop_slice(volume: np.ndarray, centre: Sequence[int], size: int) -> np.ndarray:
     """The axial (last-axis) slice through ``centre``, cropped to a ``size`` square around it."""
     plane = volume[:, :, int(centre[2])]
@@ -534,7 +495,4 @@ def _group_order(attributes: Sequence[str]):
 
     return key
 
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 

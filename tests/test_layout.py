@@ -184,7 +184,8 @@ LIBRARY_IMPORTS = {
 # synthx's libraries: the generator, its pipeline and training pieces, painting and the verdict.
 SYNTHX_LIBRARIES = (
     "synthx.model", "synthx.pipeline", "synthx.schedulers", "synthx.labels", "synthx.mask_prior", "synthx.painters",
-    "synthx.config", "synthx.endpoint", "synthx.verdict", "synthx.power", "synthx.provenance",
+    "synthx.config", "synthx.endpoint", "synthx.verdict", "synthx.power", "synthx.provenance", "synthx.realism",
+    "synthx.realism_encoder",
     "synthx.training.dataset", "synthx.training.modules", "synthx.generation.canvases",
     "synthx.generation.painting", "synthx.generation.phantom_painter", "synthx.generation.writing",
     "synthx.generation.copy_paste", "synthx.decomposition",

@@ -70,9 +70,10 @@ class AutoencoderTrainResult:
 
 def recipe_key(recipe: DictConfig) -> str:
     """A short hash of what the trained weights depend on: the resolved recipe without tracking,
-    profiles and step counts (so a longer run of the same recipe continues the shorter one)."""
+    profiles, step counts (so a longer run of the same recipe continues the shorter one) and the
+    quality filter, which is applied to generated cases after training."""
     container = OmegaConf.to_container(recipe, resolve=True, enum_to_str=True)
-    for key in ("tracking", "profiles"):
+    for key in ("tracking", "profiles", "quality_filter"):
         container.pop(key, None)
     container["trainer"].pop("max_steps", None)
     container["autoencoder"].pop("max_steps", None)

@@ -16,6 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from lightning_modules.trainer import build_trainer
+from synthx.commands import synthx_quality
 from synthx.config import SynthXRecipe, load_synthx_recipe
 from synthx.generation.run import SynthesisSettings
 from synthx.schedulers import build_noise_scheduler
@@ -40,6 +41,7 @@ READERS = {
     "trainer": [run._trainer, run.train_synthx, build_trainer],  # build_trainer: the shared Trainer construction
     "sampling": [SynthesisSettings.from_recipe, run.train_synthx],
     "mask_prior": [SynthesisSettings.from_recipe],
+    "quality_filter": [synthx_quality.main],
     "tracking": [run._logger, run.run_folder, SynthesisSettings.from_recipe],
 }
 

@@ -12,11 +12,11 @@ import pandas as pd
 import pytest
 
 from lightning_modules.data.cohort import load_cohort, write_case, write_metadata
-from synthx.commands.synthx_quality import main
+from synthx.commands.synthx_quality import log_quality, main
+from synthx.config import RecipeError, load_synthx_recipe
 from synthx.quality import (
     centred_patch,
     intensity_table,
-    log_quality,
     normalized_cross_correlation,
     quality_report,
     tumor_statistics,
@@ -162,6 +162,18 @@ def test_report_compares_real_and_synthetic_per_phase(cohorts):
     assert -1.0 <= diversity.loc[("arterial", "F", "60-80"), "mean_ncc_synthetic"] <= 1.0
     assert math.isnan(diversity.loc[("arterial", "F", "60-80"), "mean_ncc_real"])  # no real F/60-80 arterial pair
     assert len(report.figure.axes) == 3 * 4
+    # Realism per phase with synthetic tumors: every feature, the classifier test and the distance.
+    realism = report.realism.set_index(["phase", "comparison", "metric"])
+    assert set(realism.index.get_level_values("phase")) == {"arterial", "venous"}
+    contrast = realism.loc[("arterial", "synthetic", "contrast")]
+    assert contrast["n_real"] == 4 and contrast["n_other"] == 3
+    assert contrast["value"] == pytest.approx(contrast["other"] - contrast["real"])
+    assert contrast["value"] == pytest.approx(2.0, abs=3.0)  # the synthetic tumors are 2 HU brighter
+    assert contrast["ci_low"] <= contrast["value"] <= contrast["ci_high"]
+    auc = realism.loc[("venous", "synthetic", "classifier_auc")]
+    assert 0.0 <= auc["ci_low"] <= auc["value"] <= auc["ci_high"] <= 1.0
+    assert realism.loc[("arterial", "synthetic", "frechet_radiomic"), "value"] >= 0.0
+    assert {"glcm_contrast", "edge_gradient", "sphericity", "solidity"} <= set(report.per_tumor.columns)
 
 
 def test_identical_tumors_have_zero_wasserstein_distance(cohorts):
@@ -190,8 +202,14 @@ def test_report_is_logged_to_mlflow_and_cli_runs(cohorts, mlflow_uri, tmp_path):
     for side in ("real", "synthetic"):  # texture beside contrast
         assert logged[f"synthx_quality/tumor_sd_{side}/phase/arterial"] == pytest.approx(arterial[f"tumor_sd_{side}"])
         assert arterial[f"tumor_sd_{side}"] == pytest.approx(5.0, abs=2.0)  # the fixture's 5 HU noise
+    realism = report.realism.set_index(["phase", "comparison", "metric"])
+    for suffix, column in (("", "value"), ("_ci_low", "ci_low"), ("_ci_high", "ci_high")):
+        key = f"synthx_quality/realism/synthetic/classifier_auc{suffix}/arterial"
+        assert logged[key] == pytest.approx(realism.loc[("arterial", "synthetic", "classifier_auc"), column])
+    assert "synthx_quality/realism/synthetic/edge_gradient/venous" in logged
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "synthx_quality")}
     assert "synthx_quality/examples.png" in artifacts and "synthx_quality/intensity.csv" in artifacts
+    assert "synthx_quality/realism.csv" in artifacts
 
     out = tmp_path / "report"
     argv = ["--root", str(real), "--split", str(split), "--synthetic", str(synthetic), "--tracking-uri", mlflow_uri]
@@ -201,8 +219,80 @@ def test_report_is_logged_to_mlflow_and_cli_runs(cohorts, mlflow_uri, tmp_path):
     assert pd.read_csv(out / "faithfulness.csv")["accuracy"].tolist() == [1.0, 1.0]
 
 
+def test_a_copy_paste_cohort_without_synthetic_cases_is_refused_by_name(cohorts):
+    from synthx.quality import QualityError
+
+    real, split, synthetic = cohorts
+    with pytest.raises(QualityError, match=f"copy-paste cohort {real}.*no synthetic=1 case"):
+        quality_report(real, split, synthetic, copy_paste_root=real)
+
+
 def test_missing_organ_mask_names_the_case(cohorts):
     real, split, synthetic = cohorts
     (synthetic / "Sart0" / "segmentations" / "pancreas.nii.gz").unlink()
     with pytest.raises(ValueError, match="Sart0.*pancreas"):
         quality_report(real, split, synthetic)
+
+
+def test_cli_applies_the_recipes_quality_filter_and_compares_a_copy_paste_cohort(cohorts, mlflow_uri, tmp_path):
+    import mlflow
+
+    from conftest import RECIPES
+
+    real, split, synthetic = cohorts
+    out = tmp_path / "report"
+    argv = ["--root", str(real), "--split", str(split), "--synthetic", str(synthetic), "--tracking-uri", mlflow_uri,
+            "--out", str(out), "--copy-paste", str(synthetic), "--recipe", str(RECIPES / "generator" / "synthx.yaml"),
+            "quality_filter.enabled=true", "quality_filter.folds=2"]
+    assert main(argv) == 0
+    decisions = pd.read_csv(out / "quality_filter.csv")
+    assert sorted(decisions["case_id"]) == sorted(f"S{p[:3]}{k}" for p in ("arterial", "venous") for k in range(3))
+    assert set(decisions.columns) == {"case_id", "phase", "score", "threshold", "kept"}
+    assert (decisions["kept"] == (decisions["score"] <= decisions["threshold"])).all()
+    realism = pd.read_csv(out / "realism.csv")
+    assert set(realism["comparison"]) == {"synthetic", "copy_paste"}
+    run = mlflow.search_runs(experiment_names=["synthx"], output_format="list")[0]
+    assert run.info.status == "FINISHED"
+    assert "synthx_quality/quality_filter/dropped/arterial" in run.data.metrics
+    paths = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "synthx_quality")}
+    assert "synthx_quality/quality_filter.csv" in paths
+
+
+def test_quality_filter_is_off_by_default_checked_and_not_part_of_the_generator_key():
+    from conftest import RECIPES
+    from synthx.training.run import recipe_key
+
+    path = RECIPES / "generator" / "synthx.yaml"
+    recipe = load_synthx_recipe(path)
+    assert recipe.quality_filter.enabled is False
+    assert recipe_key(load_synthx_recipe(path, ["quality_filter.enabled=true"])) == recipe_key(recipe)
+    for override in ("quality_filter.real_quantile=1.5", "quality_filter.folds=1"):
+        with pytest.raises(RecipeError, match="quality_filter"):
+            load_synthx_recipe(path, [override])
+
+
+def test_recipe_overrides_without_a_recipe_are_refused(cohorts):
+    real, split, synthetic = cohorts
+    with pytest.raises(RecipeError, match="need --recipe"):
+        main(["--root", str(real), "--split", str(split), "--synthetic", str(synthetic), "quality_filter.enabled=true"])
+
+
+def test_cli_with_a_detector_checkpoint_adds_the_encoder_frechet_distance(cohorts, mlflow_uri, tmp_path):
+    import torch
+
+    from conftest import RECIPES
+    from lightning_modules.models.checkpoints import build_module
+    from lightning_modules.recipe import load_recipe, recipe_to_yaml
+
+    recipe = load_recipe(RECIPES / "unet.yaml", ["profile=cpu"])
+    (tmp_path / "detector.yaml").write_text(recipe_to_yaml(recipe))
+    torch.save({"state_dict": build_module(recipe).state_dict()}, tmp_path / "detector.ckpt")
+    real, split, synthetic = cohorts
+    out = tmp_path / "report"
+    assert main(["--root", str(real), "--split", str(split), "--synthetic", str(synthetic), "--tracking-uri", mlflow_uri,
+                 "--out", str(out), "--detector-checkpoint", str(tmp_path / "detector.ckpt"),
+                 "--detector-recipe", str(tmp_path / "detector.yaml")]) == 0
+    realism = pd.read_csv(out / "realism.csv").set_index(["phase", "comparison", "metric"])
+    for phase in ("arterial", "venous"):
+        row = realism.loc[(phase, "synthetic", "frechet_encoder")]
+        assert row["value"] >= 0.0 and row["ci_low"] <= row["ci_high"] and row["n_other"] == 3
