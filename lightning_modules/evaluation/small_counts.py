@@ -5,9 +5,10 @@ discordant scans can look significant. These closed-form methods do not:
 
 - :func:`wilson_interval`: the Wilson score interval of a proportion (statsmodels), 0 of 11 gives
   [0, 0.26];
-- :func:`newcombe_paired_interval`: the interval of a difference of paired proportions, method 10
-  of Newcombe (Statistics in Medicine 17:2635-2650, 1998), built from the two Wilson intervals and
-  the continuity-corrected correlation of the paired 2x2 table;
+- :func:`newcombe_paired_interval` (:func:`newcombe_paired_intervals` for many tables at once):
+  the interval of a difference of paired proportions, method 10 of Newcombe (Statistics in
+  Medicine 17:2635-2650, 1998), built from the two Wilson intervals and the continuity-corrected
+  correlation of the paired 2x2 table;
 - :func:`mcnemar_exact_p`: the exact (binomial) McNemar p of paired sensitivities or specificities
   (statsmodels);
 - :func:`delong_test`: DeLong's test of two correlated ROC AUCs (DeLong, DeLong & Clarke-Pearson,
@@ -57,21 +58,28 @@ def newcombe_paired_interval(a: int, b: int, c: int, d: int, confidence: float =
         L = (p1 - p2) - sqrt((p1 - l1)^2 - 2 phi (p1 - l1)(u2 - p2) + (u2 - p2)^2)
         U = (p1 - p2) + sqrt((p2 - l2)^2 - 2 phi (p2 - l2)(u1 - p1) + (u1 - p1)^2)
     """
+    (low,), (high,) = newcombe_paired_intervals([a], [b], [c], [d], confidence)
+    return float(low), float(high)
+
+
+def newcombe_paired_intervals(a, b, c, d, confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`newcombe_paired_interval` of many paired 2x2 tables at once (arrays broadcast)."""
+    a, b, c, d = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (a, b, c, d)))
     n = a + b + c + d
-    if n == 0:
-        return math.nan, math.nan
-    p1, p2 = (a + b) / n, (a + c) / n
-    (l1,), (u1,) = wilson_interval([a + b], [n], confidence)
-    (l2,), (u2,) = wilson_interval([a + c], [n], confidence)
-    margins = (a + b) * (c + d) * (a + c) * (b + d)
-    phi = 0.0
-    if margins > 0:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p1, p2 = (a + b) / n, (a + c) / n
+        l1, u1 = wilson_interval(a + b, n, confidence)
+        l2, u2 = wilson_interval(a + c, n, confidence)
+        margins = (a + b) * (c + d) * (a + c) * (b + d)
         cross = a * d - b * c
-        corrected = cross - n / 2 if cross > n / 2 else (cross if cross < 0 else 0.0)
-        phi = corrected / math.sqrt(margins)
-    lower_spread = (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2
-    upper_spread = (p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2
-    return float(p1 - p2 - math.sqrt(max(lower_spread, 0.0))), float(p1 - p2 + math.sqrt(max(upper_spread, 0.0)))
+        corrected = np.where(cross > n / 2, cross - n / 2, np.where(cross < 0, cross, 0.0))
+        phi = np.where(margins > 0, corrected / np.sqrt(np.where(margins > 0, margins, 1.0)), 0.0)
+        lower_spread = (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2
+        upper_spread = (p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2
+        low = p1 - p2 - np.sqrt(np.maximum(lower_spread, 0.0))
+        high = p1 - p2 + np.sqrt(np.maximum(upper_spread, 0.0))
+    empty = n == 0
+    return np.where(empty, np.nan, low), np.where(empty, np.nan, high)
 
 
 def mcnemar_exact_p(only_first: int, only_second: int) -> float:

@@ -518,7 +518,8 @@ def pooled_markdown(run_id: str, uri: str) -> str:
         "",
         f"Mean: the paired difference averaged over the seeds, at {point_label(point)} of each replicate "
         "(its m chosen on validation, not on the test cohort). "
-        "CI: two-level bootstrap, seeds then patients (docs/design.md \"Seeds as the unit of inference\"). "
+        "CI: Student's t over the seeds' differences, K - 1 degrees of freedom "
+        "(docs/design.md \"Seeds as the unit of inference\"). "
         "Seeds +/-: seeds whose own difference is above / below 0. The replicate lines judge each seed "
         "alone with its own paired interval, as docs/results.md does for one study.",
         "",

@@ -12,6 +12,7 @@ from lightning_modules.evaluation.small_counts import (
     delong_test,
     mcnemar_exact_p,
     newcombe_paired_interval,
+    newcombe_paired_intervals,
     wilson_interval,
 )
 
@@ -115,3 +116,13 @@ def test_single_auc_variance_is_the_mann_whitney_placement_variance():
 
 def test_delong_is_undefined_without_both_classes():
     assert np.isnan(delong_test(np.ones(4, dtype=bool), np.arange(4.0), np.arange(4.0)).p_value)
+
+
+def test_newcombe_intervals_of_many_tables_equal_each_tables_own():
+    tables = np.array([[59, 6, 16, 80], [1, 1, 7, 12], [0, 0, 0, 11], [40, 5, 1, 40], [0, 0, 0, 0], [3, 0, 0, 0]])
+    low, high = newcombe_paired_intervals(*tables.T)
+    assert (round(low[0], 4), round(high[0], 4)) == (-0.1186, -0.0046)  # the worked example above, in a batch
+    for row, table in enumerate(tables[:4]):
+        assert (low[row], high[row]) == pytest.approx(newcombe_paired_interval(*table))
+    assert np.isnan(low[4]) and np.isnan(high[4])
+    assert (low[5], high[5]) == pytest.approx(newcombe_paired_interval(3, 0, 0, 0)) and low[5] < 0 < high[5]
