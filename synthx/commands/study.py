@@ -23,9 +23,9 @@ import sys
 from typing import Sequence
 
 from lightning_modules.commands.common import add_overrides_argument, parse_command_line
-from synthx.painters import PAINTERS
+from synthx.painters import COPY_PASTE_PAINTER, PAINTERS
 from synthx.workflows.study.run import run_study
-from synthx.workflows.study.settings import StudySettings
+from synthx.workflows.study.settings import COPY_PASTE_REFUSAL, StudySettings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--painter", choices=PAINTERS, default=StudySettings.painter,
                         help="who paints the targeted tumors: synthx (default: the SynthX generator, trained in the "
                              "study) or phantom (the positive control: the embedded phantom's own renderer paints "
-                             "real-appearance tumors into the same canvases; phantom cohorts only)")
+                             "real-appearance tumors into the same canvases; phantom cohorts only; no copy-paste "
+                             "arm). copy_paste is refused: a SynthX study trains the copy-paste arm beside SynthX")
     parser.add_argument("--locked-cases", type=int, default=StudySettings.locked_cases,
                         help="scans of the locked test cohort, a phantom of another seed (default: %(default)s, sized "
                              "by `python -m synthx.power`; 0: test on the split's test set)")
@@ -111,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_command_line(parser, argv)
     if args.seed is not None and args.seeds is not None:
         parser.error("give --seeds K (all replicates) or --seed S (one), not both")
+    if args.painter == COPY_PASTE_PAINTER:
+        parser.error(COPY_PASTE_REFUSAL)
     if args.pool_only and args.seeds is None:
         parser.error("--pool-only needs --seeds K")
     if args.seeds is not None and args.seeds < 2:
