@@ -225,8 +225,9 @@ def test_the_copy_paste_arm_has_its_own_column_decomposition_and_realism(tmp_pat
     # The realism of SynthX's and the copy-pasted tumors, each against the real ones.
     synthx_rows = {r["Phase"]: r for r in tables["Real against SynthX"]}
     pasted_rows = {r["Phase"]: r for r in tables["Real against copy-paste"]}
-    assert synthx_rows["arterial"]["Real vs synthetic AUC"].startswith("0.91 [0.81, 1.00]")
-    assert pasted_rows["arterial"]["Real vs copy_paste AUC"].startswith("0.62 [0.52, 0.72]")
+    assert synthx_rows["arterial"]["Real vs SynthX AUC"].startswith("0.91 [0.81, 1.00]")
+    assert pasted_rows["arterial"]["Real vs copy-paste AUC"].startswith("0.62 [0.52, 0.72]")
+    assert pasted_rows["venous"]["Tumors real / copy-paste"] == "12 / 4"
     assert pasted_rows["venous"]["Edge gradient (HU/mm)"].startswith("3.0 / 4.5")
     # The verdict ends on the decomposition line of each designed subgroup, with its intervals.
     lines = verdict_lines(study)

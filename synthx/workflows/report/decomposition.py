@@ -79,7 +79,7 @@ def realism_html(study: StudyRuns) -> str:
             continue
         parts = []
         for comparison, title in (("synthetic", "SynthX"), ("copy_paste", "copy-paste")):
-            summary = realism_summary(table, comparison)
+            summary = realism_summary(table, comparison).rename(columns=lambda c: c.replace(comparison, title))
             if not summary.empty:
                 parts.append(f"<h3>Real against {html.escape(title)}</h3>" + table_html(summary))
         if parts:
