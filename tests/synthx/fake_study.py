@@ -7,7 +7,7 @@ Arms (sensitivity per group, of 20 tumor scans; specificity per group, of 20 hea
 - sham: worst phase arterial (lower than the baseline's worst), m = 2,547 mm³;
 - synthx: worst phase delayed, m = 1,800 mm³;
 - copy_paste (only with ``write_study(copy_paste=True)``): worst phase non-contrast, m = 2,100 mm³,
-  with a decomposition table on the parent run and a realism table on its synthesis run.
+  with a decomposition table on the parent run and a realism table on the synthesis run.
 
 The baseline's evaluation also logs its table at the fixed m (50 mm³) with values unlike any arm's
 at the validation-chosen point, so a plot or caption that mixes the two shows.
@@ -141,7 +141,7 @@ def write_study(folder: Path, painter: str = "synthx", comparison: pd.DataFrame 
         run_id = child(step, {"variant": arm})
         client.log_text(run_id, f"arm: {arm}\n", "recipe.yaml")
         client.set_terminated(run_id)
-    child("synthesize", {"painter": painter})
+    synthesis = child("synthesize", {"painter": painter})
     evaluation = child("evaluate_baseline", {"variant": "baseline"})
     client.log_text(evaluation, subgroup_table("baseline").to_csv(index=False), "evaluation/test_val_chosen_subgroups.csv")
     client.log_text(evaluation, subgroup_table("baseline", fixed=True).to_csv(index=False), "evaluation/test_subgroups.csv")
@@ -151,8 +151,8 @@ def write_study(folder: Path, painter: str = "synthx", comparison: pd.DataFrame 
         run_id = child(f"evaluate_{arm}", {"variant": arm})
         client.log_metric(run_id, "operating_point/val_chosen", VAL_CHOSEN_M[arm])
     if copy_paste:
-        pasted = child("synthesize_copy_paste", {"painter": "copy_paste"})
-        client.log_text(pasted, realism_table().to_csv(index=False), "synthx_quality/realism.csv")
+        child("synthesize_copy_paste", {"painter": "copy_paste"})
+        client.log_text(synthesis, realism_table().to_csv(index=False), "synthx_quality/realism.csv")
         client.log_text(parent_id, decomposition_table().to_csv(index=False), "synthx/decomposition.csv")
     compare = child("compare")
     default = comparison_table(pairs=COPY_PASTE_PAIRS if copy_paste else PAIRS)

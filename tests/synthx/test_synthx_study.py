@@ -146,16 +146,18 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
         run_study(settings)
     assert stopped.value.code == 130, "Ctrl+C ends the study with the shell's code for SIGINT"
     first = capsys.readouterr().out
-    for step in ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting", "synthx_train"):
+    for step in ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting"):
         assert f"[study] {step}: done" in first, step
+    # The copy-paste synthesis, the first to paint, needs no generator: it comes before synthx_train.
+    assert "[study] synthesize_copy_paste: running" in first and "synthx_train" not in first
 
     monkeypatch.setattr(study, "synthesize", real_synthesize)
     table = run_study(settings)
     second = capsys.readouterr().out
-    for step in ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting", "synthx_train"):
+    for step in ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting"):
         assert f"[study] {step}: identical finished run" in second, step
-    for step in ("synthesize", "synthesize_copy_paste", "sham", "augmented", "copy_paste", "evaluate_locked_baseline",
-                 "evaluate_sham", "evaluate_synthx", "evaluate_copy_paste", "compare"):
+    for step in ("synthesize_copy_paste", "synthx_train", "synthesize", "sham", "augmented", "copy_paste",
+                 "evaluate_locked_baseline", "evaluate_sham", "evaluate_synthx", "evaluate_copy_paste", "compare"):
         assert f"[study] {step}: done" in second, step
     assert {"attribute", "group", "metric", "delta", "ci_low", "ci_high", "significant", "role", "p_family"} <= set(table.columns)
     assert "phase" in set(table["attribute"])
@@ -212,9 +214,10 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     assert augmented.data.tags["variant"] == "synthx"
     assert {t.value for d in augmented.inputs.dataset_inputs for t in d.tags} >= {"training-synthetic"}
     # The copy-paste arm: SynthX's targets, canvases and sites with real training tumors pasted, no
-    # generator; SynthX's recipe variant but the cohort; the realism of both cohorts on its run.
+    # generator; SynthX's recipe variant but the cohort; the realism of both cohorts on SynthX's synthesis run.
     pasted_run = client.get_run(steps["synthesize_copy_paste"])
     assert pasted_run.data.tags["painter"] == "copy_paste" and not pasted_run.data.tags.get("generator_run_id")
+    assert pasted_run.data.params["seed"] == client.get_run(steps["synthesize"]).data.params["seed"]
     pasted = load_cohort(Path(json.loads(pasted_run.data.tags["study_outputs"])["cohort"])).metadata
     painted = load_cohort(Path(client.get_run(steps["augmented"]).data.params["synthx.cohort"])).metadata
     assert sorted(pasted["source_case_id"]) == sorted(painted["source_case_id"]), "the same canvases"
@@ -224,7 +227,7 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     assert {k: v for k, v in trained_cp.params.items() if k != "synthx.cohort"} == \
         {k: v for k, v in trained_sx.params.items() if k != "synthx.cohort"}
     assert trained_cp.params["synthx.cohort"] != trained_sx.params["synthx.cohort"]
-    realism = pd.read_csv(client.download_artifacts(steps["synthesize_copy_paste"], "synthx_quality/realism.csv",
+    realism = pd.read_csv(client.download_artifacts(steps["synthesize"], "synthx_quality/realism.csv",
                                                     str(tmp_path / "realism")))
     assert {"synthetic", "copy_paste"} <= set(realism["comparison"])
     # The decomposition at matched specificity on the parent run: per component, overall and per phase.

@@ -4,7 +4,7 @@ the real training tumors (:mod:`synthx.realism`).
 
 Both are read from what the study logged: the decomposition table on the parent run
 (``synthx/decomposition.csv``, :func:`synthx.workflows.study.publish.publish_decomposition`) and the
-realism table on the copy-paste synthesis run (``synthx_quality/realism.csv``).
+realism table on the synthesis run (``synthx_quality/realism.csv``).
 
 Example::
 
@@ -25,7 +25,7 @@ from synthx.workflows.report.runs import study_decomposition, StudyRuns
 
 REALISM_ARTIFACT = "synthx_quality/realism.csv"
 # The steps whose run may carry the realism table, first found wins.
-REALISM_STEPS = ("synthesize_copy_paste", "synthesize")
+REALISM_STEPS = ("synthesize", "synthesize_copy_paste")
 COMPONENT_ORDER = ("placement", "content", "total", "ceiling")
 
 

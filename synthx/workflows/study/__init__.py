@@ -16,12 +16,13 @@ run of one parent run (``mlflow.parentRunId``):
 5. ``targeting``: how many synthetic tumors per (sex, age band, phase) cell. The default rule
    ``need:B`` spends a budget of B cases where the baseline's VALIDATION sensitivity falls short
    (``synthx.targeting``); it reads the baseline's validation records only, never test labels;
-6. ``synthx_train``: the SynthX generator trained on the training split's tumors;
-7. ``synthesize``: the targeted cases painted into matching healthy training scans;
-8. ``synthesize_copy_paste``: the same targets, seed and mask prior with the copy-paste painter
-   (real training tumors pasted at SynthX's sites in SynthX's canvases; no generator, so it does
-   not wait for ``synthx_train``), and the realism of both painted cohorts against the real
-   training tumors, logged on its run (``synthx_quality/realism.csv``);
+6. ``synthesize_copy_paste``: the targets with the copy-paste painter, the ``synthesize`` step's seed
+   and the SynthX recipe's mask prior: real training tumors pasted at the sites SynthX paints in the canvases it paints
+   (no generator, so it runs before ``synthx_train`` and a new generator reuses it);
+7. ``synthx_train``: the SynthX generator trained on the training split's tumors;
+8. ``synthesize``: the targeted cases painted into matching healthy training scans, then the
+   realism of SynthX's and the copy-pasted tumors against the real training tumors, logged on its
+   run (``synthx_quality/realism.csv``);
 9. ``sham``: the augmented schedule (real_steps x (1 + r) steps, the baseline's real draws) with each
    synthetic slot filled by a real training positive of the synthetic case's cell;
 10. ``augmented``: the same schedule with the synthetic cases;

@@ -53,7 +53,7 @@ def _baseline_steps(runner: StudyRunner, settings: StudySettings, root: Path, sp
 
 def _synthx_steps(runner: StudyRunner, settings: StudySettings, root: Path, split: Path, evaluation: dict,
                   score: str, seed: int) -> tuple[dict, dict | None]:
-    """targeting, synthx_train, synthesize, synthesize_copy_paste; returns the synthesis outputs
+    """targeting, synthesize_copy_paste, synthx_train, synthesize; returns the synthesis outputs
     (``cohort`` is the synthetic folder) and the copy-paste synthesis' (None without a copy-paste arm).
 
     With the phantom painter there is no generator to train and no copy-paste arm
@@ -75,21 +75,22 @@ def _synthx_steps(runner: StudyRunner, settings: StudySettings, root: Path, spli
         print(f"[study] no copy-paste arm: {copy_paste_skipped(settings)}")
         return synthesis, None
     generator_recipe = generator_recipe_of(settings, root, split, runner.uri)
+    # SynthX's targets, seed and mask prior: its canvases and sites, painted with real tumors. No
+    # generator, so it runs before synthx_train and a new generator reuses it.
+    pasted = {"painter": COPY_PASTE_PAINTER, "targeting": targeting["run_id"], "seed": seed,
+              "mask_prior": recipe_params(generator_recipe)["mask_prior"]}
+    copy_paste = runner.step(
+        "synthesize_copy_paste", pasted,
+        copy_paste_action(runner.client, root, split, settings, generator_recipe, targeting,
+                          synthetic_folder(output_dir, pasted), seed, runner.uri),
+    )
     generator = runner.step("synthx_train", recipe_params(generator_recipe), generator_action(generator_recipe, output_dir))
     params = {"generator": generator["run_id"], "targeting": targeting["run_id"], "steps": settings.synthesis_steps,
               "scheduler": settings.scheduler, "seed": seed}
     synthesis = runner.step(
-        "synthesize", params,
+        "synthesize", {**params, "realism_against": copy_paste["run_id"]},
         synthesize_action(runner.client, root, split, settings, generator_recipe, generator, targeting,
-                          synthetic_folder(output_dir, params), seed, runner.uri),
-    )
-    # SynthX's targets, seed and mask prior: its canvases and sites. No generator: it does not wait for synthx_train.
-    pasted = {"painter": COPY_PASTE_PAINTER, "targeting": targeting["run_id"], "seed": seed,
-              "mask_prior": recipe_params(generator_recipe)["mask_prior"]}
-    copy_paste = runner.step(
-        "synthesize_copy_paste", {**pasted, "realism_against": synthesis["run_id"]},
-        copy_paste_action(runner.client, root, split, settings, generator_recipe, targeting,
-                          synthetic_folder(output_dir, pasted), seed, runner.uri, synthesis["cohort"]),
+                          synthetic_folder(output_dir, params), seed, runner.uri, copy_paste),
     )
     return synthesis, copy_paste
 

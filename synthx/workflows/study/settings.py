@@ -27,9 +27,9 @@ from synthx.config import load_synthx_recipe
 from synthx.endpoint import PrimaryEndpoint
 from synthx.painters import COPY_PASTE_PAINTER, PAINTERS, PHANTOM_PAINTER, SYNTHX_PAINTER
 
-STEPS = ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting", "synthx_train", "synthesize",
-         "synthesize_copy_paste", "sham", "augmented", "copy_paste", "evaluate_locked_baseline", "evaluate_sham",
-         "evaluate_synthx", "evaluate_copy_paste", "compare")
+STEPS = ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting", "synthesize_copy_paste", "synthx_train",
+         "synthesize", "sham", "augmented", "copy_paste", "evaluate_locked_baseline", "evaluate_sham", "evaluate_synthx",
+         "evaluate_copy_paste", "compare")
 # The steps of the copy-paste arm: none with the phantom painter (:func:`copy_paste_skipped`).
 COPY_PASTE_STEPS = ("synthesize_copy_paste", "copy_paste", "evaluate_copy_paste")
 COPY_PASTE_REFUSAL = (f"--painter {COPY_PASTE_PAINTER}: every SynthX study already trains a copy-paste arm (steps "

@@ -212,8 +212,11 @@ def generator_action(generator_recipe, output_dir: Path) -> Callable[[dict], dic
 
 
 def synthesize_action(client: MlflowClient, root: Path, split: Path, settings: StudySettings, generator_recipe,
-                      generator: dict | None, targeting: dict, synthetic_root: Path, seed: int, uri: str) -> Callable[[dict], dict]:
-    """The action of the synthesis step: paint the targeted cases into matching healthy training scans.
+                      generator: dict | None, targeting: dict, synthetic_root: Path, seed: int, uri: str,
+                      copy_paste: dict | None = None) -> Callable[[dict], dict]:
+    """The action of the synthesis step: paint the targeted cases into matching healthy training scans,
+    then log their realism against the real training tumors (:func:`log_realism`), beside the
+    copy-paste cohort's when ``copy_paste`` (the copy-paste step's outputs) is given.
 
     With SynthX, sampling (scheduler, steps, guidance) and the mask prior come from the SynthX recipe;
     the study's ``synthesis_steps`` and ``scheduler`` replace the recipe's only when set. With the
@@ -242,28 +245,36 @@ def synthesize_action(client: MlflowClient, root: Path, split: Path, settings: S
                 f"unfillable (no healthy training scan of that sex, age band and phase: {shown}); "
                 "choose another rule with --target (e.g. need:B with a larger B, or counts:<table>)"
             )
+        log_realism(client, summary.synthesis_run_id, root, split, synthetic_root,
+                    copy_paste["cohort"] if copy_paste else None, seed)
         return {"run_id": summary.synthesis_run_id, "cohort": str(synthetic_root),
                 "cases": len(summary.generated) + len(summary.skipped)}
 
     return action
 
 
+def log_realism(client: MlflowClient, run_id: str, root: Path, split: Path, synthetic_root: Path,
+                copy_paste_root: str | None, seed: int) -> None:
+    """The painted tumors against the real training tumors (:func:`synthx.quality.quality_report`,
+    radiomic realism only, no detector features), logged on ``run_id`` under ``synthx_quality/``
+    (``synthx_quality/realism.csv``: per phase, real against ``synthetic`` and ``copy_paste``)."""
+    from synthx.commands.synthx_quality import log_quality
+    from synthx.quality import quality_report
+
+    report = quality_report(root, split, synthetic_root, seed=seed, copy_paste_root=copy_paste_root)
+    log_quality(report, run_id, client=client)
+
+
 def copy_paste_action(client: MlflowClient, root: Path, split: Path, settings: StudySettings, generator_recipe,
-                      targeting: dict, synthetic_root: Path, seed: int, uri: str,
-                      synthx_cohort: str) -> Callable[[dict], dict]:
+                      targeting: dict, synthetic_root: Path, seed: int, uri: str) -> Callable[[dict], dict]:
     """The action of the copy-paste synthesis step: real training tumors pasted at SynthX's sites.
 
     The same targets, seed and mask prior (the SynthX recipe's ``mask_prior``) as the ``synthesize``
     step give the same canvases, sites and sizes (:mod:`synthx.generation.copy_paste`); no generator
-    is trained or loaded. Then the realism of both cohorts against the real training tumors
-    (radiomic features only: :func:`synthx.quality.quality_report` with the copy-paste cohort) is
-    logged on this step's run under ``synthx_quality/`` (``synthx_quality/realism.csv``).
+    is trained or loaded, so the step needs neither ``synthx_train`` nor ``synthesize``.
     """
 
     def action(tags: dict) -> dict:
-        from synthx.commands.synthx_quality import log_quality
-        from synthx.quality import quality_report
-
         common = dict(seed=seed, tracking_uri=uri, experiment=settings.experiment, progress=sys.stderr.isatty())
         synthesis = SynthesisSettings.from_recipe(generator_recipe, root, split, None, synthetic_root,
                                                   painter=COPY_PASTE_PAINTER, **common)
@@ -273,8 +284,6 @@ def copy_paste_action(client: MlflowClient, root: Path, split: Path, settings: S
         cases = len(summary.generated) + len(summary.skipped)
         if not cases:
             raise GenerationError("the copy-paste painter made no case: every targeted cell is unfillable")
-        report = quality_report(root, split, synthx_cohort, seed=seed, copy_paste_root=synthetic_root)
-        log_quality(report, summary.synthesis_run_id, client=client)
         return {"run_id": summary.synthesis_run_id, "cohort": str(synthetic_root), "cases": cases}
 
     return action
