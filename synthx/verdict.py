@@ -274,12 +274,15 @@ def decomposition_sentences(table: pd.DataFrame, subgroups: Sequence[tuple[str, 
         by_component = {str(r["component"]): r for r in rows.to_dict("records")}
         if not by_component:
             continue
+        positives = int(next(iter(by_component.values()))["positives"])
+        if positives == 0:
+            lines.append(f"{label}: the test set has no tumor scan in {group_label(attribute, group)} to decompose.")
+            continue
         parts = [_component_text(by_component[c], name_of) for c in ("placement", "content") if c in by_component]
         if "total" in by_component:
             parts.append(f"together {name_of(by_component['total']['arm'])} - {name_of(by_component['total']['reference'])} "
                          f"{_points(by_component['total']['difference'])}")
         if "ceiling" in by_component:
             parts.append(_component_text(by_component["ceiling"], name_of))
-        positives = int(next(iter(by_component.values()))["positives"])
         lines.append(f"{label}, decomposed on {positives} tumor scan(s) at {point_label(point)}: {'; '.join(parts)}.")
     return lines

@@ -144,4 +144,6 @@ def test_the_decomposition_sentence_of_each_designed_subgroup_names_both_parts_w
     assert decomposition_sentences(ceiling) == [
         "Scarcity gap (arterial), decomposed on 20 tumor scan(s) at matched specificity: positive control - sham "
         "(real-appearance tumors at new sites) -10.0 percentage points, 95% CI -30.0 to +5.0."]
+    empty = pd.DataFrame(rows[:1]).assign(positives=0, difference=float("nan"))
+    assert decomposition_sentences(empty) == ["Scarcity gap (arterial): the test set has no tumor scan in arterial to decompose."]
     assert decomposition_sentences(None) == [] and decomposition_sentences(pd.DataFrame(rows[:0], columns=list(rows[0]))) == []
