@@ -354,7 +354,8 @@ def test_the_pooled_page_names_its_runs_and_judges_the_pooled_difference(finishe
     page, table, run_id = pages["matched_specificity"]
     assert page.startswith("# Seeds pooled") and f"`{run_id}`" in page
     assert parent.data.tags["git_commit"] in page and "seeds 3, 4" in page
-    primary = verdict_lines(load_study(parent_id, uri, tmp_path / "study"))[-1]
+    primary = next(line for line in verdict_lines(load_study(parent_id, uri, tmp_path / "study"))
+                   if line.startswith("Primary endpoint"))
     assert page.count(primary) == 2 and f"- Seed 3 (study run `{parent_id}`): {primary}" in page
     arterial = table[(table["comparison"] == "synthx - sham") & (table["metric"] == "sensitivity")
                      & (table["group"] == "arterial")].iloc[0]
