@@ -118,7 +118,7 @@ def decomposition_table(client: MlflowClient, evaluations: dict[str, dict], comp
         reference_m, arm_m = pairs["synthx", "sham"]
         table = paired_sensitivity_rows(detections(test["synthx"], arm_m, score), detections(test["sham"], reference_m, score),
                                         "phantom", "sham", DECOMPOSITION_ATTRIBUTES)
-        return table.assign(component="ceiling")
+        return table.assign(component="ceiling", threshold_reference=reference_m, threshold_arm=arm_m)
     chosen = {}
     for component in COMPONENTS:
         arm, reference = component.arm, component.reference
