@@ -4,8 +4,10 @@
 The endpoint is fixed before any training: the study logs it on its parent run first
 (:func:`log_endpoint`). The comparison table then gets a ``role`` per row: ``primary`` (the one
 endpoint row), ``secondary`` (every other row of the same comparison: all attributes, metrics and
-operating points, Holm-adjusted together as one family) and ``schedule`` (the baseline against the
-sham arm: what the augmented schedule does without synthetic tumors; its own Holm family).
+operating points, Holm-adjusted together as one family), ``schedule`` (the baseline against the
+sham arm: what the augmented schedule does without synthetic tumors; its own Holm family) and
+``placement`` (the copy-paste arm against the sham arm: what SynthX's canvases and placement do
+with real tumors; its own Holm family).
 
 Every place a reader meets a difference (the verdict, the study's printed summary, the results page
 and the report's tables) shows one interval for it, :func:`shown_interval`: Newcombe's for a paired
@@ -13,6 +15,7 @@ proportion, else the paired bootstrap's. :func:`family_mark` is the significance
 ``**`` significant after its family's Holm, ``*`` significant by its own test only, ``~`` the test
 rejects below the support rule, none when the shown interval spans 0
 (docs/design.md "Reading the verdict").
+
 The endpoint has versions (:data:`ENDPOINT_VERSIONS`). Version 2, the default, judges the
 subgroup's sensitivity at ``subgroup_matched_specificity``: each arm's m is matched on validation
 so that its specificity within the endpoint's subgroup equals the reference's there, because a
@@ -204,10 +207,11 @@ def label_results(table: pd.DataFrame, endpoint: PrimaryEndpoint, alpha: float =
 
     table = table.copy()
     primary = endpoint.mask(table)
-    table["role"] = np.where(primary, "primary", np.where(table["run"] == endpoint.arm, "secondary", "schedule"))
+    roles = np.where(table["run"] == endpoint.arm, "secondary", np.where(table["run"] == "copy_paste", "placement", "schedule"))
+    table["role"] = np.where(primary, "primary", roles)
     tested = pd.to_numeric(table["p_value"], errors="coerce").where(table["supported"].astype(bool))
     table["p_family"] = np.nan
-    for role in ("secondary", "schedule"):
+    for role in ("secondary", "schedule", "placement"):
         rows = table["role"] == role
         table.loc[rows, "p_family"] = holm_adjust(tested[rows].to_numpy())
     table.loc[primary, "p_family"] = tested[primary]

@@ -4,7 +4,7 @@ operating point"). A key without a label is shown as it is."""
 
 from __future__ import annotations
 
-ARMS = {"baseline": "baseline", "sham": "sham", "synthx": "SynthX", "phantom": "positive control"}
+ARMS = {"baseline": "baseline", "sham": "sham", "synthx": "SynthX", "copy_paste": "copy-paste", "phantom": "positive control"}
 ATTRIBUTES = {"overall": "Overall", "age": "Age", "sex": "Sex", "race": "Race", "phase": "Phase",
               "tumor_size": "Tumor size", "tumor_location": "Tumor location", "cohort": "Site"}
 GROUPS = {

@@ -257,3 +257,46 @@ def empty_sentence(label: str, group: str, missing: str) -> str:
     """The sentence of a subgroup the test set holds no scan to judge in."""
     kind = "tumor scan" if missing == "positives" else "healthy scan"
     return f"{label}: the test set has no {kind} in {group} - undetermined."
+
+
+# ------------------------------------------------------------------------------------------------
+# The decomposition (synthx.decomposition): where SynthX's difference to sham comes from
+
+# component -> what it measures, as the verdict names it.
+DECOMPOSITION_WORDS = {"placement": "canvases and placement", "content": "generated content",
+                       "total": "both", "ceiling": "real-appearance tumors at new sites"}
+
+
+def _component_text(row, name_of: ArmNamer) -> str:
+    return (f"{name_of(row['arm'])} - {name_of(row['reference'])} ({DECOMPOSITION_WORDS.get(row['component'], row['component'])}) "
+            f"{_points(row['difference'])} percentage points, 95% CI {_points(row['ci_low'])} to {_points(row['ci_high'])}")
+
+
+def decomposition_sentences(table: pd.DataFrame, subgroups: Sequence[tuple[str, str, str]] | None = None,
+                            name_of: ArmNamer = arm_label, point: str = "matched_specificity") -> list[str]:
+    """One sentence per designed subgroup of a decomposition table (:func:`synthx.decomposition.decompose`):
+    the placement (copy-paste - sham) and content (SynthX - copy-paste) components with their
+    paired 95% CIs, the total (SynthX - sham) they add up to, and the positive control's ceiling
+    (phantom - sham) when the table has it, each pair at ``point`` (the primary endpoint's). A
+    subgroup the table lacks gives no sentence.
+    """
+    if table is None or table.empty:
+        return []
+    lines = []
+    for label, attribute, group in (designed_gap_subgroups() if subgroups is None else subgroups):
+        rows = table[(table["attribute"].astype(str) == attribute) & (table["group"].astype(str) == group)]
+        by_component = {str(r["component"]): r for r in rows.to_dict("records")}
+        if not by_component:
+            continue
+        positives = int(next(iter(by_component.values()))["positives"])
+        if positives == 0:
+            lines.append(f"{label}: the test set has no tumor scan in {group_label(attribute, group)} to decompose.")
+            continue
+        parts = [_component_text(by_component[c], name_of) for c in ("placement", "content") if c in by_component]
+        if "total" in by_component:
+            parts.append(f"together {name_of(by_component['total']['arm'])} - {name_of(by_component['total']['reference'])} "
+                         f"{_points(by_component['total']['difference'])}")
+        if "ceiling" in by_component:
+            parts.append(_component_text(by_component["ceiling"], name_of))
+        lines.append(f"{label}, decomposed on {positives} tumor scan(s) at {point_label(point)}: {'; '.join(parts)}.")
+    return lines

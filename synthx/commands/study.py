@@ -23,7 +23,7 @@ import sys
 from typing import Sequence
 
 from lightning_modules.commands.common import CommandParser, add_overrides_argument, bounded, parse_command_line
-from synthx.painters import PAINTERS, SYNTHX_PAINTER
+from synthx.painters import COPY_PASTE_PAINTER, PAINTERS, SYNTHX_PAINTER
 
 # The defaults of synthx.workflows.study.settings.StudySettings, named here so that --help and a refused
 # command line answer without importing the workflow (and with it torch, Lightning and MLflow).
@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--painter", choices=PAINTERS, default=DEFAULTS["painter"],
                         help="who paints the targeted tumors: synthx (default: the SynthX generator, trained in the "
                              "study) or phantom (the positive control: the embedded phantom's own renderer paints "
-                             "real-appearance tumors into the same canvases; phantom cohorts only)")
+                             "real-appearance tumors into the same canvases; phantom cohorts only; no copy-paste "
+                             "arm). copy_paste is refused: a SynthX study trains the copy-paste arm beside SynthX")
     parser.add_argument("--locked-cases", type=bounded(int, 0), default=DEFAULTS["locked_cases"],
                         help="scans of the locked test cohort, a phantom of another seed (default: %(default)s, sized "
                              "by `python -m synthx.power`; 0: test on the split's test set)")
@@ -151,6 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_command_line(parser, argv)
     if args.seed is not None and args.seeds is not None:
         parser.error("give --seeds K (all replicates) or --seed S (one), not both")
+    if args.painter == COPY_PASTE_PAINTER:
+        from synthx.workflows.study.settings import COPY_PASTE_REFUSAL
+
+        parser.error(COPY_PASTE_REFUSAL)
     if args.pool_only and args.seeds is None:
         parser.error("--pool-only needs --seeds K")
     check_recipe(args)

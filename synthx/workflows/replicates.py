@@ -44,6 +44,7 @@ from synthx.endpoint import family_marks, PrimaryEndpoint
 from synthx.labels import arm_label, attribute_label, group_label, point_label
 from synthx.painters import SYNTHX_PAINTER
 from synthx.verdict import Contrast, designed_gap_subgroups, outcome, study_verdict, VERDICT_WORDS
+from synthx.workflows.pooled_decomposition import decomposition_markdown, POOLED_ARTIFACT, pooled_decomposition_table
 from synthx.workflows.report.formatting import MARKS_NOTE
 from synthx.workflows.report.markdown_page import fill_results_block, markdown_table
 from synthx.workflows.report.runs import COMPARISON_ARTIFACT, load_study, study_comparison as comparison_of
@@ -182,7 +183,7 @@ REPLICATE_SEED_TAG = "replicate_seed"
 POOLED_STAGE = "replicates_pooled"
 # Arm pairs pooled when a replicate has both arms (arm minus reference), first the primary one.
 # An arm is a study step ``evaluate_<arm>``.
-ARM_PAIRS = (("synthx", "sham"), ("baseline", "sham"), ("control", "sham"), ("synthx", "baseline"))
+ARM_PAIRS = (("synthx", "sham"), ("baseline", "sham"), ("control", "sham"), ("copy_paste", "sham"), ("synthx", "baseline"))
 # matched_specificity: per arm pair, the reference at its validation-chosen m and the arm at the m
 # that matches the reference's validation specificity, as each replicate's own comparison set them
 # (the primary endpoint's point).
@@ -387,7 +388,9 @@ def pool_replicates(settings, seeds: Sequence[int] | None = None, operating_poin
         stage: the evaluated split whose records are pooled.
 
     Returns:
-        The pooled table (:func:`~lightning_modules.evaluation.seed_pooling.pool_seeds`) and the run it was logged to.
+        The pooled table (:func:`~lightning_modules.evaluation.seed_pooling.pool_seeds`) and the run it was
+        logged to; when every replicate has the copy-paste arm, the pooled decomposition is logged there
+        too (:func:`~synthx.workflows.pooled_decomposition.pooled_decomposition_table`).
 
     Raises:
         ReplicateError: fewer than two finished replicates, a named seed missing, or replicates
@@ -409,9 +412,9 @@ def pool_replicates(settings, seeds: Sequence[int] | None = None, operating_poin
         raise ReplicateError(f"{len(parents)} finished replicate(s) of this study in experiment '{settings.experiment}': "
                              "pooling needs at least two")
     recipe = segmentation_recipe(settings)
-    table = pooled_table(client, {str(seed): run for seed, run in parents.items()}, operating_point, stage,
-                         n_resamples=int(recipe.detection.bootstrap_resamples),
-                         confidence=float(recipe.detection.confidence), score=str(recipe.detection.score))
+    pooling = dict(n_resamples=int(recipe.detection.bootstrap_resamples), confidence=float(recipe.detection.confidence),
+                   score=str(recipe.detection.score))
+    table = pooled_table(client, {str(seed): run for seed, run in parents.items()}, operating_point, stage, **pooling)
     text = (f"== {len(parents)} seeds pooled at the {operating_point} operating point ({stage}) ==\n"
             + format_pooled(table))
     run_id = client.create_run(experiment, run_name="pooled", tags={
@@ -421,6 +424,13 @@ def pool_replicates(settings, seeds: Sequence[int] | None = None, operating_poin
     client.log_param(run_id, "seeds", ",".join(map(str, parents)))
     client.log_text(run_id, text, f"pooled/{stage}_{operating_point}.txt")
     client.log_text(run_id, table.to_csv(index=False), f"pooled/{stage}_{operating_point}.csv")
+    try:
+        decomposition = pooled_decomposition_table(client, {str(seed): run for seed, run in parents.items()},
+                                                   operating_point, replicate_arms, stage, **pooling)
+    except LookupError as error:
+        raise ReplicateError(str(error)) from error
+    if decomposition is not None:
+        client.log_text(run_id, decomposition.to_csv(index=False), POOLED_ARTIFACT.format(stage=stage, point=operating_point))
     client.set_terminated(run_id, "FINISHED")
     return table, run_id
 
@@ -438,6 +448,9 @@ def pooled_markdown(run_id: str, uri: str) -> str:
         raise ReplicateError(f"run {run.info.run_id} is not a pooled analysis of replicates (benchx study --seeds K)")
     with tempfile.TemporaryDirectory() as folder:
         table = pd.read_csv(client.download_artifacts(run.info.run_id, f"pooled/test_{point}.csv", folder))
+        artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "pooled")}
+        decomposition = (pd.read_csv(client.download_artifacts(run.info.run_id, parts, folder))
+                         if (parts := POOLED_ARTIFACT.format(stage="test", point=point)) in artifacts else None)
         parents = [client.get_run(study) for study in studies]
         # pool_replicates logs the seeds and the studies in one order.
         labels = run.data.params.get("seeds", "").split(",")
@@ -528,6 +541,7 @@ def pooled_markdown(run_id: str, uri: str) -> str:
         "Seeds +/-: seeds whose own difference is above / below 0. The replicate lines judge each seed "
         "alone with its own paired interval, as docs/results.md does for one study.",
         "",
+        *(decomposition_markdown(decomposition) if decomposition is not None else []),
     ]
     return "\n".join(lines)
 

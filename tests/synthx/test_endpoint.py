@@ -65,3 +65,17 @@ def test_the_logged_endpoint_reads_back_from_the_run_params():
     chosen = PrimaryEndpoint(group="non-contrast", operating_point="val_chosen")
     assert PrimaryEndpoint.from_params({**chosen.params(), "other": "x"}) == chosen
     assert PrimaryEndpoint.from_params({}) == PrimaryEndpoint()
+
+
+def test_copy_paste_rows_are_their_own_placement_family():
+    """Copy-paste minus sham is neither SynthX's secondary family nor the schedule's: its own Holm family."""
+    copy_paste = _comparison().query("run == 'baseline'").assign(run="copy_paste", p_value=[0.01, 0.02, 0.03, 0.5, 0.6, 0.7])
+    table = label_results(pd.concat([_comparison(), copy_paste], ignore_index=True), PrimaryEndpoint())
+    placement = table[table["role"] == "placement"]
+    assert len(placement) == 6 and set(placement["run"]) == {"copy_paste"}
+    np.testing.assert_allclose(placement["p_family"].to_numpy(),
+                               holm_adjust(placement["p_value"].where(placement["supported"]).to_numpy()))
+    assert set(table.loc[table["run"] == "baseline", "role"]) == {"schedule"}
+    secondary = table[table["role"] == "secondary"]
+    np.testing.assert_allclose(secondary["p_family"].to_numpy(),
+                               holm_adjust(secondary["p_value"].where(secondary["supported"]).to_numpy()))

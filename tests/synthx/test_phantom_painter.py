@@ -147,3 +147,23 @@ def test_the_study_command_passes_painter_and_target_phases(monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         command.main(["--painter", "oracle"])
     assert exit_info.value.code == 2
+
+
+def test_the_study_refuses_the_copy_paste_painter_pointing_to_its_copy_paste_arm(monkeypatch, capsys):
+    """copy_paste is a painter the command line knows, but the SynthX study already trains it as its
+    own arm: the study command ends with exit code 2 naming that arm, and the settings refuse it too."""
+    import synthx.commands.study as command
+    from synthx.workflows.study.settings import copy_paste_skipped, StudySettings
+
+    seen = []
+    monkeypatch.setattr(command, "run_study", seen.append)
+    with pytest.raises(SystemExit) as exit_info:
+        command.main(["--painter", "copy_paste"])
+    assert exit_info.value.code == 2 and not seen
+    message = capsys.readouterr().err
+    assert "--painter copy_paste" in message and "synthesize_copy_paste" in message and "--painter synthx" in message
+    with pytest.raises(ValueError, match="already trains a copy-paste arm"):
+        StudySettings(painter="copy_paste").check()
+    # The positive control trains no copy-paste arm and says why; a SynthX study trains one.
+    assert "sites the phantom plans" in copy_paste_skipped(StudySettings(painter="phantom"))
+    assert copy_paste_skipped(StudySettings()) is None

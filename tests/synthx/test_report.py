@@ -28,6 +28,7 @@ def test_runs_are_named_and_the_parent_carries_the_headline(finished_study):
     assert names["evaluate_baseline"] == "baseline-evaluate-unet-test"
     assert names["evaluate_synthx"] == "synthx-evaluate-unet-locked"
     assert names["evaluate_sham"] == "sham-evaluate-unet-locked"
+    assert names["copy_paste"] == "copy_paste-train-unet" and names["evaluate_copy_paste"] == "copy_paste-evaluate-unet-locked"
 
     from synthx.workflows.report.runs import headline
 
@@ -60,6 +61,10 @@ def test_aliases_point_at_the_study_versions(finished_study):
     assert baseline.run_id == tags["step.baseline"]
     assert client.get_model_version_by_alias("benchx-unet", f"{settings.experiment}-synthx").run_id == tags["step.augmented"]
     assert client.get_model_version_by_alias("synthx-generator", settings.experiment).run_id == tags["step.synthx_train"]
+    copy_paste = client.get_model_version_by_alias("benchx-unet", f"{settings.experiment}-copy_paste")
+    assert copy_paste.run_id == tags["step.copy_paste"]
+    assert client.get_model_version("benchx-unet", copy_paste.version).description.startswith(
+        f"copy-paste arm of study {settings.experiment}")
     # Scoped by experiment: no bare alias another experiment's study would move.
     aliases = set(client.get_registered_model("benchx-unet").aliases)
     assert not {"baseline", "synthx"} & aliases, aliases
@@ -95,7 +100,8 @@ def test_the_report_is_self_contained_and_rebuilt_by_benchx_report(finished_stud
     for title in ("Baseline by subgroup (test)", "Tumors found per subgroup", "Arms compared (BenchX table 6)",
                   "Forest plots per operating point", "ROC curves per phase and arm", "Training curves",
                   "Synthetic cohort", "Unfillable cells", "Real and synthetic tumors per phase", "Quality summary",
-                  "Leakage audit", "Recipes", "Versions"):
+                  "Decomposition (test)", "Realism of the painted tumors", "Real against copy-paste", "Leakage audit",
+                  "Recipes", "Versions"):
         assert title in text, title
     # The baseline figure, a forest plot per operating point, ROC, training curves and real/synthetic examples.
     assert len(re.findall(r'src="data:image/png;base64,', text)) >= 7
@@ -104,6 +110,7 @@ def test_the_report_is_self_contained_and_rebuilt_by_benchx_report(finished_stud
     assert not re.search(r"<td>le20</td>|<th>sensitivity_ci_low</th>", text)
     # The primary comparison is SynthX against sham; baseline against sham shows the schedule alone.
     assert text.count("<h3>SynthX minus sham at ") == 3, "fixed, validation-chosen and matched specificity"
+    assert text.count("<h3>copy-paste minus sham at ") == 3, "the copy-paste arm has its own forest plots"
     # The quality summary: measured contrast of real and synthetic tumors (HU) side by side.
     assert re.search(r"<td>all phases</td>\s*<td>\d+ / \d+</td>\s*<td>[+-]\d+</td>\s*<td>[+-]\d+</td>", text)
     assert not re.search(r'src="(?!data:)', text), "no external resources"
@@ -175,6 +182,14 @@ def _comparison(client, parent_id, folder) -> pd.DataFrame:
     return pd.read_csv(path, keep_default_na=False, na_values=[""])
 
 
+def _decomposition_lines(client, parent_id, folder) -> list[str]:
+    """The verdict's decomposition sentences of the study's own decomposition table."""
+    from synthx.verdict import decomposition_sentences
+
+    path = client.download_artifacts(parent_id, "synthx/decomposition.csv", str(folder / "decomposition"))
+    return decomposition_sentences(pd.read_csv(path, keep_default_na=False, na_values=[""]))
+
+
 def test_the_verdict_opens_the_report_and_is_the_parent_s_description(finished_study, tmp_path):
     import html
     from pathlib import Path
@@ -187,7 +202,9 @@ def test_the_verdict_opens_the_report_and_is_the_parent_s_description(finished_s
     assert [re.split("[,:]", line)[0] for line in lines] == ["Scarcity gap (arterial)", "Physics gap (non-contrast)",
                                                               "Primary endpoint (sensitivity in arterial)"]
     assert all(re.search(r" - (closed|not closed|undetermined)( \(SynthX - sham |\.$)", line) for line in lines), lines
-    assert client.get_run(parent_id).data.tags["mlflow.note.content"] == "\n\n".join(lines)
+    parts = _decomposition_lines(client, parent_id, tmp_path)
+    assert parts and parts[0].startswith("Scarcity gap (arterial), decomposed on")
+    assert client.get_run(parent_id).data.tags["mlflow.note.content"] == "\n\n".join(lines + parts)
     text = (Path(settings.output_dir) / "study_report.html").read_text()
     first_section = text.index("<h2>")
     assert text[first_section:].startswith("<h2>Verdict (test)</h2>"), text[first_section:first_section + 80]
@@ -212,10 +229,12 @@ def test_benchx_report_markdown_writes_the_results_page(finished_study, tmp_path
     assert f"The study took {took} from the start of its parent run to its end" in page
     comparison = _comparison(client, parent_id, tmp_path)
     verdict = page.split("## Verdict (test set)\n\n")[1].split("\n\n")[0].splitlines()
-    assert verdict == [f"- {line}" for line in study_verdict(comparison, "val_chosen")]
+    lines = study_verdict(comparison, "val_chosen") + _decomposition_lines(client, parent_id, tmp_path)
+    assert verdict == [f"- {line}" for line in lines]
     table = [line for line in page.splitlines() if line.startswith("|")]
-    assert table[0] == ("| Subgroup | Tumor scans | Healthy scans | sham | SynthX | baseline "
-                        "| SynthX - sham [Newcombe 95% CI] | baseline - sham [Newcombe 95% CI] |")
+    assert table[0] == ("| Subgroup | Tumor scans | Healthy scans | sham | SynthX | copy-paste | baseline "
+                        "| SynthX - sham [Newcombe 95% CI] | copy-paste - sham [Newcombe 95% CI] "
+                        "| baseline - sham [Newcombe 95% CI] |")
     rows = {line.split(" | ")[0].lstrip("| "): line.strip("| ").split(" | ") for line in table[2:]}
     assert "All scans" in rows and "Phase: arterial" in rows, rows
     at = comparison[(comparison["operating_point"] == "val_chosen") & (comparison["metric"] == "sensitivity")]

@@ -189,3 +189,59 @@ def test_a_phantom_painted_study_names_its_arm_the_positive_control(tmp_path, fi
     assert arterial["phantom painter (positive control)"] == "75.0"
     assert "phantom painter (positive control) - sham [Newcombe 95% CI]" in arterial
     assert "SynthX" not in markdown.split("## Verdict")[1]
+
+
+def test_the_copy_paste_arm_has_its_own_column_decomposition_and_realism(tmp_path, figures):
+    """With the copy-paste arm every arm table gains a 'copy-paste' column holding that arm's own
+    values, the forest plots and leakage list it, and the decomposition and realism sections show
+    what the study logged."""
+    from synthx.workflows.report.html_page import render
+    from synthx.workflows.report.markdown_page import results_markdown
+    from synthx.workflows.report.runs import load_study, verdict_lines
+
+    uri, parent_id = write_study(tmp_path, copy_paste=True)
+    study = load_study(parent_id, uri, tmp_path / "download")
+    page = render(study)
+    tables = tables_of(page)
+    found = {r["Subgroup"]: r for r in tables["Tumors found per subgroup (test)"]}
+    assert found["Phase: arterial"] == {"Subgroup": "Phase: arterial", "sham": "4 of 20 (20.0%)", "SynthX": "15 of 20 (75.0%)",
+                                         "copy-paste": "8 of 20 (40.0%)", "baseline": "9 of 20 (45.0%)"}
+    assert found["Phase: delayed"]["copy-paste"] == "13 of 20 (65.0%)"
+    worst = next(r for r in tables["Worst group per attribute (test)"] if r["Metric"] == "Sensitivity")
+    assert worst["copy-paste: worst group"] == "non-contrast (35.0%)"
+    heading = "copy-paste against sham at the validation-chosen operating point (m 2,547 and 2,100 mm³)"
+    assert tables[heading][2]["Sensitivity"].startswith("20.0 → 40.0: +20.0"), tables[heading][2]
+    title = next(t for t in figures if t.startswith("copy-paste minus sham at the validation-chosen"))
+    assert _points(figures[title].axes[0]) == pytest.approx(
+        [100 * (fake_study.value("copy_paste", "sensitivity", g) - fake_study.value("sham", "sensitivity", g)) for _, g in GROUPS])
+    assert [r["arm"] for r in tables["Leakage audit"]] == ["baseline", "sham", "SynthX", "copy-paste"]
+    # The decomposition: per designed subgroup, placement, content and total, from the parent run's table.
+    parts = [r for r in tables["Decomposition (test)"] if r["Subgroup"] == "Scarcity gap (arterial)"]
+    assert [(r["Component"], r["Arm - reference"], r["Difference [95% CI]"]) for r in parts] == [
+        ("placement: canvases and placement", "copy-paste - sham", "+20.0 [-5.0, +45.0]"),
+        ("content: generated content", "SynthX - copy-paste", "+35.0 [+10.0, +55.0]"),
+        ("total: both", "SynthX - sham", "+55.0 [+30.0, +75.0]")]
+    assert parts[0]["Found (arm / reference of tumors)"] == "8 / 4 of 20"
+    # The realism of SynthX's and the copy-pasted tumors, each against the real ones.
+    synthx_rows = {r["Phase"]: r for r in tables["Real against SynthX"]}
+    pasted_rows = {r["Phase"]: r for r in tables["Real against copy-paste"]}
+    assert synthx_rows["arterial"]["Real vs SynthX AUC"].startswith("0.91 [0.81, 1.00]")
+    assert pasted_rows["arterial"]["Real vs copy-paste AUC"].startswith("0.62 [0.52, 0.72]")
+    assert pasted_rows["venous"]["Tumors real / copy-paste"] == "12 / 4"
+    assert pasted_rows["venous"]["Edge gradient (HU/mm)"].startswith("3.0 / 4.5")
+    # The verdict ends on the decomposition line of each designed subgroup, with its intervals.
+    lines = verdict_lines(study)
+    scarcity = next(line for line in lines if line.startswith("Scarcity gap (arterial), decomposed"))
+    assert ("copy-paste - sham (canvases and placement) +20.0 percentage points, 95% CI -5.0 to +45.0; "
+            "SynthX - copy-paste (generated content) +35.0 percentage points, 95% CI +10.0 to +55.0; "
+            "together SynthX - sham +55.0") in scarcity
+    assert lines[-1].startswith("Physics gap (")
+    arterial = _markdown_rows(results_markdown(study))["Phase: arterial"]
+    assert (arterial["sham"], arterial["SynthX"], arterial["copy-paste"]) == ("20.0", "75.0", "40.0")
+
+
+def test_a_study_without_the_copy_paste_arm_says_the_decomposition_is_not_available(tmp_path, figures):
+    page, _, _ = _render(tmp_path)
+    section = page.split("<h2>Decomposition (test)</h2>")[1].split("<h2>")[0]
+    assert "not available" in section and "synthx/decomposition.csv" in section
+    assert "copy-paste" not in page.split("<h2>Decomposition (test)</h2>")[0]

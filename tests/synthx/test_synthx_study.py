@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -130,7 +131,7 @@ def _study_settings(root, split, tmp_path):
 def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path, monkeypatch, capsys):
     import synthx.workflows.study.steps as study
     from synthx.workflows.study.run import run_study
-    from synthx.workflows.study.settings import STEPS
+    from synthx.workflows.study.settings import COPY_PASTE_STEPS, STEPS
     from synthx.workflows.study.steps import read_targets
 
     root, split = tiny_phantom
@@ -145,21 +146,25 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
         run_study(settings)
     assert stopped.value.code == 130, "Ctrl+C ends the study with the shell's code for SIGINT"
     first = capsys.readouterr().out
-    for step in ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting", "synthx_train"):
+    for step in ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting"):
         assert f"[study] {step}: done" in first, step
+    # The copy-paste synthesis, the first to paint, needs no generator: it comes before synthx_train.
+    assert "[study] synthesize_copy_paste: running" in first and "synthx_train" not in first
 
     monkeypatch.setattr(study, "synthesize", real_synthesize)
     table = run_study(settings)
     second = capsys.readouterr().out
-    for step in ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting", "synthx_train"):
+    for step in ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting"):
         assert f"[study] {step}: identical finished run" in second, step
-    for step in ("synthesize", "sham", "augmented", "evaluate_locked_baseline", "evaluate_sham", "evaluate_synthx", "compare"):
+    for step in ("synthesize_copy_paste", "synthx_train", "synthesize", "sham", "augmented", "copy_paste",
+                 "evaluate_locked_baseline", "evaluate_sham", "evaluate_synthx", "evaluate_copy_paste", "compare"):
         assert f"[study] {step}: done" in second, step
     assert {"attribute", "group", "metric", "delta", "ci_low", "ci_high", "significant", "role", "p_family"} <= set(table.columns)
     assert "phase" in set(table["attribute"])
-    # SynthX and the baseline are each compared with the sham arm; the endpoint row is the one primary.
-    assert set(table["run"]) == {"synthx", "baseline"}
+    # SynthX, copy-paste and the baseline are each compared with the sham arm; the endpoint row is the one primary.
+    assert set(table["run"]) == {"synthx", "copy_paste", "baseline"}
     assert set(table.loc[table["run"] == "baseline", "role"]) == {"schedule"}
+    assert set(table.loc[table["run"] == "copy_paste", "role"]) == {"placement"}
     assert (table["role"] == "primary").sum() <= 1 and "secondary" in set(table["role"])
     assert "Primary endpoint (pre-specified)" in second
 
@@ -196,7 +201,7 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     assert set(view.loc[view["split"] == "val", "case_id"]) == set(pd.read_csv(split).query("split == 'val'")["case_id"])
     from lightning_modules.evaluation.artifacts import download_records
 
-    for step in ("evaluate_locked_baseline", "evaluate_sham", "evaluate_synthx"):
+    for step in ("evaluate_locked_baseline", "evaluate_sham", "evaluate_synthx", "evaluate_copy_paste"):
         assert client.get_run(steps[step]).data.tags["test_set"] == "locked"
         records = download_records(client, steps[step], "test", str(tmp_path / f"records-{step}"))
         assert set(records["case_id"]) == test_ids, step
@@ -208,6 +213,39 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     augmented = client.get_run(steps["augmented"])
     assert augmented.data.tags["variant"] == "synthx"
     assert {t.value for d in augmented.inputs.dataset_inputs for t in d.tags} >= {"training-synthetic"}
+    # The copy-paste arm: SynthX's targets, canvases and sites with real training tumors pasted, no
+    # generator; SynthX's recipe variant but the cohort; the realism of both cohorts on SynthX's synthesis run.
+    pasted_run = client.get_run(steps["synthesize_copy_paste"])
+    assert pasted_run.data.tags["painter"] == "copy_paste" and not pasted_run.data.tags.get("generator_run_id")
+    assert pasted_run.data.params["seed"] == client.get_run(steps["synthesize"]).data.params["seed"]
+    pasted = load_cohort(Path(json.loads(pasted_run.data.tags["study_outputs"])["cohort"])).metadata
+    painted = load_cohort(Path(client.get_run(steps["augmented"]).data.params["synthx.cohort"])).metadata
+    assert sorted(pasted["source_case_id"]) == sorted(painted["source_case_id"]), "the same canvases"
+    assert set(pasted["tumor_source_case_id"]) <= set(pd.read_csv(split).query("split == 'train'")["case_id"])
+    trained_cp, trained_sx = client.get_run(steps["copy_paste"]).data, client.get_run(steps["augmented"]).data
+    assert trained_cp.tags["variant"] == "copy_paste"
+    assert {k: v for k, v in trained_cp.params.items() if k != "synthx.cohort"} == \
+        {k: v for k, v in trained_sx.params.items() if k != "synthx.cohort"}
+    assert trained_cp.params["synthx.cohort"] != trained_sx.params["synthx.cohort"]
+    realism = pd.read_csv(client.download_artifacts(steps["synthesize"], "synthx_quality/realism.csv",
+                                                    str(tmp_path / "realism")))
+    assert {"synthetic", "copy_paste"} <= set(realism["comparison"])
+    # The decomposition at matched specificity on the parent run: per component, overall and per phase.
+    parts = pd.read_csv(client.download_artifacts(latest.info.run_id, "synthx/decomposition.csv", str(tmp_path / "parts")))
+    assert list(dict.fromkeys(parts["component"])) == ["placement", "content", "total"]
+    for component, arm, reference in (("placement", "copy_paste", "sham"), ("content", "synthx", "copy_paste"),
+                                      ("total", "synthx", "sham")):
+        rows = parts[parts["component"] == component]
+        assert set(rows["arm"]) == {arm} and set(rows["reference"]) == {reference}
+        assert rows["attribute"].iloc[0] == "overall" and "phase" in set(rows["attribute"])
+        assert (rows["positives"] == rows["both"] + rows["only_arm"] + rows["only_reference"] + rows["neither"]).all()
+    placement, content, total = (parts[parts["component"] == c].set_index(["attribute", "group"])["difference"]
+                                 for c in ("placement", "content", "total"))
+    tested = set(total.index) & set(placement.index) & set(content.index)
+    assert tested, "the components share subgroups"
+    metrics = client.get_run(latest.info.run_id).data.metrics
+    assert metrics["decomposition/overall:all/placement/difference"] == pytest.approx(placement["overall", "all"])
+    assert {"decomposition/overall:all/content/ci_low", "decomposition/overall:all/total/p"} <= set(metrics)
     # The targeting step is linked to the baseline evaluation whose validation records it was given.
     targeting = client.get_run(steps["targeting"])
     assert targeting.data.params["baseline_evaluation_run"] == steps["evaluate_baseline"]
@@ -223,7 +261,15 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     verdict_at = tail.index("Verdict (test):")
     assert f"/#/experiments/{experiment.experiment_id}/runs" in tail[verdict_at - 1]
     assert tail[verdict_at + 1].startswith("Scarcity gap (arterial)")
-    assert tail[-1].startswith("Primary endpoint (sensitivity in arterial)") and tail[-1].endswith(".")
+    primary_at = next(i for i, line in enumerate(tail) if line.startswith("Primary endpoint (sensitivity in arterial)"))
+    assert tail[primary_at].endswith(".")
+    # Then the decomposition, one line per designed subgroup with tumor scans in the locked cohort.
+    decomposed = tail[primary_at + 1:]
+    assert decomposed and all(line.startswith(("Scarcity gap (", "Physics gap (")) for line in decomposed)
+    scarcity = decomposed[0]
+    assert scarcity.startswith("Scarcity gap (arterial), decomposed on") and "at matched specificity" in scarcity
+    assert "copy-paste - sham (canvases and placement)" in scarcity and "SynthX - copy-paste (generated content)" in scarcity
+    assert scarcity.count("95% CI") == 2 and "together SynthX - sham" in scarcity
     assert client.get_experiment(experiment.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
 
     # Another target in the same output folder: its own synthetic folder, synthesis run and augmented
@@ -236,7 +282,8 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     fourth = capsys.readouterr().out
     for step in ("data", "locked_cohort", "baseline", "evaluate_baseline", "synthx_train", "evaluate_locked_baseline"):
         assert f"[study] {step}: identical finished run" in fourth, step
-    for step in ("targeting", "synthesize", "sham", "augmented", "evaluate_sham", "evaluate_synthx", "compare"):
+    for step in ("targeting", "synthesize", "synthesize_copy_paste", "sham", "augmented", "copy_paste", "evaluate_sham",
+                 "evaluate_synthx", "evaluate_copy_paste", "compare"):
         assert f"[study] {step}: done" in fourth, step
     newest = client.search_runs([experiment.experiment_id], "tags.stage = 'study'", order_by=["attributes.start_time DESC"])[0]
     new_steps = {k[len("step."):]: v for k, v in newest.data.tags.items() if k.startswith("step.")}
@@ -263,9 +310,13 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     for step in ("synthesize", "sham", "augmented", "evaluate_sham", "evaluate_synthx", "compare"):
         assert f"[study] {step}: done" in fifth, step
     assert "synthx_train" not in fifth
+    # No copy-paste arm in the positive control (the phantom plans its own sites), and it says why.
+    assert "[study] no copy-paste arm: the positive control's tumors sit at sites the phantom plans" in fifth
     latest = client.search_runs([experiment.experiment_id], "tags.stage = 'study'", order_by=["attributes.start_time DESC"])[0]
     control_steps = {k[len("step."):]: v for k, v in latest.data.tags.items() if k.startswith("step.")}
-    assert set(control_steps) == set(STEPS) - {"synthx_train"} and latest.info.status == "FINISHED"
+    assert set(control_steps) == set(STEPS) - {"synthx_train", *COPY_PASTE_STEPS} and latest.info.status == "FINISHED"
+    ceiling = pd.read_csv(client.download_artifacts(latest.info.run_id, "synthx/decomposition.csv", str(tmp_path / "ceiling")))
+    assert set(ceiling["component"]) == {"ceiling"} and set(ceiling["arm"]) == {"phantom"}
     assert client.get_run(control_steps["synthesize"]).data.tags["painter"] == "phantom"
     control_cohort = Path(client.get_run(control_steps["augmented"]).data.params["synthx.cohort"])
     assert control_cohort.parent == output_dir / "synthetic" and control_cohort != second_cohort

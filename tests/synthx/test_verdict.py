@@ -120,3 +120,31 @@ def test_a_subgroup_without_tumor_scans_is_undetermined_and_says_why():
     lines = study_verdict(table)
     assert lines[0] == "Scarcity gap (arterial): the test set has no tumor scan in arterial - undetermined."
     assert lines[-1] == "Primary endpoint (sensitivity in arterial): the test set has no tumor scan in arterial - undetermined."
+
+
+def test_the_decomposition_sentence_of_each_designed_subgroup_names_both_parts_with_intervals():
+    from synthx.verdict import decomposition_sentences
+
+    rows = []
+    for component, arm, reference, values in (("placement", "copy_paste", "sham", (-0.10, -0.30, 0.05)),
+                                              ("content", "synthx", "copy_paste", (-0.05, -0.20, 0.12)),
+                                              ("total", "synthx", "sham", (-0.15, -0.35, 0.02))):
+        for group in ("arterial", "non-contrast"):
+            shift = 0.0 if group == "arterial" else 0.5
+            rows.append({"component": component, "arm": arm, "reference": reference, "attribute": "phase",
+                         "group": group, "positives": 20, "difference": values[0] + shift,
+                         "ci_low": values[1] + shift, "ci_high": values[2] + shift})
+    lines = decomposition_sentences(pd.DataFrame(rows))
+    assert len(lines) == 2
+    assert lines[0] == ("Scarcity gap (arterial), decomposed on 20 tumor scan(s) at matched specificity: copy-paste - sham "
+                        "(canvases and placement) -10.0 percentage points, 95% CI -30.0 to +5.0; SynthX - copy-paste "
+                        "(generated content) -5.0 percentage points, 95% CI -20.0 to +12.0; together SynthX - sham -15.0.")
+    assert lines[1].startswith("Physics gap (non-contrast), decomposed on 20") and "+40.0 percentage points, 95% CI +20.0 to +55.0" in lines[1]
+    # The positive control's table: the ceiling alone; no table, no sentence.
+    ceiling = pd.DataFrame(rows[:1]).assign(component="ceiling", arm="phantom")
+    assert decomposition_sentences(ceiling) == [
+        "Scarcity gap (arterial), decomposed on 20 tumor scan(s) at matched specificity: positive control - sham "
+        "(real-appearance tumors at new sites) -10.0 percentage points, 95% CI -30.0 to +5.0."]
+    empty = pd.DataFrame(rows[:1]).assign(positives=0, difference=float("nan"))
+    assert decomposition_sentences(empty) == ["Scarcity gap (arterial): the test set has no tumor scan in arterial to decompose."]
+    assert decomposition_sentences(None) == [] and decomposition_sentences(pd.DataFrame(rows[:0], columns=list(rows[0]))) == []

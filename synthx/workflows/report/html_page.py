@@ -4,7 +4,8 @@ It opens with the verdict (:mod:`synthx.verdict`), then: the baseline by subgrou
 specificity and AUC with CIs, the designed gaps marked), tumors found per subgroup and arm, the
 BenchX table-6 comparison per arm and operating point, a forest plot per operating point
 (significance marked, axis scaled to the data), ROC curves per phase and arm, the worst group per
-attribute, the training curves of every run, the synthetic cohort (cells, real and synthetic
+attribute, the decomposition of SynthX's difference to sham with the copy-paste arm and the
+realism of the painted tumors, the training curves of every run, the synthetic cohort (cells, real and synthetic
 tumors side by side with their measured contrast, a quality summary), the leakage checks, the
 recipes and the versions. Values are in %, groups carry labels (:mod:`synthx.labels`), and tables
 fit a 1,280 px screen. Figures are embedded as base64 PNG, so the file opens anywhere (the MLflow
@@ -35,7 +36,8 @@ from synthx.workflows.report.figures import (
     roc_html,
     training_curves_html,
 )
-from synthx.workflows.report.formatting import difference_cell, MARKS_NOTE, pct, subgroup_name, table_html
+from synthx.workflows.report.decomposition import decomposition_html, realism_html
+from synthx.workflows.report.formatting import cell_mark, difference_cell, MARKS_NOTE, pct, subgroup_name, table_html
 from synthx.workflows.report.runs import (
     baseline_subgroups,
     headline,
@@ -278,6 +280,8 @@ def report_sections(study: StudyRuns) -> list[tuple[str, Callable[[], str]]]:
         ("Forest plots per operating point", lambda: forest_html(comparison(), name_of)),
         ("ROC curves per phase and arm (test)", lambda: roc_html(study)),
         ("Worst group per attribute (test)", worst_groups),
+        ("Decomposition (test)", lambda: decomposition_html(study, name_of)),
+        ("Realism of the painted tumors", lambda: realism_html(study)),
         ("Training curves", lambda: training_curves_html(study)),
         ("Synthetic cohort", lambda: synthetic_html(study)),
         ("Leakage audit", lambda: leakage_html(study)),

@@ -22,7 +22,8 @@ from lightning_modules.evaluation.subgroups import gaps
 from synthx.endpoint import label_results, PrimaryEndpoint
 from synthx.quality import quality_report, QualityError
 from synthx.painters import SYNTHX_PAINTER
-from synthx.verdict import arm_namer, ArmNamer, comparison_arms, REFERENCE_ARM, study_verdict, TREATMENT_ARM
+from synthx.verdict import (arm_namer, ArmNamer, comparison_arms, decomposition_sentences, REFERENCE_ARM,
+                            study_verdict, TREATMENT_ARM)
 
 
 COMPARISON_ARTIFACT = "comparison/test_comparison.csv"
@@ -62,6 +63,15 @@ class StudyRuns:
 
     def csv(self, step: str, path: str) -> pd.DataFrame:
         return pd.read_csv(self.artifact(step, path), keep_default_na=False, na_values=[""])
+
+    def parent_csv(self, path: str) -> pd.DataFrame:
+        """A table logged on the parent run itself (LookupError naming it when absent)."""
+        run_id = self.parent.info.run_id
+        try:
+            local = self.client.download_artifacts(run_id, path, str(self.folder / run_id))
+        except Exception as error:  # MLflow raises several types for a missing artifact
+            raise LookupError(f"the study run {run_id} has no artifact {path}") from error
+        return pd.read_csv(local, keep_default_na=False, na_values=[""])
 
 
 def load_study(run_id: str, uri: str, folder: Path) -> StudyRuns:
@@ -166,13 +176,27 @@ def study_comparison(study: StudyRuns) -> pd.DataFrame:
     return label_results(study.csv("compare", COMPARISON_ARTIFACT), endpoint)
 
 
+DECOMPOSITION_ARTIFACT = "synthx/decomposition.csv"
+
+
+def study_decomposition(study: StudyRuns) -> pd.DataFrame:
+    """The decomposition the study logged on its parent run (LookupError when it logged none)."""
+    return study.parent_csv(DECOMPOSITION_ARTIFACT)
+
+
 def verdict_lines(study: StudyRuns) -> list[str]:
-    """The study's verdict sentences (:func:`synthx.verdict.study_verdict`); LookupError without a comparison."""
+    """The study's verdict sentences (:func:`synthx.verdict.study_verdict`), then the decomposition's
+    (:func:`synthx.verdict.decomposition_sentences`) when the study logged one; LookupError without a comparison."""
     endpoint = PrimaryEndpoint.from_params(dict(study.parent.data.params))
-    lines = study_verdict(study_comparison(study), PRIMARY_POINT, endpoint=endpoint, name_of=study_arm_namer(study))
+    name_of = study_arm_namer(study)
+    lines = study_verdict(study_comparison(study), PRIMARY_POINT, endpoint=endpoint, name_of=name_of)
     if not lines:
         raise LookupError("the comparison holds none of the designed subgroups")
-    return lines
+    try:
+        decomposition = study_decomposition(study)
+    except LookupError:
+        return lines
+    return lines + decomposition_sentences(decomposition, name_of=name_of, point=endpoint.operating_point)
 
 
 def study_painter(study: StudyRuns) -> str:
@@ -211,7 +235,7 @@ def study_arms(study: StudyRuns) -> list[tuple[str, str]]:
     ``variant`` names the arm (``augmented`` trains ``synthx``)."""
     arms = []
     for step in study.steps:
-        if step.startswith(("evaluate", "synthx_train")) or step in ("data", "targeting", "synthesize", "compare"):
+        if step.startswith(("evaluate", "synthx_train", "synthesize")) or step in ("data", "targeting", "compare"):
             continue
         variant = study.run(step).data.tags.get("variant")
         if variant:

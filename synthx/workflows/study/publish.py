@@ -1,10 +1,12 @@
 """The study's results on its parent run: the comparison with each row's role and the primary
-endpoint, the baseline on both test sets, the command that opens the runs, and the verdict.
+endpoint, the decomposition of SynthX's difference to sham (:mod:`synthx.decomposition`), the
+baseline on both test sets, the command that opens the runs, and the verdict.
 
 Example::
 
     table = publish_comparison(runner, comparison, settings.endpoint)
-    print(verdict_text(table, settings.endpoint))
+    parts = publish_decomposition(runner, evaluations, table, settings.endpoint)
+    print(verdict_text(table, settings.endpoint, parts))
 """
 
 from __future__ import annotations
@@ -15,9 +17,17 @@ from pathlib import Path
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
+from lightning_modules.evaluation.artifacts import download_records
+from lightning_modules.evaluation.thresholds import matched_specificity_point, specificity_at
+from lightning_modules.tracking import log_metrics
+from lightning_modules.workflows.evaluate import OPERATING_POINT_METRIC
+from synthx.decomposition import COMPONENTS, decompose, detections, paired_sensitivity_rows
 from synthx.endpoint import endpoint_summary, label_results, PrimaryEndpoint
-from synthx.verdict import study_verdict
+from synthx.verdict import decomposition_sentences, study_verdict
 from synthx.workflows.study.runner import StudyRunner
+
+DECOMPOSITION_ARTIFACT = "synthx/decomposition.csv"
+DECOMPOSITION_ATTRIBUTES = ("phase",)  # the designed gaps are phases (docs/design.md "The phantom cohort")
 
 
 def publish_comparison(runner: StudyRunner, comparison: dict, endpoint: PrimaryEndpoint) -> pd.DataFrame:
@@ -66,7 +76,92 @@ def ui_command(uri: str, experiment_id: str, port: int = 5000) -> str:
             f"http://127.0.0.1:{port}/#/experiments/{experiment_id}/runs")
 
 
-def verdict_text(comparison: pd.DataFrame, endpoint: PrimaryEndpoint | None = None) -> str:
-    """The verdict sentences the study ends on (:func:`synthx.verdict.study_verdict`)."""
-    lines = study_verdict(comparison, endpoint=endpoint)
+def verdict_text(comparison: pd.DataFrame, endpoint: PrimaryEndpoint | None = None,
+                 decomposition: pd.DataFrame | None = None) -> str:
+    """The verdict sentences the study ends on (:func:`synthx.verdict.study_verdict`), then one per
+    designed subgroup of the decomposition when there is one (:func:`synthx.verdict.decomposition_sentences`)."""
+    point = (endpoint or PrimaryEndpoint()).operating_point
+    lines = study_verdict(comparison, endpoint=endpoint) + decomposition_sentences(decomposition, point=point)
     return "Verdict (test):\n" + "\n".join(f"  {line}" for line in lines) if lines else "Verdict: no designed subgroup in the comparison"
+
+
+def arm_thresholds(comparison: pd.DataFrame, point: str) -> tuple[dict[str, float], dict[tuple[str, str], tuple[float, float]]]:
+    """Each arm's own m at ``point`` (arm -> m, as the comparison used it) and each compared pair's
+    (run, reference) -> (reference's m, run's m) there."""
+    rows = comparison[comparison["operating_point"] == point].drop_duplicates(["run", "reference"])
+    own: dict[str, float] = {}
+    pairs: dict[tuple[str, str], tuple[float, float]] = {}
+    for row in rows.itertuples(index=False):
+        own.setdefault(str(row.reference), float(row.threshold_a))
+        pairs[str(row.run), str(row.reference)] = (float(row.threshold_a), float(row.threshold_b))
+        if point != "matched_specificity":  # a compared arm's matched m is the pair's, not its own
+            own.setdefault(str(row.run), float(row.threshold_b))
+    return own, pairs
+
+
+def decomposition_table(client: MlflowClient, evaluations: dict[str, dict], comparison: pd.DataFrame,
+                        endpoint: PrimaryEndpoint) -> pd.DataFrame | None:
+    """The decomposition on the test records at the endpoint's operating point, or None without a copy-paste arm.
+
+    At matched specificity each pair has its own m, as the comparison set them: the reference at
+    its validation-chosen m, the arm at the m matching the reference's validation specificity; the
+    pair the comparison does not hold (SynthX against copy-paste) is matched the same way here, on
+    the two arms' validation records. With the phantom painter (no copy-paste arm, the ``synthx``
+    arm is the phantom's) the table holds the ceiling only: phantom minus sham.
+    """
+    point, score = endpoint.operating_point, endpoint.score
+    own, pairs = arm_thresholds(comparison, point)
+    val_chosen, _ = arm_thresholds(comparison, "val_chosen")
+    arms = [arm for arm in ("sham", "copy_paste", "synthx") if arm in evaluations]
+    with tempfile.TemporaryDirectory() as folder:
+        test = {arm: download_records(client, evaluations[arm]["run_id"], "test", f"{folder}/test-{arm}") for arm in arms}
+        val = {arm: download_records(client, evaluations[arm]["run_id"], "val", f"{folder}/val-{arm}") for arm in arms}
+    if "copy_paste" not in arms:
+        if ("synthx", "sham") not in pairs:
+            return None
+        reference_m, arm_m = pairs["synthx", "sham"]
+        table = paired_sensitivity_rows(detections(test["synthx"], arm_m, score), detections(test["sham"], reference_m, score),
+                                        "phantom", "sham", DECOMPOSITION_ATTRIBUTES)
+        return table.assign(component="ceiling", threshold_reference=reference_m, threshold_arm=arm_m)
+    chosen = {}
+    for component in COMPONENTS:
+        arm, reference = component.arm, component.reference
+        if arm not in arms or reference not in arms:
+            continue
+        if point != "matched_specificity":
+            chosen[arm, reference] = (own[reference], own[arm])
+        elif (arm, reference) in pairs:
+            chosen[arm, reference] = pairs[arm, reference]
+        else:
+            fixed = client.get_run(evaluations[arm]["run_id"]).data.metrics[OPERATING_POINT_METRIC.format(name="fixed")]
+            target = specificity_at(val[reference], val_chosen[reference], score)
+            chosen[arm, reference] = (val_chosen[reference], matched_specificity_point(val[arm], target, fixed, score).threshold)
+    detected = {arm: detections(test[arm], val_chosen[arm], score) for arm in arms}
+    paired = {pair: (detections(test[pair[0]], arm_m, score), detections(test[pair[1]], reference_m, score))
+              for pair, (reference_m, arm_m) in chosen.items()}
+    table = decompose(detected, DECOMPOSITION_ATTRIBUTES, pairs=paired)
+    table["threshold_reference"] = [chosen[a, r][0] for a, r in zip(table["arm"], table["reference"])]
+    table["threshold_arm"] = [chosen[a, r][1] for a, r in zip(table["arm"], table["reference"])]
+    return table
+
+
+def publish_decomposition(runner: StudyRunner, evaluations: dict[str, dict], comparison: pd.DataFrame,
+                          endpoint: PrimaryEndpoint) -> pd.DataFrame | None:
+    """Log the decomposition (:func:`decomposition_table`) on the parent run: ``synthx/decomposition.csv``
+    and ``decomposition/<attribute>:<group>/<component>/{difference,ci_low,ci_high,p}``; print it."""
+    table = decomposition_table(runner.client, evaluations, comparison, endpoint)
+    if table is None:
+        return None
+    runner.client.log_text(runner.parent_id, table.to_csv(index=False), DECOMPOSITION_ARTIFACT)
+    metrics = {}
+    for row in table.to_dict("records"):
+        for column, name in (("difference", "difference"), ("ci_low", "ci_low"), ("ci_high", "ci_high"), ("p_value", "p")):
+            value = float(row[column])
+            if value == value:  # NaN is not logged
+                metrics[f"decomposition/{row['attribute']}:{row['group']}/{row['component']}/{name}"] = value
+    log_metrics(runner.client, runner.parent_id, metrics)
+    shown = ["component", "comparison", "attribute", "group", "positives", "arm_detected", "reference_detected",
+             "difference", "ci_low", "ci_high", "p_value"]
+    print(f"[study] the decomposition at the primary endpoint's operating point ({endpoint.operating_point}):")
+    print(table[shown].to_string(index=False))
+    return table

@@ -17,15 +17,16 @@ from lightning_modules.cohorts.phantom import PARAMS_FILE
 from lightning_modules.process import exit_on_signal, held_signals, raise_if_signalled, rerun_command, stop_code
 from lightning_modules.run_folder import RunFolderLock
 from synthx.endpoint import log_endpoint
-from synthx.painters import SYNTHX_PAINTER
+from synthx.painters import COPY_PASTE_PAINTER, SYNTHX_PAINTER
 from synthx.workflows.report import publish_study
-from synthx.workflows.study.publish import baseline_test_sets, publish_comparison, ui_command, verdict_text
+from synthx.workflows.study.publish import (baseline_test_sets, publish_comparison, publish_decomposition,
+                                            ui_command, verdict_text)
 from synthx.workflows.study.runner import open_runner, StudyRunner
-from synthx.workflows.study.settings import (arm_values, generator_recipe_of, recipe_params, segmentation_recipe,
-                                             StudySettings)
-from synthx.workflows.study.steps import (COMPARED_ARMS, compare_action, data_step, evaluate_action, generator_action,
-                                          locked_cohort_step, synthesize_action, synthetic_folder, targeting_action,
-                                          train_action)
+from synthx.workflows.study.settings import (arm_values, copy_paste_skipped, generator_recipe_of, recipe_params,
+                                             segmentation_recipe, StudySettings)
+from synthx.workflows.study.steps import (COMPARED_ARMS, compare_action, copy_paste_action, data_step, evaluate_action,
+                                          generator_action, locked_cohort_step, synthesize_action, synthetic_folder,
+                                          targeting_action, train_action)
 
 
 def _baseline_steps(runner: StudyRunner, settings: StudySettings, root: Path, split: Path) -> tuple:
@@ -51,10 +52,12 @@ def _baseline_steps(runner: StudyRunner, settings: StudySettings, root: Path, sp
 
 
 def _synthx_steps(runner: StudyRunner, settings: StudySettings, root: Path, split: Path, evaluation: dict,
-                  score: str, seed: int) -> dict:
-    """targeting, synthx_train, synthesize; returns the synthesis outputs (``cohort`` is the synthetic folder).
+                  score: str, seed: int) -> tuple[dict, dict | None]:
+    """targeting, synthesize_copy_paste, synthx_train, synthesize; returns the synthesis outputs
+    (``cohort`` is the synthetic folder) and the copy-paste synthesis' (None without a copy-paste arm).
 
-    With the phantom painter there is no generator to train: targeting, then synthesize.
+    With the phantom painter there is no generator to train and no copy-paste arm
+    (:func:`copy_paste_skipped`): targeting, then synthesize.
     """
     output_dir = Path(settings.output_dir)
     targeting_params = {"rule": settings.target, "budget": settings.budget, "baseline_evaluation": evaluation["run_id"]}
@@ -66,18 +69,30 @@ def _synthx_steps(runner: StudyRunner, settings: StudySettings, root: Path, spli
     )
     if settings.painter != SYNTHX_PAINTER:
         params = {"painter": settings.painter, "targeting": targeting["run_id"], "seed": seed}
-        return runner.step("synthesize", params,
-                           synthesize_action(runner.client, root, split, settings, None, None, targeting,
-                                             synthetic_folder(output_dir, params), seed, runner.uri))
+        synthesis = runner.step("synthesize", params,
+                                synthesize_action(runner.client, root, split, settings, None, None, targeting,
+                                                  synthetic_folder(output_dir, params), seed, runner.uri))
+        print(f"[study] no copy-paste arm: {copy_paste_skipped(settings)}")
+        return synthesis, None
     generator_recipe = generator_recipe_of(settings, root, split, runner.uri)
+    # SynthX's targets, seed and mask prior: its canvases and sites, painted with real tumors. No
+    # generator, so it runs before synthx_train and a new generator reuses it.
+    pasted = {"painter": COPY_PASTE_PAINTER, "targeting": targeting["run_id"], "seed": seed,
+              "mask_prior": recipe_params(generator_recipe)["mask_prior"]}
+    copy_paste = runner.step(
+        "synthesize_copy_paste", pasted,
+        copy_paste_action(runner.client, root, split, settings, generator_recipe, targeting,
+                          synthetic_folder(output_dir, pasted), seed, runner.uri),
+    )
     generator = runner.step("synthx_train", recipe_params(generator_recipe), generator_action(generator_recipe, output_dir))
     params = {"generator": generator["run_id"], "targeting": targeting["run_id"], "steps": settings.synthesis_steps,
               "scheduler": settings.scheduler, "seed": seed}
-    return runner.step(
-        "synthesize", params,
+    synthesis = runner.step(
+        "synthesize", {**params, "realism_against": copy_paste["run_id"]},
         synthesize_action(runner.client, root, split, settings, generator_recipe, generator, targeting,
-                          synthetic_folder(output_dir, params), seed, runner.uri),
+                          synthetic_folder(output_dir, params), seed, runner.uri, copy_paste),
     )
+    return synthesis, copy_paste
 
 
 def run_study(settings: StudySettings, parent_tags: dict[str, str] | None = None) -> pd.DataFrame:
@@ -131,25 +146,29 @@ def _run_study(settings: StudySettings, parent_tags: dict[str, str] | None, stop
         log_endpoint(runner.client, runner.parent_id, settings.endpoint)
         output_dir = Path(settings.output_dir)
         _, baseline, baseline_evaluation, locked = _baseline_steps(runner, settings, root, split)
-        synthesis = _synthx_steps(runner, settings, root, split, baseline_evaluation, str(base.detection.score),
-                                  int(base.seed))
+        synthesis, copy_paste = _synthx_steps(runner, settings, root, split, baseline_evaluation,
+                                              str(base.detection.score), int(base.seed))
         trained, extras = {"baseline": baseline}, {"baseline": arm_values(settings, "baseline")}
-        for arm, step in (("sham", "sham"), ("synthx", "augmented")):
-            extras[arm] = arm_values(settings, arm, synthesis["cohort"])
+        # The copy-paste arm: SynthX's recipe variant with the copy-paste cohort (same ratio, steps, schedule).
+        arms = [("sham", "sham", synthesis), ("synthx", "augmented", synthesis)]
+        arms += [("copy_paste", "copy_paste", copy_paste)] if copy_paste else []
+        for arm, step, cohort in arms:
+            extras[arm] = arm_values(settings, arm, cohort["cohort"])
             recipe = segmentation_recipe(settings, extras[arm])
-            trained[arm] = runner.step(step, {**recipe_params(recipe), "synthesis_run": synthesis["run_id"]},
+            trained[arm] = runner.step(step, {**recipe_params(recipe), "synthesis_run": cohort["run_id"]},
                                        train_action(recipe, arm, output_dir))
         evaluations = {"baseline": baseline_evaluation}
         if locked:
             evaluations["baseline"] = _evaluate_arm(runner, settings, "evaluate_locked_baseline", "baseline",
                                                     baseline, extras["baseline"], locked)
-        for arm in ("sham", "synthx"):
+        for arm, _, _ in arms:
             evaluations[arm] = _evaluate_arm(runner, settings, f"evaluate_{arm}", arm, trained[arm], extras[arm], locked)
         comparison = runner.step(
-            "compare", {"runs": [evaluations[arm]["run_id"] for arm in COMPARED_ARMS]},
+            "compare", {"runs": [evaluations[arm]["run_id"] for arm in COMPARED_ARMS if arm in evaluations]},
             compare_action(evaluations, runner.uri, settings.experiment, int(base.detection.bootstrap_resamples)),
         )
         table = publish_comparison(runner, comparison, settings.endpoint)
+        decomposition = publish_decomposition(runner, evaluations, table, settings.endpoint)
         if locked:
             side_by_side = baseline_test_sets(runner.client, baseline_evaluation["run_id"], evaluations["baseline"]["run_id"])
             runner.client.log_text(runner.parent_id, side_by_side.to_csv(index=False), "study/baseline_test_sets.csv")
@@ -173,5 +192,5 @@ def _run_study(settings: StudySettings, parent_tags: dict[str, str] | None, stop
         raise
     print(f"[study] parent run {runner.parent_id} in experiment '{settings.experiment}' ({runner.uri})")
     print(f"[study] MLflow UI: {ui_command(runner.uri, runner.experiment_id)}")
-    print(verdict_text(table, settings.endpoint))
+    print(verdict_text(table, settings.endpoint, decomposition))
     return table

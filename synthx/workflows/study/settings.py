@@ -25,10 +25,16 @@ from lightning_modules.data.metadata import normalize_phase, PHASES
 from lightning_modules.recipe import load_recipe, recipe_variant
 from synthx.config import load_synthx_recipe
 from synthx.endpoint import PrimaryEndpoint
-from synthx.painters import PAINTERS, PHANTOM_PAINTER, SYNTHX_PAINTER
+from synthx.painters import COPY_PASTE_PAINTER, PAINTERS, PHANTOM_PAINTER, SYNTHX_PAINTER
 
-STEPS = ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting", "synthx_train", "synthesize", "sham",
-         "augmented", "evaluate_locked_baseline", "evaluate_sham", "evaluate_synthx", "compare")
+STEPS = ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting", "synthesize_copy_paste", "synthx_train",
+         "synthesize", "sham", "augmented", "copy_paste", "evaluate_locked_baseline", "evaluate_sham", "evaluate_synthx",
+         "evaluate_copy_paste", "compare")
+# The steps of the copy-paste arm: none with the phantom painter (:func:`copy_paste_skipped`).
+COPY_PASTE_STEPS = ("synthesize_copy_paste", "copy_paste", "evaluate_copy_paste")
+COPY_PASTE_REFUSAL = (f"--painter {COPY_PASTE_PAINTER}: every SynthX study already trains a copy-paste arm (steps "
+                      f"{', '.join(COPY_PASTE_STEPS)}) beside the SynthX arm, on the same targets, canvases and sites; "
+                      "run the study with --painter synthx and read its arm 'copy-paste'")
 TARGETS_ARTIFACT = "synthx/targets.csv"
 # The locked cohort's size: the positive control's effect on arterial sensitivity detectable with 80%
 # power (``python -m synthx.power``, docs/design.md "The locked test cohort").
@@ -86,6 +92,8 @@ class StudySettings:
             self.target_phases = sorted(set(phases), key=PHASES.index)
         if self.painter not in PAINTERS:
             raise ValueError(f"unknown painter {self.painter!r} (expected one of {', '.join(PAINTERS)})")
+        if self.painter == COPY_PASTE_PAINTER:
+            raise ValueError(COPY_PASTE_REFUSAL)
         if self.painter == PHANTOM_PAINTER:
             unused = [name for name, value in (
                 ("--synthx-override", self.synthx_overrides), ("--synthesis-steps", self.synthesis_steps),
@@ -95,6 +103,19 @@ class StudySettings:
             if unused:
                 raise ValueError(f"--painter phantom trains and samples no generator, so {', '.join(unused)} would be "
                                  "ignored; drop it or use --painter synthx")
+
+
+def copy_paste_skipped(settings: StudySettings) -> str | None:
+    """Why the study trains no copy-paste arm, or None when it does (every SynthX study does).
+
+    The copy-paste arm pastes real tumors at the sites SynthX's mask prior draws; the phantom
+    painter (the positive control) plans its own sites, so a copy-paste arm there would differ from
+    the painted arm in placement as well as content and decompose nothing.
+    """
+    if settings.painter == PHANTOM_PAINTER:
+        return ("the positive control's tumors sit at sites the phantom plans, not at the sites SynthX's mask prior "
+                "draws, so a copy-paste arm would not isolate content; the copy-paste arm runs in the SynthX study")
+    return None
 
 
 def segmentation_recipe(settings: StudySettings, *variants: Mapping):
@@ -142,7 +163,8 @@ def arm_values(settings: StudySettings, arm: str, cohort: str | None = None) -> 
     """The recipe values of an arm on the exposure-matched schedule (``docs/design.md "Arms with equal real exposure"``).
 
     The recipe's ``trainer.max_steps`` (with the study's overrides) are the real steps S of every
-    arm; the sham and SynthX arms train S x (1 + r) steps, their extra draws being synthetic slots.
+    arm; the sham, SynthX and copy-paste arms train S x (1 + r) steps, their extra draws being
+    synthetic slots (the copy-paste arm's variant is SynthX's with the copy-paste cohort).
     """
     real_steps = int(segmentation_recipe(settings).trainer.max_steps)
     if arm == "baseline":

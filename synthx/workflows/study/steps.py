@@ -33,6 +33,7 @@ from lightning_modules.workflows.evaluate import compare, evaluate, OPERATING_PO
 from lightning_modules.workflows.train import recipe_fingerprint, train
 from synthx.generation import SynthesisSettings, synthesize
 from synthx.generation.canvases import GenerationError
+from synthx.painters import COPY_PASTE_PAINTER
 from synthx.targeting import resolve_targets
 from synthx.training import recipe_key, train_synthx
 from synthx.workflows.study.runner import cohort_lock
@@ -211,8 +212,11 @@ def generator_action(generator_recipe, output_dir: Path) -> Callable[[dict], dic
 
 
 def synthesize_action(client: MlflowClient, root: Path, split: Path, settings: StudySettings, generator_recipe,
-                      generator: dict | None, targeting: dict, synthetic_root: Path, seed: int, uri: str) -> Callable[[dict], dict]:
-    """The action of the synthesis step: paint the targeted cases into matching healthy training scans.
+                      generator: dict | None, targeting: dict, synthetic_root: Path, seed: int, uri: str,
+                      copy_paste: dict | None = None) -> Callable[[dict], dict]:
+    """The action of the synthesis step: paint the targeted cases into matching healthy training scans,
+    then log their realism against the real training tumors (:func:`log_realism`), beside the
+    copy-paste cohort's when ``copy_paste`` (the copy-paste step's outputs) is given.
 
     With SynthX, sampling (scheduler, steps, guidance) and the mask prior come from the SynthX recipe;
     the study's ``synthesis_steps`` and ``scheduler`` replace the recipe's only when set. With the
@@ -241,24 +245,64 @@ def synthesize_action(client: MlflowClient, root: Path, split: Path, settings: S
                 f"unfillable (no healthy training scan of that sex, age band and phase: {shown}); "
                 "choose another rule with --target (e.g. need:B with a larger B, or counts:<table>)"
             )
+        log_realism(client, summary.synthesis_run_id, root, split, synthetic_root,
+                    copy_paste["cohort"] if copy_paste else None, seed)
         return {"run_id": summary.synthesis_run_id, "cohort": str(synthetic_root),
                 "cases": len(summary.generated) + len(summary.skipped)}
 
     return action
 
 
-COMPARED_ARMS = ("sham", "synthx", "baseline")  # the sham arm first: the reference of both comparisons
+def log_realism(client: MlflowClient, run_id: str, root: Path, split: Path, synthetic_root: Path,
+                copy_paste_root: str | None, seed: int) -> None:
+    """The painted tumors against the real training tumors (:func:`synthx.quality.quality_report`,
+    radiomic realism only, no detector features), logged on ``run_id`` under ``synthx_quality/``
+    (``synthx_quality/realism.csv``: per phase, real against ``synthetic`` and ``copy_paste``)."""
+    from synthx.commands.synthx_quality import log_quality
+    from synthx.quality import quality_report
+
+    report = quality_report(root, split, synthetic_root, seed=seed, copy_paste_root=copy_paste_root)
+    log_quality(report, run_id, client=client)
+
+
+def copy_paste_action(client: MlflowClient, root: Path, split: Path, settings: StudySettings, generator_recipe,
+                      targeting: dict, synthetic_root: Path, seed: int, uri: str) -> Callable[[dict], dict]:
+    """The action of the copy-paste synthesis step: real training tumors pasted at SynthX's sites.
+
+    The same targets, seed and mask prior (the SynthX recipe's ``mask_prior``) as the ``synthesize``
+    step give the same canvases, sites and sizes (:mod:`synthx.generation.copy_paste`); no generator
+    is trained or loaded, so the step needs neither ``synthx_train`` nor ``synthesize``.
+    """
+
+    def action(tags: dict) -> dict:
+        common = dict(seed=seed, tracking_uri=uri, experiment=settings.experiment, progress=sys.stderr.isatty())
+        synthesis = SynthesisSettings.from_recipe(generator_recipe, root, split, None, synthetic_root,
+                                                  painter=COPY_PASTE_PAINTER, **common)
+        summary = synthesize(synthesis, read_targets(client, targeting["run_id"]))
+        if not summary.complete:
+            raise RuntimeError(f"copy-paste synthesis incomplete: {len(summary.failed)} failed: {summary.failed}")
+        cases = len(summary.generated) + len(summary.skipped)
+        if not cases:
+            raise GenerationError("the copy-paste painter made no case: every targeted cell is unfillable")
+        return {"run_id": summary.synthesis_run_id, "cohort": str(synthetic_root), "cases": cases}
+
+    return action
+
+
+# The sham arm first: the reference of every comparison (SynthX, copy-paste and the baseline minus sham).
+COMPARED_ARMS = ("sham", "synthx", "copy_paste", "baseline")
 
 
 def compare_action(evaluations: dict[str, dict], uri: str, experiment: str, resamples: int) -> Callable[[dict], dict]:
     """The action of the comparison step: paired bootstrap differences against the sham arm, on test.
 
-    One table: rows of run ``synthx`` are SynthX minus sham, rows of run ``baseline`` baseline minus
-    sham (:data:`COMPARED_ARMS`).
+    One table: rows of run ``synthx`` are SynthX minus sham, rows of run ``copy_paste`` copy-paste
+    minus sham, rows of run ``baseline`` baseline minus sham (:data:`COMPARED_ARMS`; an arm the study
+    did not train, the copy-paste arm of the positive control, is left out).
     """
 
     def action(tags: dict) -> dict:
-        runs = [evaluations[arm]["run_id"] for arm in COMPARED_ARMS]
+        runs = [evaluations[arm]["run_id"] for arm in COMPARED_ARMS if arm in evaluations]
         try:
             _, run_id = compare(runs, "test", uri=uri, experiment=experiment, n_resamples=resamples)
         except BaseException as error:
