@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scans", type=int, default=85_355, help="scans in the evaluation (BenchX: 85,355)")
     parser.add_argument("--patients", type=int, default=60_000, help="distinct patients")
-    parser.add_argument("--resamples", type=int, default=2_000, help='bootstrap resamples (docs/design.md "Confidence intervals and comparisons": 2,000)')
+    parser.add_argument("--resamples", type=int, default=2_000, help='bootstrap resamples (docs/explanation/detection-and-statistics.md "Confidence intervals and comparisons": 2,000)')
     parser.add_argument("--loop-resamples", type=int, default=3, help="resamples the scikit-learn loop runs")
     parser.add_argument("--threshold", type=float, default=50.0, help="detection threshold m (mm^3)")
     parser.add_argument("--models", type=int, default=12, help="models compared with one baseline (BenchX: 12)")

@@ -8,7 +8,7 @@ subgroups, thresholds, small-count statistics, the bootstrap and seed pooling) a
 ``recipe`` loads a whole recipe and has each layer check its section. Above them: ``tracking`` (the
 MLflow adapter, pyfunc serving and the registry's operating point), ``workflows`` (train, evaluate,
 operating points, the comparison table, training overlap), ``trainer``, and ``commands`` with
-``cli`` (argparse for ``benchx``). The base never imports :mod:`synthx` (docs/design.md
+``cli`` (argparse for ``benchx``). The base never imports :mod:`synthx` (docs/explanation/architecture.md
 "Layering"): a synthetic cohort is just a cohort on disk with ``synthetic=1`` rows.
 
 Importing the package pins torch's CPU arithmetic to one path (:mod:`lightning_modules.config.numerics`).

@@ -4,7 +4,7 @@ Each subcommand is a module-level ``main(argv) -> int`` with its own argparse pa
 ``benchx train --help`` imports only what training needs. The commands come from command tables:
 the base's own (:mod:`lightning_modules.commands`) and one per installed package that declares one
 in the entry-point group ``benchx.commands`` (SynthX does, in ``pyproject.toml``). The base names
-none of another package's commands or errors (docs/design.md "Layering").
+none of another package's commands or errors (docs/explanation/architecture.md "Layering").
 
 Errors a user can fix (a mistyped recipe key, a broken cohort, a leaking split, a missing run, ...)
 are caught here, in one place, and printed as a short message with exit code 2; ``--debug`` (anywhere

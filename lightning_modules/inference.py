@@ -6,7 +6,7 @@ back through the inverse of every preprocessing step (MONAI ``Invertd``), so the
 the CT's exact shape and affine. For each scan it writes ``<out>/<case_id>/prediction.nii.gz``
 (integer labels in recipe class order) and ``<out>/<case_id>/segmentations/<class>.nii.gz``, and
 reports the predicted tumor volume in mm^3, the scan-level score of
-docs/design.md "Scan-level detection". A file that cannot be read (e.g. a truncated ``.nii.gz``) or
+docs/explanation/detection-and-statistics.md "Scan-level detection". A file that cannot be read (e.g. a truncated ``.nii.gz``) or
 that holds NaN or infinite voxels (which the network would turn into an empty mask, a silent
 0 mm^3) is named, skipped and listed in the summary; the other scans are still predicted. Inputs
 whose outputs would land in one folder (``x.nii.gz`` and ``x.nii``) and an ``--out`` that is a file
@@ -203,7 +203,7 @@ class PredictionSummary:
 
 
 def decision(score: float, threshold_mm3: float) -> str:
-    """docs/design.md "Scan-level detection": positive when the predicted tumor volume exceeds m."""
+    """docs/explanation/detection-and-statistics.md "Scan-level detection": positive when the predicted tumor volume exceeds m."""
     return POSITIVE if score > threshold_mm3 else NEGATIVE
 
 

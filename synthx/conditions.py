@@ -4,7 +4,7 @@ sampling schedulers a recipe may name (:mod:`synthx.schedulers` builds them)."""
 
 from __future__ import annotations
 
-# The AbdomenAtlas mask files (docs/design.md "Cohorts on disk") that make up each organ, and the organ of each lesion class.
+# The AbdomenAtlas mask files (docs/explanation/data.md "Cohorts on disk") that make up each organ, and the organ of each lesion class.
 ORGAN_CLASSES: dict[str, tuple[str, ...]] = {
     "pancreas": ("pancreas",),
     "liver": ("liver",),

@@ -1,5 +1,5 @@
 """Where SynthX's shortfall comes from: its canvases and placement, or its generated content
-(docs/design.md "The copy-paste arm and the decomposition").
+(docs/explanation/synthx.md "The copy-paste arm and the decomposition").
 
 Four arms train on the same schedule and are tested on the same tumors: ``sham`` (each synthetic
 slot filled by a real training tumor case of the slot's cell), ``copy_paste`` (that kind of real

@@ -1,4 +1,4 @@
-"""The study's pre-specified primary endpoint and the roles of its other results (docs/design.md
+"""The study's pre-specified primary endpoint and the roles of its other results (docs/explanation/study.md
 "The primary endpoint").
 
 The endpoint is fixed before any training: the study logs it on its parent run first
@@ -14,7 +14,7 @@ and the report's tables) shows one interval for it, :func:`shown_interval`: Newc
 proportion, else the paired bootstrap's. :func:`family_mark` is the significance mark of a row:
 ``**`` significant after its family's Holm, ``*`` significant by its own test only, ``~`` the test
 rejects below the support rule, none when the shown interval spans 0
-(docs/design.md "Reading the verdict").
+(docs/explanation/detection-and-statistics.md "Reading the verdict").
 
 The endpoint has versions (:data:`ENDPOINT_VERSIONS`). Version 2, the default, judges the
 subgroup's sensitivity at ``subgroup_matched_specificity``: each arm's m is matched on validation
@@ -54,7 +54,7 @@ def shown_interval(row) -> tuple[str, float, float]:
     [0, 0] at 0 of 11), else the paired bootstrap's. A sensitivity or specificity row keeps
     Newcombe's name even where it is undefined (no scan to judge), so one column of a table holds
     one kind of interval; a row without a metric is judged by the interval it carries
-    (docs/design.md "Confidence intervals and comparisons"). The other intervals stay in the CSV."""
+    (docs/explanation/detection-and-statistics.md "Confidence intervals and comparisons"). The other intervals stay in the CSV."""
     low, high = row.get("newcombe_low"), row.get("newcombe_high")
     if low is not None and high is not None:
         metric = row.get("metric")
@@ -105,7 +105,7 @@ class PrimaryEndpoint:
     reference: str = "sham"
     metric: str = "sensitivity"
     attribute: str = "phase"
-    group: str = "arterial"  # the phantom's scarcity gap (docs/design.md "The phantom cohort")
+    group: str = "arterial"  # the phantom's scarcity gap (docs/explanation/data.md "The phantom cohort")
     operating_point: str = SUBGROUP_POINT
     score: str = "volume"
     test_set: str = "locked"

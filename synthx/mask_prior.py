@@ -8,7 +8,7 @@ centred at a random organ location where it fits.
 
 Size classes are ranges of the largest 3D extent in mm, and the extent is measured by
 :func:`lightning_modules.data.lesions.largest_extent_mm`, the one size rule of the project (see
-``docs/design.md "Lesion size and location"``); every returned mask has it inside its class. How
+``docs/explanation/data.md "Lesion size and location"``); every returned mask has it inside its class. How
 often each class is drawn is the recipe's ``mask_prior.size_class_weights``; by default
 (:func:`size_class_weights`) the classes come in proportion to the real training tumors, so the
 synthetic tumors are as large as the ones they stand beside.

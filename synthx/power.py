@@ -1,4 +1,4 @@
-"""How large the locked test cohort must be, and what the study can detect on it (docs/design.md
+"""How large the locked test cohort must be, and what the study can detect on it (docs/explanation/study.md
 "The locked test cohort").
 
 The primary endpoint is the paired difference in arterial sensitivity, SynthX minus sham, on the

@@ -6,7 +6,7 @@ the split file it was trained on, its MLflow run and its condition dropout. Gene
 back and refuses a generator that learned from any case that is not a real TRAINING case of the
 split in use, naming the first such case: a generator trained on another split or fold could
 otherwise paint tumors it memorized from this split's validation or test patients into training
-scans (docs/design.md "Synthetic data"). A generator trained on a different split file is accepted
+scans (docs/explanation/synthx.md "Synthetic data"). A generator trained on a different split file is accepted
 only when every case it learned from is a training case here; without a case list the split
 hashes must agree; a pipeline without a provenance file is refused. Generation copies the file
 into the synthetic cohort, where mixing, the audit and evaluation check it again against the split

@@ -1,7 +1,7 @@
 """Realism of synthetic tumors per phase: radiomic features, two-sample tests with intervals, a quality filter.
 
 Pure functions over (CT in HU, tumor mask, organ mask, spacing); no MLflow (the quality command logs
-the tables). docs/design.md "Synthetic data" describes how they are read.
+the tables). docs/explanation/synthx.md "Synthetic data" describes how they are read.
 
 Per tumor (:func:`realism_features`):
 

@@ -1,7 +1,7 @@
 """How many synthetic tumors SynthX should make per (sex, age band, phase) cell.
 
 The allocation starts from the TRAINING split's positive (tumor) real cases, counted per cell of
-the grid sex x age band x phase (the subgroups of docs/design.md "Subgroups"). A case whose sex,
+the grid sex x age band x phase (the subgroups of docs/explanation/detection-and-statistics.md "Subgroups"). A case whose sex,
 age or phase is Unknown belongs to no cell: Unknown is a value, never a guess, so it is neither
 counted nor requested. No rule reads the test split. The rules:
 

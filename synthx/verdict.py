@@ -4,7 +4,7 @@ The sentences open the HTML report, the Markdown results page, the last lines of
 the description of the study's parent run. They are built from the comparison table alone (the
 ``compare`` step's ``comparison/test_comparison.csv``), whatever arms it holds: the baseline is the
 reference every other arm (``run`` column) was compared with; a ``sham`` arm, when the study has
-one, is the control SynthX is judged against (docs/design.md "Reading the verdict").
+one, is the control SynthX is judged against (docs/explanation/detection-and-statistics.md "Reading the verdict").
 
 Outcome of a gap or endpoint, SynthX minus its control, decided by one rule: the test that decides
 significance in the comparison (``p_value``: the exact McNemar test for sensitivity):
@@ -211,7 +211,7 @@ def arm_contrast(rows: pd.DataFrame, arms: Sequence[str]) -> Contrast | None:
 
 
 def designed_gap_subgroups() -> list[tuple[str, str, str]]:
-    """(label, attribute, group) of the phantom's designed gaps (docs/design.md "The phantom cohort")."""
+    """(label, attribute, group) of the phantom's designed gaps (docs/explanation/data.md "The phantom cohort")."""
     from lightning_modules.cohorts.phantom import designed_gaps
 
     gaps = designed_gaps()

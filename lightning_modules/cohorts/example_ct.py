@@ -13,7 +13,7 @@ layout A as case ``TS_EXAMPLE`` of cohort ``totalsegmentator-example``:
   numbering): a model's prediction, not a manual reference. The nine AbdomenAtlas organs are
   imported (liver, pancreas, spleen, stomach, kidneys, aorta, postcava, gall_bladder).
 - It has organ labels but no pancreatic lesion, and TotalSegmentator does not annotate lesions:
-  under the cohort convention (``docs/design.md "Cohorts on disk"``) the missing ``pancreatic_lesion`` file reads as "no lesion", so the case
+  under the cohort convention (``docs/explanation/data.md "Cohorts on disk"``) the missing ``pancreatic_lesion`` file reads as "no lesion", so the case
   counts as tumor-negative by the cohort convention, not by a finding. Demographics and phase are
   Unknown (the sdist records none).
 

@@ -19,7 +19,7 @@ from lightning_modules.commands.common import CommandParser
 DESCRIPTION = (
     "Compare evaluation runs on the same evaluation set with the first (the baseline): per subgroup the "
     "difference with its paired bootstrap CI at the fixed m, at the m chosen on validation and at matched "
-    "specificity (docs/design.md \"Confidence intervals and comparisons\"). An evaluation run made with "
+    "specificity (docs/explanation/detection-and-statistics.md \"Confidence intervals and comparisons\"). An evaluation run made with "
     "--allow-training-overlap (tag training_overlap_override) is refused: its evaluation set holds cases the "
     "model learned from; so is one evaluated without that check (training_overlap_check unavailable: a checkpoint "
     "that records no training cases, evaluated without its training run), with no override: evaluate the model "
@@ -35,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--resamples", type=int, default=2000)
     parser.add_argument("--score", default="volume", choices=["volume", "localized_volume", "max_prob"],
                         help="scan score: predicted tumor volume, or only the components that overlap the "
-                             "lesion (docs/design.md \"Scan-level detection\")")
+                             "lesion (docs/explanation/detection-and-statistics.md \"Scan-level detection\")")
     return parser
 
 

@@ -22,7 +22,7 @@ from lightning_modules.commands.common import CommandParser, add_model_source_ar
 DESCRIPTION = (
     "Evaluate a trained model on a cohort + split into a new MLflow run linked to its training run: "
     "subgroup detection metrics with bootstrap CIs at the fixed m, at the m chosen on validation and at the "
-    "recipe's rule (docs/design.md \"Scan-level detection\"). Refuses val/test cases that are training cases "
+    "recipe's rule (docs/explanation/detection-and-statistics.md \"Scan-level detection\"). Refuses val/test cases that are training cases "
     "of the model or share a patient with them."
 )
 

@@ -4,7 +4,7 @@ A configuration is OmegaConf YAML merged onto a structured dataclass schema in s
 mistyped key is an error rather than a silent no-op. Layers, later ones win: schema defaults ->
 ``_base.yaml`` from the recipe's folder (when ``base``) -> the recipe file -> its selected profile
 (``profiles.<name>``, e.g. ``cpu``) -> command-line ``key=value`` overrides. See
-``docs/design.md "Layering"``.
+``docs/explanation/architecture.md "Layering"``.
 
 The segmentation schema lives in :mod:`lightning_modules.config.recipe`; SynthX passes its own
 schema and checker.

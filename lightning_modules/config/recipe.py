@@ -10,7 +10,7 @@ The recipe is loaded (and each layer's own checks run, once) by :mod:`lightning_
 the layers are merged by :mod:`lightning_modules.config.loader` (shared with SynthX): schema
 defaults -> ``recipes/_base.yaml`` -> the backbone's recipe -> the recipe's profile
 (``profiles.<name>``, e.g. ``cpu``) -> command-line ``key=value`` overrides. The top level of a
-recipe is the full-size setting (``docs/design.md "Touchstone hyper-parameters"``, BenchX tables 7
+recipe is the full-size setting (``docs/explanation/training.md "Touchstone hyper-parameters"``, BenchX tables 7
 and 8); ``profiles.cpu`` shrinks it for this machine and the tests.
 
 Example::
@@ -63,7 +63,7 @@ class CTIntensityConfig:
 class DataConfig:
     root: str = "data/phantom"
     split: str = "splits/phantom.csv"
-    # Classes trained on, in label order after background (docs/design.md "Cohorts on disk").
+    # Classes trained on, in label order after background (docs/explanation/data.md "Cohorts on disk").
     classes: list[str] = field(default_factory=lambda: ["pancreas", "pancreatic_lesion"])
     tumor_class: str = "pancreatic_lesion"
     spacing: list[float] = field(default_factory=lambda: [1.5, 1.5, 1.5])
@@ -145,7 +145,7 @@ class TrainerConfig:
 
 @dataclass
 class DetectionConfig:
-    # docs/design.md "Scan-level detection": a scan is positive when its predicted tumor volume exceeds m (mm^3).
+    # docs/explanation/detection-and-statistics.md "Scan-level detection": a scan is positive when its predicted tumor volume exceeds m (mm^3).
     threshold_mm3: float = 50.0
     # fixed | f1 | youden: 'f1'/'youden' choose m on the validation split, then apply it to test.
     threshold_rule: ThresholdRule = ThresholdRule.fixed

@@ -1,6 +1,6 @@
 """A cohort on disk in AbdomenAtlas layout: reading both layouts, writing layout A.
 
-See ``docs/design.md "Cohorts on disk"``.
+See ``docs/explanation/data.md "Cohorts on disk"``.
 
 Layout A (AbdomenAtlas 1.x): ``<root>/<case_id>/ct.nii.gz`` and ``<root>/<case_id>/segmentations/<class>.nii.gz``.
 Layout B (2.0 / 3.0): ``<root>/{ct|image_only}/<case_id>/ct.nii.gz`` and
@@ -33,7 +33,7 @@ import pandas as pd
 from lightning_modules.data.metadata import METADATA_FILE, MetadataReadError, normalize_metadata, read_metadata_csv
 from lightning_modules.data.problems import Problem
 
-# The AbdomenAtlas organ classes this framework knows (docs/design.md "Cohorts on disk").
+# The AbdomenAtlas organ classes this framework knows (docs/explanation/data.md "Cohorts on disk").
 ORGAN_CLASSES = (
     "aorta",
     "gall_bladder",

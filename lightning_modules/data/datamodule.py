@@ -79,7 +79,7 @@ class LoadLabelMapd(MapTransform):
     Label k is the k-th recipe class; classes later in the list override earlier ones, and lesion
     classes are applied after organs, so a lesion inside its organ keeps its lesion label. A
     missing lesion file means "no lesion"; a missing organ file is an error naming the case and file.
-    The label map gets the image's affine (masks live on the CT grid, docs/design.md "Cohorts on disk").
+    The label map gets the image's affine (masks live on the CT grid, docs/explanation/data.md "Cohorts on disk").
     """
 
     def __init__(self, classes: Sequence[str], image_key: str = "image", label_key: str = "label"):

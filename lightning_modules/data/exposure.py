@@ -1,4 +1,4 @@
-"""Exposure-matched training schedules: every arm of a study sees the same real draws (docs/design.md
+"""Exposure-matched training schedules: every arm of a study sees the same real draws (docs/explanation/synthx.md
 "Arms with equal real exposure").
 
 A schedule is set by the real steps S (``synthx.real_steps``) and the synthesis ratio r

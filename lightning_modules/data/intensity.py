@@ -1,6 +1,6 @@
 """How CT intensities reach the network: Touchstone's HU window, or nnU-Net's CT normalisation.
 
-``data.normalization`` chooses (docs/design.md "Intensity normalisation"):
+``data.normalization`` chooses (docs/explanation/data.md "Intensity normalisation"):
 
 - ``window`` (default, BenchX/Touchstone): HU clipped to ``data.hu_window`` and scaled to [0, 1].
 - ``ct`` (nnU-Net's ``CTNormalization``): HU clipped to the 0.5th and 99.5th percentiles of the

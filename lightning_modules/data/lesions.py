@@ -2,7 +2,7 @@
 
 Every part of the project that needs a tumor's size or where it sits in the pancreas calls these
 functions: the per-case evaluation records, the ``tumor_size`` subgroup of the detection metrics,
-and SynthX's mask prior and generation. See ``docs/design.md "Lesion size and location"``.
+and SynthX's mask prior and generation. See ``docs/explanation/data.md "Lesion size and location"``.
 
 Size. A lesion's size is its largest 3D extent: the largest distance between the centres of two of
 its voxels, in mm (:func:`largest_extent_mm`; the farthest pair lies on the convex hull, so only

@@ -1,4 +1,4 @@
-"""Cohort metadata: the columns of ``metadata.csv`` and their normalization (``docs/design.md "Cohorts on disk"``).
+"""Cohort metadata: the columns of ``metadata.csv`` and their normalization (``docs/explanation/data.md "Cohorts on disk"``).
 
 Everything that reads subgroup attributes (the data layer, evaluation, SynthX targeting) goes
 through :func:`normalize_metadata`, so that ``female``, ``F`` and ``f`` are one group and
@@ -31,7 +31,7 @@ METADATA_FILE = "metadata.csv"
 
 SEXES = ("F", "M")
 PHASES = ("non-contrast", "arterial", "venous", "delayed")
-# docs/design.md "Subgroups": lower bound exclusive, upper bound inclusive.
+# docs/explanation/detection-and-statistics.md "Subgroups": lower bound exclusive, upper bound inclusive.
 AGE_BANDS: tuple[tuple[str, float, float], ...] = (
     ("le20", -math.inf, 20.0),
     ("20-40", 20.0, 40.0),
@@ -173,7 +173,7 @@ def normalize_age(value) -> float:
 
 
 def age_band(age: float) -> str:
-    """The BenchX age band of an age in years (``docs/design.md "Subgroups"``), ``Unknown`` for NaN."""
+    """The BenchX age band of an age in years (``docs/explanation/detection-and-statistics.md "Subgroups"``), ``Unknown`` for NaN."""
     if age is None or (isinstance(age, float) and math.isnan(age)):
         return UNKNOWN
     for name, low, high in AGE_BANDS:

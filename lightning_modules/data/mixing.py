@@ -1,4 +1,4 @@
-"""Mixing a synthetic cohort into training at a synthesis ratio r (docs/design.md "Synthetic data").
+"""Mixing a synthetic cohort into training at a synthesis ratio r (docs/explanation/synthx.md "Synthetic data").
 
 A synthetic cohort is just a cohort on disk whose rows have ``synthetic=1`` (written by
 ``benchx synthesize``); mixing it in needs nothing from the generator. Two modes (``synthx.mode``):

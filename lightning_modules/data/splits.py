@@ -1,4 +1,4 @@
-"""Patient-disjoint train/val/test splits, written once and then only read (``docs/design.md "Split files"``).
+"""Patient-disjoint train/val/test splits, written once and then only read (``docs/explanation/data.md "Split files"``).
 
 A split file ``splits/<cohort>.csv`` has columns ``case_id,patient_id,split``. :func:`make_splits`
 assigns whole patients (every scan of a patient lands in one split) and balances tumor x phase
@@ -299,7 +299,7 @@ def write_split(table: pd.DataFrame, path: Path | str, force: bool = False) -> P
 
 
 def split_sha256(path: Path | str) -> str:
-    """The sha256 of a split file, which identifies it in MLflow (``docs/design.md "Split files"``)."""
+    """The sha256 of a split file, which identifies it in MLflow (``docs/explanation/data.md "Split files"``)."""
     return file_sha256(path)
 
 

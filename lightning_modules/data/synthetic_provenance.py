@@ -5,7 +5,7 @@ a synthetic cohort carries its generator's provenance (``synthx_provenance.json`
 the generator learned from, the sha256 of the split file it was trained on, its MLflow run), and
 wherever the cohort is used -- mixed into training, audited, behind a model being evaluated --
 every case the generator learned from must be a real training case of the split in use; the first
-one that is not is named (docs/design.md "Synthetic data"). Checking the canvases alone is not
+one that is not is named (docs/explanation/synthx.md "Synthetic data"). Checking the canvases alone is not
 enough: under a new split, canvases that are all training cases can come from a generator that
 learned from that split's validation or test cases.
 

@@ -8,7 +8,7 @@ present (a missing lesion file means "no lesion"), the CT's geometry (a singular
 slice spacing) and every file's declared size (checked on the header, before any voxel is read), and the ``tumor`` column agreeing with the
 lesion mask (any non-zero voxel is lesion, as :meth:`Cohort.resolve_tumor_labels` reads it, so a
 0/255 mask is reported once, as not binary). Training calls :func:`raise_if_invalid` first and
-refuses a broken cohort. See ``docs/design.md "Cohorts on disk"``.
+refuses a broken cohort. See ``docs/explanation/data.md "Cohorts on disk"``.
 
 Run::
 

@@ -4,7 +4,7 @@ Pure metrics (``records``, ``detection``, ``thresholds``, ``subgroups``, ``boots
 ``subgroup_intervals``, ``paired_comparison``, ``multiplicity``, ``small_counts``, ``seed_pooling``,
 ``metric_keys``), the thin Lightning adapter (``callback``),
 what an evaluation leaves in its run, read back through a given client (``artifacts``), and figures
-(``figures``); see docs/design.md "Scan-level detection".
+(``figures``); see docs/explanation/detection-and-statistics.md "Scan-level detection".
 The evaluate and compare runs are :mod:`lightning_modules.workflows.evaluate`; the training-time
 Dice of the SegmentationModule is :mod:`lightning_modules.models.segmentation_metrics`.
 """

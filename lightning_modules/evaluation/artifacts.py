@@ -1,5 +1,5 @@
 """What an evaluation leaves in its MLflow run, and reading it back: per-case records, subgroup
-tables, figures (docs/design.md "MLflow runs and keys").
+tables, figures (docs/explanation/architecture.md "MLflow runs and keys").
 
 Artifacts of stage ``<stage>`` (``val``, ``test``; an operating point adds ``_<point>``, e.g.
 ``test_fixed``): ``evaluation/<stage>_records.csv``, ``evaluation/<stage>_subgroups.csv`` (+ the

@@ -1,4 +1,4 @@
-"""Patient-level bootstrap resampling (docs/design.md "Confidence intervals and comparisons"):
+"""Patient-level bootstrap resampling (docs/explanation/detection-and-statistics.md "Confidence intervals and comparisons"):
 the evaluation set's identity and seed, the patient draws, and subgroup metrics evaluated on them.
 
 Resampling is by patient: a resample draws patients with replacement and every scan of a drawn

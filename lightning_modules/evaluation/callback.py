@@ -47,7 +47,7 @@ class SubgroupEvaluation(Callback):
         threshold_rule: ``fixed``, ``f1`` or ``youden`` (chosen on validation, applied to test).
         threshold_bootstrap: patient resamples a chosen threshold is averaged over (0: chosen once).
         score: ``volume`` (predicted tumor volume) or ``max_prob``.
-        n_resamples: bootstrap resamples for the test CIs (docs/design.md "Confidence intervals and comparisons").
+        n_resamples: bootstrap resamples for the test CIs (docs/explanation/detection-and-statistics.md "Confidence intervals and comparisons").
         confidence: CI level.
         val_resamples: resamples on validation (0: point estimates only, keeps training fast).
         tables_on_val: also log tables and the figure at every validation.
@@ -129,7 +129,7 @@ class SubgroupEvaluation(Callback):
             trainer.logger.experiment.set_tag(run_id, FALLBACK_TAG, message[:5000])
 
     def _evaluate(self, trainer, pl_module, stage: str, records: pd.DataFrame, resamples: int, tables: bool) -> None:
-        # BenchX's fixed m counts the raw predicted tumor voxels (docs/design.md "Scan-level detection").
+        # BenchX's fixed m counts the raw predicted tumor voxels (docs/explanation/detection-and-statistics.md "Scan-level detection").
         score = fixed_rule_score(self.score, records) if self.threshold_rule == "fixed" else self.score
         if resamples > 0:
             table = bootstrap_subgroup_metrics(

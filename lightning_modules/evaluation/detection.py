@@ -1,5 +1,5 @@
 """Scan-level tumor detection: decisions, confusion counts, sensitivity, specificity, F1 and ROC AUC,
-overall and per subgroup (docs/design.md "Scan-level detection").
+overall and per subgroup (docs/explanation/detection-and-statistics.md "Scan-level detection").
 
 This is the one home of scan-level detection metrics. A scan is predicted positive when its score
 (predicted tumor volume in mm³, or the maximum tumor probability) exceeds the threshold m. Every

@@ -1,4 +1,4 @@
-"""MLflow metric keys of a subgroup table (docs/design.md "MLflow runs and keys").
+"""MLflow metric keys of a subgroup table (docs/explanation/architecture.md "MLflow runs and keys").
 
 Keys are ``<stage>/<metric>/<attribute>/<group>`` (``<stage>/<metric>/overall`` for the overall row),
 ``<stage>/<metric>_ci_low/...`` and ``_ci_high`` when the table has CIs, and per attribute

@@ -1,6 +1,6 @@
 """Paired comparison of two runs on the same evaluation set: the bootstrap CI of each subgroup's
 difference (B minus A) from the same patient resamples, the small-count tests beside it, and the
-decision of significance (docs/design.md "Confidence intervals and comparisons").
+decision of significance (docs/explanation/detection-and-statistics.md "Confidence intervals and comparisons").
 
 Example::
 
@@ -94,7 +94,7 @@ def bootstrap_p_values(differences: np.ndarray, point: np.ndarray) -> np.ndarray
 
 
 # The test that decides a difference's significance, per metric
-# (docs/design.md "Confidence intervals and comparisons"). F1 and auc_binary have no exact paired test: their bootstrap interval
+# (docs/explanation/detection-and-statistics.md "Confidence intervals and comparisons"). F1 and auc_binary have no exact paired test: their bootstrap interval
 # must exclude 0 and the exact McNemar test must find changed decisions on the positives or the
 # negatives (Bonferroni over the two); their p is the larger of the two p-values.
 SIGNIFICANCE_TESTS = {"sensitivity": "mcnemar_exact", "specificity": "mcnemar_exact", "auc": "delong",

@@ -1,5 +1,5 @@
 """How often the pooled seed interval excludes 0 when the arms do not differ
-(docs/design.md "Seeds as the unit of inference"): simulated null studies of K paired replicates,
+(docs/explanation/detection-and-statistics.md "Seeds as the unit of inference"): simulated null studies of K paired replicates,
 pooled by Student's t over the seeds (the headline,
 :func:`~lightning_modules.evaluation.seed_pooling.seed_t_interval`) and by the two-level
 bootstrap (the secondary interval of :func:`~lightning_modules.evaluation.seed_pooling.pool_deltas`).

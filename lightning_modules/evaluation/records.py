@@ -4,7 +4,7 @@ A record is one scan: ``case_id``, ``patient_id``, ``label`` (0/1, true scan-lev
 ``volume_mm3`` (predicted tumor volume after small components are removed), ``raw_volume_mm3``
 (every predicted tumor voxel), ``localized_volume_mm3`` (on a tumor scan only the components that
 overlap the lesion), ``lesions`` and ``lesions_found``, ``max_prob`` and the attribute columns ``age_band, sex,
-race, phase, cohort, tumor_size, tumor_location`` (docs/design.md "Subgroups"). ``Unknown`` or an
+race, phase, cohort, tumor_size, tumor_location`` (docs/explanation/detection-and-statistics.md "Subgroups"). ``Unknown`` or an
 empty value leaves a case out of that attribute's subgroups and keeps it in ``overall`` (BenchX 4.1).
 Everything that reads records (detection metrics, operating points, subgroups, the bootstrap) reads
 them through this module, so a bad record is refused once, naming the case and the column.
@@ -50,7 +50,7 @@ PREFERRED_ORDER: dict[str, tuple[str, ...]] = {"tumor_location": TUMOR_LOCATIONS
 EXCLUDED_VALUES = frozenset({UNKNOWN, ""})
 # volume: predicted tumor volume after removing small components (the ROC score); raw_volume: every
 # predicted tumor voxel (BenchX's fixed-m rule); localized_volume: on a tumor scan only the predicted
-# components that overlap the true lesion (docs/design.md "Scan-level detection").
+# components that overlap the true lesion (docs/explanation/detection-and-statistics.md "Scan-level detection").
 SCORE_COLUMNS = {"volume": "volume_mm3", "raw_volume": "raw_volume_mm3", "localized_volume": "localized_volume_mm3",
                  "max_prob": "max_prob"}
 # The score BenchX's fixed m is applied to, per score kind: its protocol thresholds the raw
@@ -211,7 +211,7 @@ def labels(records: pd.DataFrame) -> np.ndarray:
 def tumor_size_groups(diameters_mm, labels_, small_tumor_mm: float = SMALL_TUMOR_MM) -> np.ndarray:
     """The ``tumor_size`` attribute per case, by :func:`lightning_modules.data.lesions.tumor_size_group`:
     ``small`` (largest extent <= small_tumor_mm), ``large``, ``Unknown`` for a positive without a
-    diameter, and ``''`` for negatives (docs/design.md "Lesion size and location").
+    diameter, and ``''`` for negatives (docs/explanation/data.md "Lesion size and location").
 
     Args:
         diameters_mm: largest tumor extent per case (NaN when unknown).

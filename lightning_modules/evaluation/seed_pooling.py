@@ -1,5 +1,5 @@
 """Seeds as the unit of inference: K paired replicates of a study pooled, subgroup by subgroup
-(docs/design.md "Seeds as the unit of inference").
+(docs/explanation/detection-and-statistics.md "Seeds as the unit of inference").
 
 A replicate is one training seed running every arm of a study (baseline, sham, SynthX, ...), each
 arm evaluated on the same test patients. For an arm pair (new minus reference, e.g. SynthX minus
@@ -321,7 +321,7 @@ def format_pooled(table: pd.DataFrame) -> str:
     widths = [max(len(str(c)) for c in column) for column in zip(header, *lines)]
     shown = "\n".join("  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in [header, *lines])
     notes = [f"mean: the difference averaged over {len(seeds)} seeds; CI and p: Student's t over the seeds' differences "
-             "(k - 1 degrees of freedom for the k seeds that define a row; docs/design.md \"Seeds as the unit of inference\").",
+             "(k - 1 degrees of freedom for the k seeds that define a row; docs/explanation/detection-and-statistics.md \"Seeds as the unit of inference\").",
              "b: the seeds all agree on one difference, so the CI and p are the two-level bootstrap's.",
              "* the CI excludes 0 and the subgroup supports it; ~ the CI excludes 0 below the support rule.",
              "seeds +/-: seeds whose own difference is above / below 0."]

@@ -1,4 +1,4 @@
-"""Intervals and tests that hold at small counts (docs/design.md "Confidence intervals and comparisons").
+"""Intervals and tests that hold at small counts (docs/explanation/detection-and-statistics.md "Confidence intervals and comparisons").
 
 The percentile bootstrap collapses at the boundary: 0 of 11 tumors found gives [0, 0], and a few
 discordant scans can look significant. These closed-form methods do not:

@@ -1,5 +1,5 @@
 """Bootstrap CIs of one run's subgroup detection metrics: the subgroup table with percentile intervals
-over patient resamples and Wilson intervals (docs/design.md "Confidence intervals and comparisons").
+over patient resamples and Wilson intervals (docs/explanation/detection-and-statistics.md "Confidence intervals and comparisons").
 
 Example::
 

@@ -1,5 +1,5 @@
 """Subgroups of an evaluation set: which cases belong to which group, the worst group and the gap,
-and when a subgroup has enough patients to support a claim (docs/design.md "Subgroups" and
+and when a subgroup has enough patients to support a claim (docs/explanation/detection-and-statistics.md "Subgroups" and
 "Confidence intervals and comparisons").
 
 Pure functions of records and tables; no metric is computed here (see ``detection``).
@@ -29,7 +29,7 @@ from lightning_modules.evaluation.records import (
 
 OVERALL = ("overall", "all")
 
-# The support rule (docs/design.md "Confidence intervals and comparisons"): a subgroup supports a
+# The support rule (docs/explanation/detection-and-statistics.md "Confidence intervals and comparisons"): a subgroup supports a
 # significance claim on a metric only with at least MIN_PATIENTS patients, and at least
 # MIN_POSITIVES positive / MIN_NEGATIVES negative scans when the metric needs them.
 MIN_PATIENTS = 10

@@ -1,4 +1,4 @@
-"""Operating points: the detection threshold m a model is judged at (docs/design.md "Scan-level detection").
+"""Operating points: the detection threshold m a model is judged at (docs/explanation/detection-and-statistics.md "Scan-level detection").
 
 Three are reported:
 

@@ -7,7 +7,7 @@ A checkpoint written by ``benchx train`` also carries what the model was trained
 (:data:`PROVENANCE_KEY`: its training case and patient ids, the split file's sha256, the cases the
 generator of its synthetic data learned from, its training scans' content signatures and its
 training run), put there by :class:`RecordProvenance`; a copy of the file evaluated on its own is
-checked against it (docs/design.md "Split files").
+checked against it (docs/explanation/data.md "Split files").
 
 Example::
 

@@ -1,4 +1,4 @@
-"""Per-class segmentation quality: Dice and normalized surface Dice (NSD) at 1.5 mm (docs/design.md "Scan-level detection", Touchstone).
+"""Per-class segmentation quality: Dice and normalized surface Dice (NSD) at 1.5 mm (docs/explanation/detection-and-statistics.md "Scan-level detection", Touchstone).
 
 Inputs are integer label volumes of one case (0 = background, k = ``class_names[k - 1]``), e.g.
 the argmax of a sliding-window prediction and the stacked ground-truth masks. Both metrics come

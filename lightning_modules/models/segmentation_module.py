@@ -99,7 +99,7 @@ class SegmentationModule(pl.LightningModule):
         sw_roi_size: inference window (default: ``patch_size``).
         min_component_mm3: predicted tumor components below this size are removed before the
             scan-level score (:func:`lightning_modules.models.tumor_outputs.tumor_scan_scores`).
-        small_tumor_mm: the 'small' tumor-size boundary for the records (``docs/design.md "Lesion size and location"``).
+        small_tumor_mm: the 'small' tumor-size boundary for the records (``docs/explanation/data.md "Lesion size and location"``).
     """
 
     def __init__(

@@ -12,7 +12,7 @@ both kinds are judged by the same rule:
 A tumor voxel is a voxel whose label is the tumor class, and the tumor probability is the tumor
 channel's softmax or sigmoid probability.
 
-Scan-level tumor scores (``docs/design.md "Scan-level detection"``, :func:`tumor_scan_scores`):
+Scan-level tumor scores (``docs/explanation/detection-and-statistics.md "Scan-level detection"``, :func:`tumor_scan_scores`):
 
 - ``raw_volume_mm3``: every predicted tumor voxel; BenchX's fixed m applies to it, as its protocol
   does (no component removal);

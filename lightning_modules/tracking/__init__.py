@@ -1,5 +1,5 @@
 """The tracking adapter: every MLflow call of the workflows goes through this package
-(``docs/design.md "MLflow runs and keys"``); the libraries (config, data, cohorts, models,
+(``docs/explanation/architecture.md "MLflow runs and keys"``); the libraries (config, data, cohorts, models,
 evaluation) import neither it nor MLflow (``tests/test_layout.py``).
 
 - this module: runs, their tags and final status, the store, experiments, dataset inputs;
@@ -198,7 +198,7 @@ def log_inputs(client: MlflowClient, run_id: str, datasets: list) -> None:
 
 
 def run_tags(recipe, split_sha256: str, variant: str | None = None) -> dict[str, str]:
-    """The standard tags (``docs/design.md "MLflow runs and keys"``) of a training or evaluation run."""
+    """The standard tags (``docs/explanation/architecture.md "MLflow runs and keys"``) of a training or evaluation run."""
     ratio = float(recipe.synthx.ratio)
     tags = {
         "backbone": str(recipe.model.backbone),

@@ -27,7 +27,7 @@ def log_audit(report: AuditReport, tracking_uri: str | None = None, experiment: 
         return
     if not (tracking_uri or experiment):
         return
-    # Never fall back to the ./mlruns file store (docs/design.md "MLflow runs and keys").
+    # Never fall back to the ./mlruns file store (docs/explanation/architecture.md "MLflow runs and keys").
     uri = resolve_uri(tracking_uri)
     mlflow.set_tracking_uri(uri)
     # An explicit experiment id: mlflow.set_experiment would also write MLFLOW_EXPERIMENT_ID into

@@ -1,5 +1,5 @@
 """Which cases a model was trained on, and the check that an evaluation never scores them
-(docs/design.md "Split files").
+(docs/explanation/data.md "Split files").
 
 A training run logs ``training_cases.csv`` (case id and patient id of every real training case)
 and, when it mixed in a synthetic cohort, ``generator_training_cases.csv`` (the cases the cohort's

@@ -10,7 +10,7 @@ it as ``benchx-<backbone>``; a study then points the aliases ``baseline``, ``syn
 neither column is refused, naming them. Each scan goes through
 :func:`lightning_modules.inference.predict_scan`, the same path as ``benchx predict``, and comes
 back as a row with ``mask`` (the label map on the scan's own grid, labels in recipe class order),
-``tumor_volume_mm3`` (the scan-level score of docs/design.md "Scan-level detection"),
+``tumor_volume_mm3`` (the scan-level score of docs/explanation/detection-and-statistics.md "Scan-level detection"),
 ``tumor_detected`` (that score above the operating point) and ``error``: a row whose scan cannot be
 read, holds NaN or infinite voxels, or has no input gets its problem there (naming the file) and
 empty results, and the other rows are still predicted.

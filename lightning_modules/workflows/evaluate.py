@@ -4,7 +4,7 @@
 and a split (including an external cohort never trained on), and writes a new MLflow run linked to
 the training run (tag ``training_run_id``) with the subgroup metrics, the per-case records, the
 subgroup tables with CIs and the figures, at three operating points
-(docs/design.md "Scan-level detection"): the recipe's (``val/...``, ``test/...``), BenchX's fixed m (``test_fixed/...``) and the
+(docs/explanation/detection-and-statistics.md "Scan-level detection"): the recipe's (``val/...``, ``test/...``), BenchX's fixed m (``test_fixed/...``) and the
 one chosen on validation (``test_val_chosen/...``; metrics ``operating_point/<name>`` hold the
 thresholds, ``operating_point/val_chosen_low`` and ``_high`` the spread of a bagged choice). It
 refuses an evaluation set holding a training case or patient of the model, a case its synthetic
@@ -22,7 +22,7 @@ with their Wilson intervals, the difference with its paired bootstrap CI (at the
 including the threshold's uncertainty) and Newcombe's interval, the exact McNemar p (sensitivity,
 specificity) or DeLong's p (AUC), the share of resamples where it was defined, and whether it is
 significant (the metric's deciding test rejects and the subgroup supports it:
-docs/design.md "Confidence intervals and comparisons"). The fixed m reads the raw predicted tumor
+docs/explanation/detection-and-statistics.md "Confidence intervals and comparisons"). The fixed m reads the raw predicted tumor
 volume (BenchX's rule); ``score="localized_volume"`` compares the localization-aware score.
 
 Example::

@@ -1,7 +1,7 @@
 """The matched operating points of a comparison: each run's m chosen on its validation records so
 that its specificity equals the reference run's there, overall (``matched_specificity``) or within
 one subgroup (``subgroup_matched_specificity``), and their choices on the validation resamples for
-the nested threshold bootstrap (docs/design.md "Scan-level detection").
+the nested threshold bootstrap (docs/explanation/detection-and-statistics.md "Scan-level detection").
 
 The reference run keeps its validation-chosen m at both points; only validation records are read,
 so the test cohort never moves a threshold.

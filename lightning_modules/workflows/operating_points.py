@@ -1,6 +1,6 @@
 """The operating points of an evaluation: BenchX's fixed m and the m chosen on validation (with the
 spread of a bagged choice), and their tables, metrics and artifacts for every evaluated stage
-(docs/design.md "Scan-level detection").
+(docs/explanation/detection-and-statistics.md "Scan-level detection").
 
 Example::
 

@@ -1,4 +1,4 @@
-"""What a model was trained on, recorded at training and checked at evaluation (docs/design.md "Split files").
+"""What a model was trained on, recorded at training and checked at evaluation (docs/explanation/data.md "Split files").
 
 At training (rank 0): :func:`training_provenance` gathers the training case and patient ids, the
 split file's sha256, the cases the generator of any synthetic data learned from, and the content

@@ -1,7 +1,7 @@
 """``benchx replicates``: several finished studies (e.g. one per seed) side by side, subgroup by subgroup.
 
 Each study's paired CI covers its test sample only; the spread between studies shows the training
-variance those intervals leave out (docs/design.md "Confidence intervals and comparisons"). Prints,
+variance those intervals leave out (docs/explanation/detection-and-statistics.md "Confidence intervals and comparisons"). Prints,
 per subgroup and metric at one operating point, each study's difference [CI] with its marks, the
 mean, and how many studies found it significantly up or down; ``--out`` writes the table as CSV.
 Under ``mlflow run -e replicates`` the text and CSV are also logged to the run it opened.
@@ -22,7 +22,7 @@ from lightning_modules.commands.common import CommandParser
 
 # synthx.workflows.replicates.OPERATING_POINTS, named here so that --help answers without importing
 # the workflow (and with it MLflow and the study).
-OPERATING_POINTS = ("fixed", "val_chosen", "matched_specificity")
+OPERATING_POINTS = ("fixed", "val_chosen", "matched_specificity", "subgroup_matched_specificity")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,7 +13,7 @@ Example::
 ``--seeds K`` runs K replicates (seeds 0..K-1, each a whole study in ``<out>/seed-<S>``, ``--workers``
 processes at a time; finished ones are kept, killed ones resume) and pools them per subgroup;
 ``--seed S`` runs one replicate (a Slurm array task: scripts/slurm-study.sbatch); ``--pool-only``
-only pools the finished replicates (docs/design.md "Seeds as the unit of inference").
+only pools the finished replicates (docs/explanation/detection-and-statistics.md "Seeds as the unit of inference").
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                             help="run replicate S only (one task of a Slurm array); pool later with --seeds K --pool-only")
     replicates.add_argument("--pool-only", action="store_true",
                             help="with --seeds: run nothing, pool the K finished replicates")
-    replicates.add_argument("--operating-point", default="matched_specificity",
-                            choices=("matched_specificity", "val_chosen", "fixed"),
+    replicates.add_argument("--operating-point", default="subgroup_matched_specificity",
+                            choices=("subgroup_matched_specificity", "matched_specificity", "val_chosen", "fixed"),
                             help="each arm's m in the pooled analysis (default: %(default)s, the primary endpoint's)")
     add_overrides_argument(parser)
     return parser

@@ -4,7 +4,7 @@ A canvas is a healthy (``tumor == 0``) real case of the TRAINING split with a kn
 request names a cell (sex, age band, phase) and an index within it; it is painted only into a
 canvas of that very cell, so the synthetic case's metadata (the canvas' own sex, age and phase)
 describes the scan it lives in. A cell without such a canvas is unfillable: it is reported, never
-relabeled (docs/design.md "Synthetic data"). Canvases are reused across requests and generations,
+relabeled (docs/explanation/synthx.md "Synthetic data"). Canvases are reused across requests and generations,
 so one scan may carry tumors in several synthetic cases. The sizes of the tumors drawn into them
 follow, unless the recipe sets weights, the real training tumors (:func:`training_tumor_diameters`).
 
@@ -82,7 +82,7 @@ def _check_canvas(row: pd.Series, case_id: str) -> None:
         where = f"the {row['split']} split" if row["split"] else "no split"
         raise GenerationError(
             f"canvas {case_id} is in {where}: only real TRAINING cases may serve as canvases "
-            '(docs/design.md "Synthetic data")'
+            '(docs/explanation/synthx.md "Synthetic data")'
         )
     if int(row["synthetic"]) == 1:
         raise GenerationError(f"canvas {case_id} is synthetic: canvases must be real cases")

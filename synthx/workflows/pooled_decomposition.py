@@ -28,6 +28,8 @@ DECOMPOSITION_ARTIFACT = "synthx/decomposition.csv"  # each study's decompositio
 POOLED_ARTIFACT = "pooled/decomposition_{stage}_{point}.csv"  # on the pooled run
 SECTION = "## Decomposition, pooled over the seeds"
 
+MATCHED_POINTS = ("matched_specificity", "subgroup_matched_specificity")
+
 
 def decomposition_thresholds(client, parent, folder: str) -> dict[tuple[str, str], tuple[float, float]]:
     """(arm, reference) -> (reference's m, arm's m) of each pair, as the replicate's own decomposition set them.
@@ -51,8 +53,10 @@ def pooled_decomposition_table(client, parents: dict, operating_point: str, arms
     has no copy-paste arm (no ``evaluate_copy_paste`` step).
 
     Args:
-        operating_point: at ``matched_specificity`` each pair is pooled with the two m its replicate's
-            decomposition used; at ``val_chosen`` and ``fixed`` every arm keeps its own m.
+        operating_point: at a matched point (``matched_specificity``, ``subgroup_matched_specificity``:
+            the endpoint's, where each replicate's decomposition was made) each pair is pooled with the
+            two m its replicate's decomposition used; at ``val_chosen`` and ``fixed`` every arm keeps
+            its own m.
         arms_of: ``(client, parent, stage, point, folder) -> arm -> ArmRecords``
             (:func:`synthx.workflows.replicates.replicate_arms`).
         pooling: :func:`~lightning_modules.evaluation.seed_pooling.pool_seeds` keywords.
@@ -60,10 +64,10 @@ def pooled_decomposition_table(client, parents: dict, operating_point: str, arms
     if not parents or not all("step.evaluate_copy_paste" in run.data.tags for run in parents.values()):
         return None
     with tempfile.TemporaryDirectory() as folder:
-        point = "val_chosen" if operating_point == "matched_specificity" else operating_point
+        point = "val_chosen" if operating_point in MATCHED_POINTS else operating_point
         replicates = {seed: arms_of(client, run, stage, point, folder) for seed, run in parents.items()}
         pairs = ({seed: decomposition_thresholds(client, run, folder) for seed, run in parents.items()}
-                 if operating_point == "matched_specificity" else None)
+                 if operating_point in MATCHED_POINTS else None)
     return pooled_decomposition(replicates, attributes=("phase",), pair_thresholds=pairs, **pooling)
 
 

@@ -2,7 +2,7 @@
 
 A study's paired bootstrap interval resamples the test patients with both trained models held
 fixed, so it does not see how much a second training of the same recipe would differ
-(docs/design.md "Confidence intervals and comparisons"). This module reads the test comparison
+(docs/explanation/detection-and-statistics.md "Confidence intervals and comparisons"). This module reads the test comparison
 table of several finished studies (one parent run each, e.g. one per seed) and lines up, per
 subgroup and metric at one operating point, each study's difference with its CI and mark, the
 mean, the range, and how many studies found it significantly up or down.
@@ -12,7 +12,7 @@ negatives must agree, or the studies are refused with the first group that diffe
 
 The second half runs a study as K paired replicates (``benchx study --seeds K``: one seed per
 replicate, every arm in each) and pools them from MLflow with
-:mod:`lightning_modules.evaluation.seed_pooling` (docs/design.md "Seeds as the unit of inference").
+:mod:`lightning_modules.evaluation.seed_pooling` (docs/explanation/detection-and-statistics.md "Seeds as the unit of inference").
 
 Example::
 
@@ -52,7 +52,7 @@ from synthx.workflows.study.run import run_study
 from synthx.workflows.study.settings import segmentation_recipe
 
 
-OPERATING_POINTS = ("fixed", "val_chosen", "matched_specificity")
+OPERATING_POINTS = ("fixed", "val_chosen", "matched_specificity", "subgroup_matched_specificity")
 COUNT_COLUMNS = ("n_patients", "positives", "negatives")
 KEY = ["attribute", "group", "metric"]
 
@@ -175,7 +175,7 @@ def format_replicates(table: pd.DataFrame) -> str:
 
 # ----------------------------------------------------------------------------------------------
 # Seeds as the unit of inference: K paired replicates of one study, run and pooled
-# (docs/design.md "Seeds as the unit of inference"; the pooling itself is
+# (docs/explanation/detection-and-statistics.md "Seeds as the unit of inference"; the pooling itself is
 # lightning_modules.evaluation.seed_pooling).
 
 REPLICATE_SET_TAG = "replicate_set"
@@ -187,7 +187,9 @@ ARM_PAIRS = (("synthx", "sham"), ("baseline", "sham"), ("control", "sham"), ("co
 # matched_specificity: per arm pair, the reference at its validation-chosen m and the arm at the m
 # that matches the reference's validation specificity, as each replicate's own comparison set them
 # (the primary endpoint's point).
-POOLED_OPERATING_POINTS = ("val_chosen", "fixed", "matched_specificity")
+# subgroup_matched_specificity: the same, matched within the endpoint's subgroup (version 2).
+MATCHED_POINTS = ("matched_specificity", "subgroup_matched_specificity")
+POOLED_OPERATING_POINTS = ("val_chosen", "fixed", *MATCHED_POINTS)
 
 
 def replicate_key(settings, code_version: str) -> str:
@@ -331,15 +333,15 @@ def replicate_arms(client, parent, stage: str, operating_point: str, folder: str
     return dict(sorted(arms.items()))
 
 
-def matched_thresholds(client, parent, folder: str) -> dict[tuple[str, str], tuple[float, float]]:
-    """(arm, reference) -> (reference's m, arm's m) at matched specificity, from a replicate's own comparison."""
+def matched_thresholds(client, parent, folder: str, point: str = "matched_specificity") -> dict[tuple[str, str], tuple[float, float]]:
+    """(arm, reference) -> (reference's m, arm's m) at a matched ``point``, from a replicate's own comparison."""
 
     study = load_study(parent.info.run_id, client.tracking_uri, Path(folder) / f"compare-{parent.info.run_id}")
     try:
         table = study.csv("compare", COMPARISON_ARTIFACT)
     except LookupError as error:
         raise ReplicateError(f"replicate {parent.info.run_id} has no comparison to read its matched m from: {error}") from error
-    rows = table[table["operating_point"] == "matched_specificity"]
+    rows = table[table["operating_point"] == point]
     return {(str(r.run), str(r.reference)): (float(r.threshold_a), float(r.threshold_b))
             for r in rows.drop_duplicates(["run", "reference"]).itertuples(index=False)}
 
@@ -348,14 +350,15 @@ def pooled_table(client, parents: dict, operating_point: str, stage: str = "test
     """Pool replicates (seed label -> parent run) at one operating point (:func:`pool_seeds` keywords in ``pooling``).
 
     At ``val_chosen`` and ``fixed`` every arm keeps the m its evaluation logged; at
-    ``matched_specificity`` each arm pair is pooled with the two m its replicate's comparison used.
+    ``matched_specificity`` and ``subgroup_matched_specificity`` each arm pair is pooled with the two m
+    its replicate's comparison used.
     """
 
     with tempfile.TemporaryDirectory() as folder:
-        point = "val_chosen" if operating_point == "matched_specificity" else operating_point
+        point = "val_chosen" if operating_point in MATCHED_POINTS else operating_point
         replicates = {seed: replicate_arms(client, run, stage, point, folder) for seed, run in parents.items()}
-        matched = ({seed: matched_thresholds(client, run, folder) for seed, run in parents.items()}
-                   if operating_point == "matched_specificity" else None)
+        matched = ({seed: matched_thresholds(client, run, folder, operating_point) for seed, run in parents.items()}
+                   if operating_point in MATCHED_POINTS else None)
     common = set.intersection(*(set(arms) for arms in replicates.values()))
     pairs = [pair for pair in ARM_PAIRS if set(pair) <= common]
     if matched is not None:
@@ -536,7 +539,7 @@ def pooled_markdown(run_id: str, uri: str) -> str:
         f"Mean: the paired difference averaged over the seeds, at {point_label(point)} of each replicate "
         "(its m chosen on validation, not on the test cohort). "
         "CI: Student's t over the seeds' differences, K - 1 degrees of freedom "
-        "(docs/design.md \"Seeds as the unit of inference\"). "
+        "(docs/explanation/detection-and-statistics.md \"Seeds as the unit of inference\"). "
         f"{MARKS_NOTE}, each family's Holm over the pooled p-values. "
         "Seeds +/-: seeds whose own difference is above / below 0. The replicate lines judge each seed "
         "alone with its own paired interval, as docs/results.md does for one study.",

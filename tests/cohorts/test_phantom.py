@@ -1,5 +1,5 @@
 """Tests of the phantom cohort generator (lightning_modules/cohorts/phantom/) on tiny volumes, its
-designed gaps (docs/design.md "The phantom cohort") and the committed split of the main job's cohort.
+designed gaps (docs/explanation/data.md "The phantom cohort") and the committed split of the main job's cohort.
 
 Run: OMP_NUM_THREADS=1 .venv/bin/pytest tests/cohorts/test_phantom.py -x -q
 """

@@ -53,7 +53,7 @@ def test_ages_and_bands_follow_design_boundaries():
     assert normalize_age("054Y") == 54.0
     assert normalize_age("18 months") == pytest.approx(1.5)
     assert math.isnan(normalize_age(""))
-    # docs/design.md "Subgroups": lower bound exclusive, upper inclusive.
+    # docs/explanation/detection-and-statistics.md "Subgroups": lower bound exclusive, upper inclusive.
     assert [age_band(a) for a in (20.0, 20.5, 40.0, 60.0, 80.0, 80.1)] == ["le20", "20-40", "20-40", "40-60", "60-80", "gt80"]
     assert age_band(math.nan) == "Unknown"
 

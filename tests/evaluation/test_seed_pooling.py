@@ -9,7 +9,7 @@ Simulation: every replicate (seed) trains each arm once; a model's score for a p
 noise are of similar size, as the README's per-seed studies show (differences significant in
 opposite directions on different seeds).
 
-The false-positive rates per regime in docs/design.md "Seeds as the unit of inference" are
+The false-positive rates per regime in docs/explanation/detection-and-statistics.md "Seeds as the unit of inference" are
 ``python -m lightning_modules.evaluation.pooling_level``.
 
 Run: python -m pytest -q tests/evaluation/test_seed_pooling.py

@@ -189,12 +189,12 @@ def test_two_replicates_run_as_two_workers_and_are_pooled(tiny_phantom, tmp_path
 
     pooled_runs = client.search_runs([experiment], "tags.stage = 'replicates_pooled'")
     assert len(pooled_runs) == 1
-    table = pd.read_csv(client.download_artifacts(pooled_runs[0].info.run_id, "pooled/test_matched_specificity.csv",
+    table = pd.read_csv(client.download_artifacts(pooled_runs[0].info.run_id, "pooled/test_subgroup_matched_specificity.csv",
                                                   str(tmp_path / "pooled")))
     assert set(table["comparison"]) == {"synthx - sham", "baseline - sham"}  # the pairs the study compared
     overall = table[(table["attribute"] == "overall") & (table["metric"] == "specificity")].iloc[0]
     assert overall["seeds"] == 2 and overall["mean_delta"] == pytest.approx((overall["delta 0"] + overall["delta 1"]) / 2)
-    assert "seeds pooled at the matched_specificity operating point" in out
+    assert "seeds pooled at the subgroup_matched_specificity operating point" in out
 
     # A second run starts nothing: both replicates have finished.
     assert main([*arguments, "--seeds", "2", "--workers", "2"]) == 0
@@ -298,7 +298,7 @@ def test_worker_processes_share_the_cpus_in_threads(tmp_path, monkeypatch, capsy
     assert started[0][1] == "3", "a user's own setting is kept"
 
 
-@pytest.mark.parametrize("point", ["matched_specificity", "val_chosen"])
+@pytest.mark.parametrize("point", ["subgroup_matched_specificity", "matched_specificity", "val_chosen"])
 def test_pooling_identical_seeds_reproduces_the_studys_own_comparison(finished_study, tmp_path, point):
     """Two seeds that are one study: every pooled mean is that study's own paired difference at the
     same operating point, so the pooled analysis uses the m the study's comparison used (at matched
@@ -340,7 +340,7 @@ def test_the_pooled_page_names_its_runs_and_judges_the_pooled_difference(finishe
     client = MlflowClient(uri)
     parent = client.get_run(parent_id)
     pages = {}
-    for point in ("matched_specificity", "val_chosen"):
+    for point in ("subgroup_matched_specificity", "val_chosen"):
         table = pooled_table(client, {"3": parent, "4": parent}, point, n_resamples=50)
         pooled = client.create_run(parent.info.experiment_id, run_name="pooled", tags={
             "stage": POOLED_STAGE, "operating_point": point, "replicated_studies": f"{parent_id} {parent_id}"})
@@ -351,7 +351,7 @@ def test_the_pooled_page_names_its_runs_and_judges_the_pooled_difference(finishe
         assert main(["--run-id", pooled.info.run_id, "--markdown", str(out), "--tracking-uri", uri]) == 0
         pages[point] = (out.read_text(), table, pooled.info.run_id)
 
-    page, table, run_id = pages["matched_specificity"]
+    page, table, run_id = pages["subgroup_matched_specificity"]
     assert page.startswith("# Seeds pooled") and f"`{run_id}`" in page
     assert parent.data.tags["git_commit"] in page and "seeds 3, 4" in page
     primary = next(line for line in verdict_lines(load_study(parent_id, uri, tmp_path / "study"))
@@ -368,7 +368,7 @@ def test_the_pooled_page_names_its_runs_and_judges_the_pooled_difference(finishe
     # Each pooled difference carries its mark from Holm over its family, as a single study's tables do.
     from synthx.endpoint import family_marks, PrimaryEndpoint
 
-    marks = family_marks(table.assign(run=table["arm"], operating_point="matched_specificity", delta=table["mean_delta"]),
+    marks = family_marks(table.assign(run=table["arm"], operating_point="subgroup_matched_specificity", delta=table["mean_delta"]),
                          PrimaryEndpoint())
     shown = table[(table["metric"] == "sensitivity") & table["attribute"].isin(["overall", "phase"])]
     def points(value) -> str:
@@ -380,7 +380,7 @@ def test_the_pooled_page_names_its_runs_and_judges_the_pooled_difference(finishe
     # Another point than the endpoint's: the page says the endpoint is not judged there.
     other = pages["val_chosen"][0]
     assert "Primary endpoint (sensitivity" not in other.split("## Primary endpoint, replicate by replicate")[0]
-    assert "pool with --operating-point matched_specificity for the endpoint" in other
+    assert "pool with --operating-point subgroup_matched_specificity for the endpoint" in other
     with pytest.raises(ValueError, match="not a pooled analysis"):
         pooled_markdown(parent_id, uri)
     # A README's seeds block gets the pooled verdict only; the rest of the README is kept.
@@ -406,7 +406,7 @@ def test_pooling_identical_seeds_reproduces_the_studys_own_decomposition(finishe
     settings, uri, parent_id = finished_study
     client = MlflowClient(uri)
     parent = client.get_run(parent_id)
-    point = "matched_specificity"
+    point = "subgroup_matched_specificity"  # the endpoint's, where the study made its decomposition
     table = pooled_decomposition_table(client, {"0": parent, "1": parent}, point, replicate_arms, n_resamples=20)
     own = pd.read_csv(client.download_artifacts(parent_id, "synthx/decomposition.csv", str(tmp_path / "own")))
     assert list(dict.fromkeys(table["component"])) == ["placement", "content", "total"]

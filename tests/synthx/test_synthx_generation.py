@@ -494,7 +494,7 @@ def test_trained_generator_follows_the_phase_contrast_of_real_phantom_tumors(tmp
     by_phase = table[table["attribute"] == "phase"].set_index("group")
     real = by_phase.loc[list(phases), "contrast_real"]
     synthetic = by_phase.loc[list(phases), "contrast_synthetic"]
-    # The phantom's design (docs/design.md "The phantom cohort"): non-contrast iso, arterial hyper-attenuating.
+    # The phantom's design (docs/explanation/data.md "The phantom cohort"): non-contrast iso, arterial hyper-attenuating.
     assert real["arterial"] > real["non-contrast"]
     assert synthetic["arterial"] > synthetic["non-contrast"], by_phase[["contrast_real", "contrast_synthetic"]]
     assert synthetic["arterial"] > synthetic["venous"], by_phase[["contrast_real", "contrast_synthetic"]]

@@ -88,7 +88,7 @@ def test_condition_encoding_uses_the_metadata_synonyms_and_null_for_unknown():
     assert encode_sex("female") == SEX_VOCAB.index("F") and encode_sex("Unknown") == 0 and encode_sex(None) == 0
     assert encode_age_band(34) == AGE_BAND_VOCAB.index("20-40")
     assert encode_age_band("gt80") == AGE_BAND_VOCAB.index("gt80") and encode_age_band(float("nan")) == 0
-    assert encode_age_band(20) == AGE_BAND_VOCAB.index("le20")  # docs/design.md "Subgroups": upper bound inclusive
+    assert encode_age_band(20) == AGE_BAND_VOCAB.index("le20")  # docs/explanation/detection-and-statistics.md "Subgroups": upper bound inclusive
     assert encode_phase("portal venous") == PHASE_VOCAB.index("venous") and encode_phase("") == 0
     assert encode_organ("pancreatic_lesion") == encode_organ("pancreas") == 1
     assert encode_organ("kidney_left") == encode_organ("kidney")

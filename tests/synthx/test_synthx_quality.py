@@ -24,7 +24,7 @@ from synthx.quality import (
 
 SHAPE = (20, 20, 12)
 SPACING = (2.0, 2.0, 3.0)
-# (organ HU, tumor HU) per phase: hypo-attenuating tumors, least contrast on non-contrast (docs/design.md "The phantom cohort").
+# (organ HU, tumor HU) per phase: hypo-attenuating tumors, least contrast on non-contrast (docs/explanation/data.md "The phantom cohort").
 PHASE_HU = {"non-contrast": (45.0, 40.0), "arterial": (130.0, 65.0), "venous": (105.0, 90.0)}
 
 

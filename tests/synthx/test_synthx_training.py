@@ -33,7 +33,7 @@ RECIPE = REPO_ROOT / "recipes" / "generator" / "synthx.yaml"
 SPACING = (2.5, 2.5, 3.0)
 SHAPE = (24, 24, 16)
 PATCH = 16
-# Pancreas and tumor HU by phase, as in docs/design.md "The phantom cohort".
+# Pancreas and tumor HU by phase, as in docs/explanation/data.md "The phantom cohort".
 PANCREAS_HU = {"non-contrast": 45, "arterial": 130, "venous": 105, "delayed": 75}
 TUMOR_HU = {"non-contrast": 40, "arterial": 70, "venous": 80, "delayed": 68}
 # case id, sex, age, phase, split, has tumor

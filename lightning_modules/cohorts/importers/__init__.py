@@ -1,4 +1,4 @@
-"""Import real datasets into a cohort in AbdomenAtlas layout A, resumably (``docs/design.md "Cohorts on disk"``).
+"""Import real datasets into a cohort in AbdomenAtlas layout A, resumably (``docs/explanation/data.md "Cohorts on disk"``).
 
 Sources: a TotalSegmentator folder (per-class files or one multilabel volume), an nnU-Net raw
 dataset, a Medical Segmentation Decathlon task, or DICOM CT series (pseudonymized, see

@@ -19,7 +19,7 @@ import pandas as pd
 from lightning_modules.cohorts.importers.source_cases import ImportCaseError, ImportSourceError
 from lightning_modules.data.cohort import LESION_CLASSES, ORGAN_CLASSES
 
-# The AbdomenAtlas classes this framework knows (docs/design.md "Cohorts on disk"). A class map that targets
+# The AbdomenAtlas classes this framework knows (docs/explanation/data.md "Cohorts on disk"). A class map that targets
 # anything else is rejected, so a typo ("pancreatic_tumor") cannot create a class nobody reads.
 ATLAS_CLASSES = ORGAN_CLASSES + LESION_CLASSES
 

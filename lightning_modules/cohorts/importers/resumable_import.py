@@ -3,7 +3,7 @@
 A source module (``nifti``, ``dicom``) lists its cases as :class:`SourceCase` objects whose ``load``
 reads one case into a :class:`LoadedCase` (CT in HU on its own grid, binary masks by AbdomenAtlas
 class name, metadata it found). :func:`run_import` writes them into a cohort in layout A
-(``docs/design.md "Cohorts on disk"``) with :func:`lightning_modules.data.cohort.write_case`, which assembles each case in
+(``docs/explanation/data.md "Cohorts on disk"``) with :func:`lightning_modules.data.cohort.write_case`, which assembles each case in
 a hidden folder and renames it into place, so a case is complete or absent:
 
 - a case already on disk whose files check out and that has a ``metadata.csv`` row is skipped, so a

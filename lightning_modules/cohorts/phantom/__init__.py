@@ -1,7 +1,7 @@
 """The embedded phantom cohort: CT-like abdominal volumes with organ and lesion masks.
 
 No public abdominal CT can ship with the project, so this package simulates a cohort in the
-AbdomenAtlas layout (layout A) with its metadata (``docs/design.md "The phantom cohort"``): int16
+AbdomenAtlas layout (layout A) with its metadata (``docs/explanation/data.md "The phantom cohort"``): int16
 Hounsfield-unit volumes with a body outline (subcutaneous fat, muscle wall, visceral fat, bowel
 loops), the spine, the organs ``liver, pancreas, kidney_left, kidney_right, spleen, aorta, postcava,
 stomach, gall_bladder`` and the lesions ``pancreatic_lesion`` (the BenchX target), ``liver_lesion``

@@ -1,7 +1,7 @@
 """Attenuation (HU) of every phantom tissue per contrast phase, and the per-scan intensity draws.
 
 The lesion-minus-organ contrast table is where the designed gaps live (see the package docstring,
-``docs/design.md "The phantom cohort"``): iso without contrast (the physics gap), hyper-attenuating
+``docs/explanation/data.md "The phantom cohort"``): iso without contrast (the physics gap), hyper-attenuating
 in the arterial phase (the scarcity gap: visible, but unlike any venous tumor), clearly
 hypo-attenuating in the venous phase.
 """
@@ -18,7 +18,7 @@ from lightning_modules.cohorts.phantom.plan import ScanPlan
 from lightning_modules.cohorts.phantom.tissues import N_TISSUES, Tissue
 
 # ----------------------------------------------------------------------------------------------
-# Attenuation (HU), docs/design.md "The phantom cohort": (non-contrast, arterial, venous, delayed).
+# Attenuation (HU), docs/explanation/data.md "The phantom cohort": (non-contrast, arterial, venous, delayed).
 
 _PHASE_INDEX = {phase: i for i, phase in enumerate(PHASES)}
 _ATTENUATION: dict[Tissue, tuple[float, float, float, float]] = {
@@ -48,7 +48,7 @@ _ATTENUATION: dict[Tissue, tuple[float, float, float, float]] = {
     Tissue.POSTCAVA: (40, 95, 150, 110),
 }
 # Lesion minus its organ (HU). The designed gaps (package docstring and
-# docs/design.md "The phantom cohort"):
+# docs/explanation/data.md "The phantom cohort"):
 # - venous (the reference, common): a clear hypo-attenuating tumor, -50 HU on a 115 HU pancreas;
 # - arterial (the scarcity gap, rare): the tumor is HYPER-attenuating, +70 HU on a 150 HU pancreas,
 #   like the arterial blush of a hypervascular (neuroendocrine-like) tumor. It is clearly visible,

@@ -9,7 +9,7 @@ MONAI's UNet with ``num_res_units=0`` has ONE convolution per level, strided (st
 pooled, and a transposed convolution followed by one convolution per decoder level. It reproduces
 no published network exactly; it is MONAI's standard U-Net at the widths of a four-level 3D U-Net.
 
-Full size (docs/design.md "Touchstone hyper-parameters"): channels (64, 128, 256, 512), strides
+Full size (docs/explanation/training.md "Touchstone hyper-parameters"): channels (64, 128, 256, 512), strides
 (2, 2, 2), instance norm, PReLU, ``num_res_units=0``. The 7.75 M figure is this configuration's own
 parameter count (7,754,697 with 1 input channel and 3 classes, counted from the built module and
 checked in tests/models/test_backbones.py), not a number from the BenchX or Touchstone papers.

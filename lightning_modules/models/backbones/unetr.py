@@ -1,7 +1,7 @@
 """UNETR from MONAI (``monai.networks.nets.UNETR``; Hatamizadeh et al., WACV 2022), the Touchstone setting.
 
 A ViT encoder (12 layers, 16^3-voxel tokens) with a convolutional decoder. Full size (BenchX table 8,
-docs/design.md "Touchstone hyper-parameters"): image 96^3, feature size 16, hidden size 768, MLP 3072,
+docs/explanation/training.md "Touchstone hyper-parameters"): image 96^3, feature size 16, hidden size 768, MLP 3072,
 12 heads, instance norm, residual blocks: 92.8 M parameters with 1 input and 3 output channels.
 
 Shape rules: the ViT's position embeddings are sized for one input shape, so the network's

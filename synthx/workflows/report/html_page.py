@@ -249,7 +249,7 @@ def report_sections(study: StudyRuns) -> list[tuple[str, Callable[[], str]]]:
     def baseline_table() -> str:
         table, point, threshold = baseline_subgroups(study)
         caption = f"at {point_label(point)}" + (f", m = {threshold:,.0f} mm³" if threshold is not None else "")
-        head = f"<p>{html.escape(caption[0].upper() + caption[1:])} (docs/design.md \"Scan-level detection\"). In %.</p>"
+        head = f"<p>{html.escape(caption[0].upper() + caption[1:])} (docs/explanation/detection-and-statistics.md \"Scan-level detection\"). In %.</p>"
         rows = []
         for row in table.to_dict("records"):
             out = {"Subgroup": subgroup_name(row["attribute"], row["group"]),
@@ -295,7 +295,7 @@ def verdict_html(study: StudyRuns) -> str:
     return (f"<ul class='verdict'>{items}</ul><p class='note'>One rule decides, the test named in each sentence "
             "(the exact McNemar test for sensitivity): closed, more found and the test rejects at 5% with the interval "
             "above 0; not closed, no more found; undetermined, more found but the test does not reject. The interval "
-            "(Newcombe's for sensitivity) shows the difference's precision (docs/design.md \"Reading the verdict\").</p>")
+            "(Newcombe's for sensitivity) shows the difference's precision (docs/explanation/detection-and-statistics.md \"Reading the verdict\").</p>")
 
 
 def render(study: StudyRuns) -> str:

@@ -104,7 +104,7 @@ def results_markdown(study: StudyRuns) -> str:
         markdown_table(results_table(comparison, point, name_of=name_of)),
         "",
         "Differences are in percentage points with the interval the verdict shows: Newcombe's 95% CI for the "
-        f"paired sensitivities at the chosen m. {MARKS_NOTE} (docs/design.md \"Confidence intervals and "
+        f"paired sensitivities at the chosen m. {MARKS_NOTE} (docs/explanation/detection-and-statistics.md \"Confidence intervals and "
         "comparisons\", \"Reading the verdict\"). The paired bootstrap intervals (which include the operating "
         "point's own uncertainty) are in the compare step's comparison/test_comparison.csv; the full tables are "
         "in the study's HTML report.",

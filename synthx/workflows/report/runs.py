@@ -150,7 +150,7 @@ def headline(comparison: pd.DataFrame) -> pd.DataFrame:
 
 def headline_metrics(table: pd.DataFrame, stage: str = "test") -> dict[str, float]:
     """MLflow keys of the headline: ``<variant>/<stage>/<metric>_worst/<attribute>``, variant an arm
-    (baseline, sham, synthx) or delta (docs/design.md "MLflow runs and keys")."""
+    (baseline, sham, synthx) or delta (docs/explanation/architecture.md "MLflow runs and keys")."""
     variants = [c for c in table.columns if c not in ("attribute", "metric") and not c.endswith("_worst_group")]
     metrics = {}
     for row in table.to_dict("records"):

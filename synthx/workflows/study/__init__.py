@@ -1,18 +1,18 @@
 """The baseline / sham / SynthX study, the project's main job (``benchx study``, MLproject ``main``).
 
 Before any step, the pre-specified primary endpoint is logged on the parent run
-(:mod:`synthx.endpoint`, ``docs/design.md "The primary endpoint"``). Steps, each an MLflow child
+(:mod:`synthx.endpoint`, ``docs/explanation/study.md "The primary endpoint"``). Steps, each an MLflow child
 run of one parent run (``mlflow.parentRunId``):
 
 1. ``data``: the cohort (the embedded phantom is generated when absent) and its split (the
    committed ``splits/phantom.csv`` for the phantom; made once otherwise), validated;
 2. ``locked_cohort`` (phantom cohorts): the locked test cohort, a phantom of another seed that no
    design decision has seen, viewed together with the development validation split
-   (``docs/design.md "The locked test cohort"``);
+   (``docs/explanation/study.md "The locked test cohort"``);
 3. ``baseline``: the backbone trained on real data, on the exposure-matched schedule's real draws
-   (``synthx.real_steps``, ``docs/design.md "Arms with equal real exposure"``);
+   (``synthx.real_steps``, ``docs/explanation/synthx.md "Arms with equal real exposure"``);
 4. ``evaluate_baseline``: subgroup evaluation on validation and the development test split
-   (operating point chosen on validation when the recipe says so, ``docs/design.md "Scan-level detection"``);
+   (operating point chosen on validation when the recipe says so, ``docs/explanation/detection-and-statistics.md "Scan-level detection"``);
 5. ``targeting``: how many synthetic tumors per (sex, age band, phase) cell. The default rule
    ``need:B`` spends a budget of B cases where the baseline's VALIDATION sensitivity falls short
    (``synthx.targeting``); it reads the baseline's validation records only, never test labels;

@@ -18,16 +18,23 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from lightning_modules.evaluation.artifacts import download_records
-from lightning_modules.evaluation.thresholds import matched_specificity_point, specificity_at
+from lightning_modules.evaluation.thresholds import (
+    matched_specificity_point,
+    specificity_at,
+    subgroup_matched_specificity_point,
+)
 from lightning_modules.tracking import log_metrics
 from lightning_modules.workflows.evaluate import OPERATING_POINT_METRIC
 from synthx.decomposition import COMPONENTS, decompose, detections, paired_sensitivity_rows
-from synthx.endpoint import endpoint_summary, label_results, PrimaryEndpoint
-from synthx.verdict import decomposition_sentences, study_verdict
+from synthx.endpoint import endpoint_summary, label_results, PrimaryEndpoint, shown_interval
+from synthx.verdict import arm_namer, decomposition_sentences, study_verdict
 from synthx.workflows.study.runner import StudyRunner
 
+# The operating points where each compared pair has its own m (the arm's matched to the reference's).
+MATCHED_POINTS = ("matched_specificity", "subgroup_matched_specificity")
+
 DECOMPOSITION_ARTIFACT = "synthx/decomposition.csv"
-DECOMPOSITION_ATTRIBUTES = ("phase",)  # the designed gaps are phases (docs/design.md "The phantom cohort")
+DECOMPOSITION_ATTRIBUTES = ("phase",)  # the designed gaps are phases (docs/explanation/data.md "The phantom cohort")
 
 
 def publish_comparison(runner: StudyRunner, comparison: dict, endpoint: PrimaryEndpoint) -> pd.DataFrame:
@@ -45,10 +52,12 @@ def publish_comparison(runner: StudyRunner, comparison: dict, endpoint: PrimaryE
     client.log_text(runner.parent_id, summary + "\n", "comparison/primary_endpoint.txt")
     primary = table[table["role"] == "primary"]
     if not primary.empty:
-        for column in ("delta", "ci_low", "ci_high", "p_family"):
-            value = float(primary[column].iloc[0])
-            if value == value:  # NaN is not logged
-                client.log_metric(runner.parent_id, f"endpoint/{column}", value)
+        row = primary.iloc[0]
+        interval, low, high = shown_interval(row)  # the interval the verdict shows, named in a tag
+        for name, value in (("delta", row["delta"]), ("ci_low", low), ("ci_high", high), ("p_family", row["p_family"])):
+            if float(value) == float(value):  # NaN is not logged
+                client.log_metric(runner.parent_id, f"endpoint/{name}", float(value))
+        client.set_tag(runner.parent_id, "endpoint.interval", interval)
     client.set_tag(runner.parent_id, "comparison_run_id", comparison["run_id"])
     # The full table (every subgroup, metric and operating point) stays in the run; the console gets
     # the primary result and the verdict.
@@ -77,11 +86,13 @@ def ui_command(uri: str, experiment_id: str, port: int = 5000) -> str:
 
 
 def verdict_text(comparison: pd.DataFrame, endpoint: PrimaryEndpoint | None = None,
-                 decomposition: pd.DataFrame | None = None) -> str:
+                 decomposition: pd.DataFrame | None = None, painter: str | None = None) -> str:
     """The verdict sentences the study ends on (:func:`synthx.verdict.study_verdict`), then one per
-    designed subgroup of the decomposition when there is one (:func:`synthx.verdict.decomposition_sentences`)."""
+    designed subgroup of the decomposition when there is one (:func:`synthx.verdict.decomposition_sentences`).
+    ``painter`` names the augmented arm (the positive control is not called SynthX)."""
     point = (endpoint or PrimaryEndpoint()).operating_point
-    lines = study_verdict(comparison, endpoint=endpoint) + decomposition_sentences(decomposition, point=point)
+    lines = (study_verdict(comparison, endpoint=endpoint, name_of=arm_namer(painter))
+             + decomposition_sentences(decomposition, point=point, name_of=arm_namer(painter)))
     return "Verdict (test):\n" + "\n".join(f"  {line}" for line in lines) if lines else "Verdict: no designed subgroup in the comparison"
 
 
@@ -94,7 +105,7 @@ def arm_thresholds(comparison: pd.DataFrame, point: str) -> tuple[dict[str, floa
     for row in rows.itertuples(index=False):
         own.setdefault(str(row.reference), float(row.threshold_a))
         pairs[str(row.run), str(row.reference)] = (float(row.threshold_a), float(row.threshold_b))
-        if point != "matched_specificity":  # a compared arm's matched m is the pair's, not its own
+        if point not in MATCHED_POINTS:  # a compared arm's matched m is the pair's, not its own
             own.setdefault(str(row.run), float(row.threshold_b))
     return own, pairs
 
@@ -128,14 +139,20 @@ def decomposition_table(client: MlflowClient, evaluations: dict[str, dict], comp
         arm, reference = component.arm, component.reference
         if arm not in arms or reference not in arms:
             continue
-        if point != "matched_specificity":
+        if point not in MATCHED_POINTS:
             chosen[arm, reference] = (own[reference], own[arm])
         elif (arm, reference) in pairs:
             chosen[arm, reference] = pairs[arm, reference]
-        else:
+        else:  # matched here as the comparison matches its pairs: on the two arms' validation records
             fixed = client.get_run(evaluations[arm]["run_id"]).data.metrics[OPERATING_POINT_METRIC.format(name="fixed")]
-            target = specificity_at(val[reference], val_chosen[reference], score)
-            chosen[arm, reference] = (val_chosen[reference], matched_specificity_point(val[arm], target, fixed, score).threshold)
+            if point == "matched_specificity":
+                target = specificity_at(val[reference], val_chosen[reference], score)
+                matched = matched_specificity_point(val[arm], target, fixed, score)
+            else:
+                subgroup = (endpoint.attribute, endpoint.group)
+                target = specificity_at(val[reference], val_chosen[reference], score, subgroup=subgroup)
+                matched = subgroup_matched_specificity_point(val[arm], target, fixed, subgroup, score)
+            chosen[arm, reference] = (val_chosen[reference], matched.threshold)
     detected = {arm: detections(test[arm], val_chosen[arm], score) for arm in arms}
     paired = {pair: (detections(test[pair[0]], arm_m, score), detections(test[pair[1]], reference_m, score))
               for pair, (reference_m, arm_m) in chosen.items()}

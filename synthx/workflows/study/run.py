@@ -164,8 +164,10 @@ def _run_study(settings: StudySettings, parent_tags: dict[str, str] | None, stop
         for arm, _, _ in arms:
             evaluations[arm] = _evaluate_arm(runner, settings, f"evaluate_{arm}", arm, trained[arm], extras[arm], locked)
         comparison = runner.step(
-            "compare", {"runs": [evaluations[arm]["run_id"] for arm in COMPARED_ARMS if arm in evaluations]},
-            compare_action(evaluations, runner.uri, settings.experiment, int(base.detection.bootstrap_resamples)),
+            "compare", {"runs": [evaluations[arm]["run_id"] for arm in COMPARED_ARMS if arm in evaluations],
+                        "subgroup": settings.endpoint.subgroup},
+            compare_action(evaluations, runner.uri, settings.experiment, int(base.detection.bootstrap_resamples),
+                           subgroup=settings.endpoint.subgroup),
         )
         table = publish_comparison(runner, comparison, settings.endpoint)
         decomposition = publish_decomposition(runner, evaluations, table, settings.endpoint)
@@ -192,5 +194,5 @@ def _run_study(settings: StudySettings, parent_tags: dict[str, str] | None, stop
         raise
     print(f"[study] parent run {runner.parent_id} in experiment '{settings.experiment}' ({runner.uri})")
     print(f"[study] MLflow UI: {ui_command(runner.uri, runner.experiment_id)}")
-    print(verdict_text(table, settings.endpoint, decomposition))
+    print(verdict_text(table, settings.endpoint, decomposition, settings.painter))
     return table

@@ -37,7 +37,7 @@ COPY_PASTE_REFUSAL = (f"--painter {COPY_PASTE_PAINTER}: every SynthX study alrea
                       "run the study with --painter synthx and read its arm 'copy-paste'")
 TARGETS_ARTIFACT = "synthx/targets.csv"
 # The locked cohort's size: the positive control's effect on arterial sensitivity detectable with 80%
-# power (``python -m synthx.power``, docs/design.md "The locked test cohort").
+# power (``python -m synthx.power``, docs/explanation/study.md "The locked test cohort").
 LOCKED_CASES = 307
 LOCKED_SEED_OFFSET = 1000  # the locked phantom's seed: the development phantom's seed + this
 LOCKED_PREFIX = "L"  # the locked cases' and patients' ids in the evaluation view
@@ -160,7 +160,7 @@ def recipe_params(recipe) -> dict:
 
 
 def arm_values(settings: StudySettings, arm: str, cohort: str | None = None) -> dict:
-    """The recipe values of an arm on the exposure-matched schedule (``docs/design.md "Arms with equal real exposure"``).
+    """The recipe values of an arm on the exposure-matched schedule (``docs/explanation/synthx.md "Arms with equal real exposure"``).
 
     The recipe's ``trainer.max_steps`` (with the study's overrides) are the real steps S of every
     arm; the sham, SynthX and copy-paste arms train S x (1 + r) steps, their extra draws being

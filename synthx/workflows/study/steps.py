@@ -37,7 +37,7 @@ from synthx.painters import COPY_PASTE_PAINTER
 from synthx.targeting import resolve_targets
 from synthx.training import recipe_key, train_synthx
 from synthx.workflows.study.runner import cohort_lock
-from synthx.workflows.study.settings import LOCKED_PREFIX, StudySettings, TARGETS_ARTIFACT
+from synthx.workflows.study.settings import LOCKED_PREFIX, segmentation_recipe, StudySettings, TARGETS_ARTIFACT
 
 
 def data_step(client: MlflowClient, experiment: str, tags: dict, root: Path, split: Path, settings: StudySettings) -> dict:
@@ -174,8 +174,10 @@ def targeting_action(client: MlflowClient, experiment: str, root: Path, split: P
         run_id = client.create_run(experiment, run_name="targeting", tags=tags).info.run_id
         records, threshold = validation_records(client, evaluation_run_id)
         phases = {"phases": settings.target_phases} if settings.target_phases else {}
+        # Without a recorded validation-chosen m, the recipe's own detection threshold (not the schema's default).
+        detection = segmentation_recipe(settings).detection
         targets = resolve_targets(root, split, settings.target, budget=settings.budget, baseline_records=records,
-                                  threshold=threshold, score=score, **phases)
+                                  threshold=threshold, score=score, detection=detection, **phases)
         client.log_param(run_id, "rule", settings.target)
         if settings.target_phases:
             client.log_param(run_id, "target_phases", ",".join(settings.target_phases))
@@ -293,18 +295,20 @@ def copy_paste_action(client: MlflowClient, root: Path, split: Path, settings: S
 COMPARED_ARMS = ("sham", "synthx", "copy_paste", "baseline")
 
 
-def compare_action(evaluations: dict[str, dict], uri: str, experiment: str, resamples: int) -> Callable[[dict], dict]:
+def compare_action(evaluations: dict[str, dict], uri: str, experiment: str, resamples: int,
+                   subgroup: str | None = None) -> Callable[[dict], dict]:
     """The action of the comparison step: paired bootstrap differences against the sham arm, on test.
 
     One table: rows of run ``synthx`` are SynthX minus sham, rows of run ``copy_paste`` copy-paste
     minus sham, rows of run ``baseline`` baseline minus sham (:data:`COMPARED_ARMS`; an arm the study
-    did not train, the copy-paste arm of the positive control, is left out).
+    did not train, the copy-paste arm of the positive control, is left out). With ``subgroup`` (the
+    primary endpoint's, e.g. ``phase:arterial``) the table also holds the subgroup-matched point.
     """
 
     def action(tags: dict) -> dict:
         runs = [evaluations[arm]["run_id"] for arm in COMPARED_ARMS if arm in evaluations]
         try:
-            _, run_id = compare(runs, "test", uri=uri, experiment=experiment, n_resamples=resamples)
+            _, run_id = compare(runs, "test", uri=uri, experiment=experiment, n_resamples=resamples, subgroup=subgroup)
         except BaseException as error:
             _end_open_comparisons(uri, experiment, runs, final_status(error))
             raise
