@@ -150,3 +150,25 @@ def test_a_block_generated_before_a_code_change_is_stale():
     assert stale_generated_blocks({"README.md": block}), "the first commit's code is not today's"
     unknown = block.replace(first, "0" * 40)
     assert "not in this repository's history" in stale_generated_blocks({"README.md": unknown})[0]
+
+
+CITATION = re.compile(r"(docs/[\w/.-]+\.md) \\?\"([^\"\\]+)")
+
+
+def test_the_sections_code_cites_exist():
+    """``docs/<page>.md "Section"`` in code and help texts names a heading of that page (a title cut
+    by a line break counts by its start)."""
+    sources = subprocess.run(["git", "ls-files", "*.py", "MLproject", "recipes/*.yaml", "recipes/**/*.yaml"],
+                             cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.split()
+    headings: dict[str, list[str]] = {}
+    missing = []
+    for source in sources:
+        for page, title in CITATION.findall((REPO_ROOT / source).read_text(encoding="utf-8")):
+            if page not in headings:
+                path = REPO_ROOT / page
+                headings[page] = re.findall(r"(?m)^#+ (.+)$", path.read_text(encoding="utf-8")) if path.exists() else []
+            title = " ".join(title.split())
+            if not any(heading.startswith(title) for heading in headings[page]):
+                missing.append(f"{source}: {page} \"{title}\"")
+    assert sum(len(v) for v in headings.values()) > 20, "no citation found: the pattern is wrong"
+    assert not missing, "citations of sections that do not exist: " + "; ".join(sorted(set(missing))[:20])
