@@ -260,6 +260,9 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     tail = [line.strip() for line in third.rstrip().splitlines()]
     verdict_at = tail.index("Verdict (test):")
     assert f"/#/experiments/{experiment.experiment_id}/runs" in tail[verdict_at - 1]
+    # The console carries the primary result and the verdict; the full comparison table stays in the run.
+    assert "artifact comparison/test_comparison.txt" in third and not any(line.startswith("== ") for line in tail)
+    assert len(tail) < 120, len(tail)
     assert tail[verdict_at + 1].startswith("Scarcity gap (arterial)")
     primary_at = next(i for i, line in enumerate(tail) if line.startswith("Primary endpoint (sensitivity in arterial)"))
     assert tail[primary_at].endswith(".")
@@ -267,7 +270,7 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     decomposed = tail[primary_at + 1:]
     assert decomposed and all(line.startswith(("Scarcity gap (", "Physics gap (")) for line in decomposed)
     scarcity = decomposed[0]
-    assert scarcity.startswith("Scarcity gap (arterial), decomposed on") and "at matched specificity" in scarcity
+    assert scarcity.startswith("Scarcity gap (arterial), decomposed on") and "at subgroup-matched specificity" in scarcity
     assert "copy-paste - sham (canvases and placement)" in scarcity and "SynthX - copy-paste (generated content)" in scarcity
     assert scarcity.count("95% CI") == 2 and "together SynthX - sham" in scarcity
     assert client.get_experiment(experiment.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
