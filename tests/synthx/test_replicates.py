@@ -191,7 +191,12 @@ def test_two_replicates_run_as_two_workers_and_are_pooled(tiny_phantom, tmp_path
     assert len(pooled_runs) == 1
     table = pd.read_csv(client.download_artifacts(pooled_runs[0].info.run_id, "pooled/test_subgroup_matched_specificity.csv",
                                                   str(tmp_path / "pooled")))
-    assert set(table["comparison"]) == {"synthx - sham", "baseline - sham"}  # the pairs the study compared
+    # The pairs the study compared; and the decomposition pooled, since every replicate has the copy-paste arm.
+    assert set(table["comparison"]) == {"synthx - sham", "copy_paste - sham", "baseline - sham"}
+    parts = pd.read_csv(client.download_artifacts(pooled_runs[0].info.run_id, "pooled/decomposition_test_matched_specificity.csv",
+                                                  str(tmp_path / "parts")))
+    assert list(dict.fromkeys(parts["component"])) == ["placement", "content", "total"]
+    assert set(parts.loc[parts["attribute"] == "overall", "seeds"]) == {2}
     overall = table[(table["attribute"] == "overall") & (table["metric"] == "specificity")].iloc[0]
     assert overall["seeds"] == 2 and overall["mean_delta"] == pytest.approx((overall["delta 0"] + overall["delta 1"]) / 2)
     assert "seeds pooled at the subgroup_matched_specificity operating point" in out
