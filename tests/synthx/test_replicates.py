@@ -193,7 +193,7 @@ def test_two_replicates_run_as_two_workers_and_are_pooled(tiny_phantom, tmp_path
                                                   str(tmp_path / "pooled")))
     # The pairs the study compared; and the decomposition pooled, since every replicate has the copy-paste arm.
     assert set(table["comparison"]) == {"synthx - sham", "copy_paste - sham", "baseline - sham"}
-    parts = pd.read_csv(client.download_artifacts(pooled_runs[0].info.run_id, "pooled/decomposition_test_matched_specificity.csv",
+    parts = pd.read_csv(client.download_artifacts(pooled_runs[0].info.run_id, "pooled/decomposition_test_subgroup_matched_specificity.csv",
                                                   str(tmp_path / "parts")))
     assert list(dict.fromkeys(parts["component"])) == ["placement", "content", "total"]
     assert set(parts.loc[parts["attribute"] == "overall", "seeds"]) == {2}
