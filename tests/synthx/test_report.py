@@ -109,7 +109,7 @@ def test_the_report_is_self_contained_and_rebuilt_by_benchx_report(finished_stud
     assert "Age: 20 or younger" in text and "Phase: arterial" in text
     assert not re.search(r"<td>le20</td>|<th>sensitivity_ci_low</th>", text)
     # The primary comparison is SynthX against sham; baseline against sham shows the schedule alone.
-    assert text.count("<h3>SynthX minus sham at ") == 3, "fixed, validation-chosen and matched specificity"
+    assert text.count("<h3>SynthX minus sham at ") == 4, "fixed, validation-chosen, matched and subgroup-matched specificity"
     assert text.count("<h3>copy-paste minus sham at ") == 3, "the copy-paste arm has its own forest plots"
     # The quality summary: measured contrast of real and synthetic tumors (HU) side by side.
     assert re.search(r"<td>all phases</td>\s*<td>\d+ / \d+</td>\s*<td>[+-]\d+</td>\s*<td>[+-]\d+</td>", text)
@@ -184,10 +184,12 @@ def _comparison(client, parent_id, folder) -> pd.DataFrame:
 
 def _decomposition_lines(client, parent_id, folder) -> list[str]:
     """The verdict's decomposition sentences of the study's own decomposition table."""
+    from synthx.endpoint import PrimaryEndpoint
     from synthx.verdict import decomposition_sentences
 
     path = client.download_artifacts(parent_id, "synthx/decomposition.csv", str(folder / "decomposition"))
-    return decomposition_sentences(pd.read_csv(path, keep_default_na=False, na_values=[""]))
+    point = PrimaryEndpoint.from_params(client.get_run(parent_id).data.params).operating_point  # where it was made
+    return decomposition_sentences(pd.read_csv(path, keep_default_na=False, na_values=[""]), point=point)
 
 
 def test_the_verdict_opens_the_report_and_is_the_parent_s_description(finished_study, tmp_path):

@@ -136,7 +136,9 @@ def test_a_signal_during_a_step_ends_its_runs_killed_and_the_rerun_resumes(tiny_
     from synthx.workflows.study.runner import END_TAG, FAILED_STEP_TAG
 
     root, split = tiny_phantom
-    settings = _study_settings(root, split, tmp_path)
+    # A locked cohort of 120 scans takes seconds to write: the signal lands inside that step even on a
+    # loaded machine (8 scans were written before a SIGKILL arrived, and the baseline had begun).
+    settings = dataclasses.replace(_study_settings(root, split, tmp_path), locked_cases=120)
     process, _, err = start(cli_arguments(settings), tmp_path / "first")
     wait_for(tmp_path / "first" / "stdout.txt", "[study] locked_cohort: running", process)
     wait_for_step_run(settings, "locked_cohort", process)
