@@ -74,7 +74,7 @@ def test_a_slurm_array_of_two_replicates_is_pooled(services, tiny_phantom, tmp_p
     pooled = client.search_runs([experiment], "tags.stage = 'replicates_pooled'")
     assert len(pooled) == 1
     assert set(pooled[0].data.tags["replicated_studies"].split()) == {r.info.run_id for r in replicates.values()}
-    table = pd.read_csv(client.download_artifacts(pooled[0].info.run_id, "pooled/test_matched_specificity.csv", str(tmp_path / "p")))
+    table = pd.read_csv(client.download_artifacts(pooled[0].info.run_id, "pooled/test_subgroup_matched_specificity.csv", str(tmp_path / "p")))
     overall = table[(table["attribute"] == "overall") & (table["metric"] == "specificity")].iloc[0]
     assert overall["seeds"] == 2 and {"delta 0", "delta 1"} <= set(table.columns)
 

@@ -110,7 +110,7 @@ def test_the_report_is_self_contained_and_rebuilt_by_benchx_report(finished_stud
     assert not re.search(r"<td>le20</td>|<th>sensitivity_ci_low</th>", text)
     # The primary comparison is SynthX against sham; baseline against sham shows the schedule alone.
     assert text.count("<h3>SynthX minus sham at ") == 4, "fixed, validation-chosen, matched and subgroup-matched specificity"
-    assert text.count("<h3>copy-paste minus sham at ") == 3, "the copy-paste arm has its own forest plots"
+    assert text.count("<h3>copy-paste minus sham at ") == 4, "the copy-paste arm has its own forest plots"
     # The quality summary: measured contrast of real and synthetic tumors (HU) side by side.
     assert re.search(r"<td>all phases</td>\s*<td>\d+ / \d+</td>\s*<td>[+-]\d+</td>\s*<td>[+-]\d+</td>", text)
     assert not re.search(r'src="(?!data:)', text), "no external resources"

@@ -80,7 +80,7 @@ def test_a_comparison_cut_short_ends_its_run(runner, monkeypatch):
     evaluations = {"sham": {"run_id": "s"}, "synthx": {"run_id": "x"}, "baseline": {"run_id": "b"}}
     opened = []
 
-    def failing(runs, stage, uri, experiment, n_resamples):
+    def failing(runs, stage, uri, experiment, n_resamples, subgroup=None):
         opened.append(runner.client.create_run(runner.experiment_id, tags={"compared_runs": ",".join(runs)}).info.run_id)
         raise MemoryError("bootstrap")
 
