@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_modules.data.validation import DEFAULT_CLASSES, validate
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(allow_abbrev=False, prog="benchx validate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", required=True, help="cohort folder (layout A or B) with metadata.csv")
-    parser.add_argument("--classes", nargs="+", default=list(DEFAULT_CLASSES), help="mask classes the recipe needs")
+    parser.add_argument("--classes", nargs="+", default=None,
+                        help="mask classes the recipe needs (default: pancreas and pancreatic_lesion, the BenchX task)")
     parser.add_argument("--tumor-class", default=None, help="lesion class checked against the tumor column")
     parser.add_argument("--split", default=None, help="also check a split CSV against the cohort")
     parser.add_argument("--headers-only", action="store_true", help="read NIfTI headers only (faster, fewer checks)")
@@ -29,7 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    report = validate(args.root, args.classes, not args.headers_only, args.tumor_class, args.workers, args.split)
+    # Imported after parsing, so that --help and argument errors answer at once.
+    from lightning_modules.data.validation import DEFAULT_CLASSES, validate
+
+    classes = args.classes if args.classes is not None else list(DEFAULT_CLASSES)
+    report = validate(args.root, classes, not args.headers_only, args.tumor_class, args.workers, args.split)
     for problem in report.problems:
         print(problem)
     if report.problems:
