@@ -180,6 +180,13 @@ LIBRARY_IMPORTS = {
     # The whole recipe: loaded once, each section checked by the layer that owns it.
     "lightning_modules.recipe": {"lightning_modules.recipe", "lightning_modules.config", "lightning_modules.data",
                                  "lightning_modules.models"},
+    # Shared infrastructure, below every layer that uses it: run folders (locks, fingerprints,
+    # resumable checkpoints), process handling (signals, worker lifetimes), resource monitoring and
+    # the warnings filter. Each stands alone.
+    "lightning_modules.run_folder": {"lightning_modules.run_folder"},
+    "lightning_modules.process": {"lightning_modules.process"},
+    "lightning_modules.monitoring": {"lightning_modules.monitoring"},
+    "lightning_modules.warnings_filter": {"lightning_modules.warnings_filter"},
 }
 # synthx's libraries: the generator, its pipeline and training pieces, painting and the verdict.
 SYNTHX_LIBRARIES = (
@@ -188,8 +195,17 @@ SYNTHX_LIBRARIES = (
     "synthx.realism", "synthx.realism_encoder",
     "synthx.training.dataset", "synthx.training.modules", "synthx.generation.canvases",
     "synthx.generation.painting", "synthx.generation.phantom_painter", "synthx.generation.writing",
-    "synthx.generation.copy_paste", "synthx.decomposition",
+    "synthx.generation.copy_paste", "synthx.decomposition", "synthx.quality",
 )
+# synthx's modules that sit above its libraries and still call MLflow themselves: targeting reads
+# the baseline's validation records from its run, generation and training runs log their outputs,
+# the pyfunc model wraps the pipeline for the registry. They are workflows in the layout.
+SYNTHX_WORKFLOW_MODULES = (
+    "synthx.targeting", "synthx.generation.run", "synthx.generation.source", "synthx.training.run", "synthx.pyfunc",
+    "synthx.pyfunc_code",
+)
+# Packages whose __init__ only gathers names (no layer of their own).
+PACKAGE_ROOTS = ("lightning_modules", "synthx", "synthx.generation", "synthx.training")
 SERVICE_CLIENTS = ("mlflow", "optuna")
 ABOVE_LIBRARIES = ("lightning_modules.tracking", "lightning_modules.workflows", "lightning_modules.commands",
                    "lightning_modules.cli", "lightning_modules.trainer", "synthx.workflows", "synthx.commands")
@@ -241,6 +257,11 @@ WHOLE_RECIPE_LIBRARY_FUNCTIONS = {
     "lightning_modules.models.planning.resolve_planned_recipe",
     "synthx.training.modules.SynthXTrainingModule.from_recipe",
     "synthx.training.modules.SynthXAutoencoderModule.from_recipe",
+    # A run folder's identity is the fingerprint of the whole recipe (a changed key refuses a resume).
+    "lightning_modules.run_folder.recipe_keys",
+    "lightning_modules.run_folder.recipe_fingerprint",
+    "lightning_modules.run_folder.RunRecord.for_recipe",
+    "lightning_modules.run_folder.check_same_recipe",
 }
 
 
@@ -302,3 +323,29 @@ def test_the_library_table_catches_mlflow_a_workflow_and_an_upward_import():
         "lightning_modules.models.checkpoints imports lightning_modules.tracking",
         "synthx.pipeline imports lightning_modules.workflows.train",
     ]
+
+
+def unplaced_modules(modules) -> list[str]:
+    """The modules the layout table does not place: in no library, no layer above them, no workflow list."""
+    return sorted(
+        module for module in modules
+        if module not in PACKAGE_ROOTS
+        and not any(_within(module, package) for package in LIBRARY_IMPORTS)
+        and not any(_within(module, library) for library in SYNTHX_LIBRARIES)
+        and not any(_within(module, above) for above in ABOVE_LIBRARIES)
+        and module not in SYNTHX_WORKFLOW_MODULES
+    )
+
+
+def test_every_module_has_its_place_in_the_layout_table():
+    assert unplaced_modules(_sources()) == []
+
+
+def test_a_new_module_outside_the_table_is_named():
+    assert unplaced_modules(["synthx.model", "synthx.helpers", "lightning_modules.utils", "lightning_modules"]) == [
+        "lightning_modules.utils", "synthx.helpers"]
+
+
+def test_the_workflow_list_holds_only_modules_that_exist():
+    assert set(SYNTHX_WORKFLOW_MODULES) <= set(_sources())
+    assert set(SYNTHX_LIBRARIES) <= set(_sources()) | {"synthx.training", "synthx.generation"}
