@@ -12,9 +12,10 @@ operating point is compared in pairs, always as arm minus reference:
   tumors pasted into healthy canvases help less than the real cases themselves);
 - ``content``: synthx - copy_paste, what the generated content costs (negative: SynthX's tumors
   help less than real ones at the same sites);
-- ``total``: synthx - sham, the study's primary comparison. At one shared threshold it is
-  placement + content exactly; at matched operating points each arm has its own m, so the sum
-  holds only approximately;
+- ``total``: synthx - sham, the study's primary comparison. Each arm is judged at one m in every
+  component (the study takes it from the primary comparison, where each arm's m is matched to
+  sham's), so total = placement + content exactly, per subgroup; an arm judged at a different m
+  in each pair would break that sum;
 - ``ceiling``: phantom - sham, what real-appearance tumors at new sites can gain (when given).
 
 Per comparison and subgroup: the paired 2x2 table of the tumors both arms find, only one finds,

@@ -243,6 +243,13 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
                                  for c in ("placement", "content", "total"))
     tested = set(total.index) & set(placement.index) & set(content.index)
     assert tested, "the components share subgroups"
+    # One m per arm in every component (the primary comparison's), so the components add up exactly.
+    for key in tested:
+        assert placement[key] + content[key] == pytest.approx(total[key], nan_ok=True), key
+    m = {}
+    for row in parts.itertuples(index=False):
+        for arm, value in ((row.arm, row.threshold_arm), (row.reference, row.threshold_reference)):
+            assert m.setdefault(arm, value) == value, f"{arm} judged at two m"
     metrics = client.get_run(latest.info.run_id).data.metrics
     assert metrics["decomposition/overall:all/placement/difference"] == pytest.approx(placement["overall", "all"])
     assert {"decomposition/overall:all/content/ci_low", "decomposition/overall:all/total/p"} <= set(metrics)

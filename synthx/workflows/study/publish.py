@@ -18,16 +18,10 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from lightning_modules.evaluation.artifacts import download_records
-from lightning_modules.evaluation.thresholds import (
-    matched_specificity_point,
-    specificity_at,
-    subgroup_matched_specificity_point,
-)
 from lightning_modules.tracking import log_metrics
-from lightning_modules.workflows.evaluate import OPERATING_POINT_METRIC
-from synthx.decomposition import COMPONENTS, decompose, detections, paired_sensitivity_rows
+from synthx.decomposition import decompose, detections, paired_sensitivity_rows
 from synthx.endpoint import endpoint_summary, label_results, PrimaryEndpoint, shown_interval
-from synthx.verdict import arm_namer, decomposition_sentences, study_verdict
+from synthx.verdict import arm_namer, CONTROL_ARM, decomposition_sentences, study_verdict
 from synthx.workflows.study.runner import StudyRunner
 
 # The operating points where each compared pair has its own m (the arm's matched to the reference's).
@@ -110,55 +104,55 @@ def arm_thresholds(comparison: pd.DataFrame, point: str) -> tuple[dict[str, floa
     return own, pairs
 
 
+def common_thresholds(comparison: pd.DataFrame, point: str, arms: list[str]) -> dict[str, float]:
+    """One m per arm at ``point``, the m the primary comparison used, so that every component of the
+    decomposition judges an arm at the same threshold and the components add up (placement + content
+    = total, per subgroup, exactly).
+
+    At the matched points the sham arm (the reference of every comparison) keeps its
+    validation-chosen m and each other arm the m that matched sham's validation specificity in its
+    comparison against sham; at ``val_chosen`` and ``fixed`` every arm has its own m.
+
+    Raises:
+        LookupError: an arm has no comparison against sham at ``point``.
+    """
+    own, pairs = arm_thresholds(comparison, point)
+    if point not in MATCHED_POINTS:
+        return {arm: own[arm] for arm in arms}
+    chosen = {}
+    for arm in arms:
+        if arm == CONTROL_ARM:
+            continue
+        if (arm, CONTROL_ARM) not in pairs:
+            raise LookupError(f"the comparison holds no {arm} - {CONTROL_ARM} rows at {point}")
+        chosen[CONTROL_ARM], chosen[arm] = pairs[arm, CONTROL_ARM]
+    return chosen
+
+
 def decomposition_table(client: MlflowClient, evaluations: dict[str, dict], comparison: pd.DataFrame,
                         endpoint: PrimaryEndpoint) -> pd.DataFrame | None:
     """The decomposition on the test records at the endpoint's operating point, or None without a copy-paste arm.
 
-    At matched specificity each pair has its own m, as the comparison set them: the reference at
-    its validation-chosen m, the arm at the m matching the reference's validation specificity; the
-    pair the comparison does not hold (SynthX against copy-paste) is matched the same way here, on
-    the two arms' validation records. With the phantom painter (no copy-paste arm, the ``synthx``
-    arm is the phantom's) the table holds the ceiling only: phantom minus sham.
+    Every arm is judged at the m the primary comparison gave it (:func:`common_thresholds`): sham at
+    its validation-chosen m, SynthX and copy-paste each at the m matching sham's validation
+    specificity. The content pair (SynthX against copy-paste) is therefore not re-matched, and
+    placement + content = total. With the phantom painter (no copy-paste arm, the ``synthx`` arm is
+    the phantom's) the table holds the ceiling only: phantom minus sham.
     """
     point, score = endpoint.operating_point, endpoint.score
-    own, pairs = arm_thresholds(comparison, point)
-    val_chosen, _ = arm_thresholds(comparison, "val_chosen")
     arms = [arm for arm in ("sham", "copy_paste", "synthx") if arm in evaluations]
+    if "copy_paste" not in arms and ("synthx", CONTROL_ARM) not in arm_thresholds(comparison, point)[1]:
+        return None
+    m = common_thresholds(comparison, point, arms)
     with tempfile.TemporaryDirectory() as folder:
         test = {arm: download_records(client, evaluations[arm]["run_id"], "test", f"{folder}/test-{arm}") for arm in arms}
-        val = {arm: download_records(client, evaluations[arm]["run_id"], "val", f"{folder}/val-{arm}") for arm in arms}
+    detected = {arm: detections(test[arm], m[arm], score) for arm in arms}
     if "copy_paste" not in arms:
-        if ("synthx", "sham") not in pairs:
-            return None
-        reference_m, arm_m = pairs["synthx", "sham"]
-        table = paired_sensitivity_rows(detections(test["synthx"], arm_m, score), detections(test["sham"], reference_m, score),
-                                        "phantom", "sham", DECOMPOSITION_ATTRIBUTES)
-        return table.assign(component="ceiling", threshold_reference=reference_m, threshold_arm=arm_m)
-    chosen = {}
-    for component in COMPONENTS:
-        arm, reference = component.arm, component.reference
-        if arm not in arms or reference not in arms:
-            continue
-        if point not in MATCHED_POINTS:
-            chosen[arm, reference] = (own[reference], own[arm])
-        elif (arm, reference) in pairs:
-            chosen[arm, reference] = pairs[arm, reference]
-        else:  # matched here as the comparison matches its pairs: on the two arms' validation records
-            fixed = client.get_run(evaluations[arm]["run_id"]).data.metrics[OPERATING_POINT_METRIC.format(name="fixed")]
-            if point == "matched_specificity":
-                target = specificity_at(val[reference], val_chosen[reference], score)
-                matched = matched_specificity_point(val[arm], target, fixed, score)
-            else:
-                subgroup = (endpoint.attribute, endpoint.group)
-                target = specificity_at(val[reference], val_chosen[reference], score, subgroup=subgroup)
-                matched = subgroup_matched_specificity_point(val[arm], target, fixed, subgroup, score)
-            chosen[arm, reference] = (val_chosen[reference], matched.threshold)
-    detected = {arm: detections(test[arm], val_chosen[arm], score) for arm in arms}
-    paired = {pair: (detections(test[pair[0]], arm_m, score), detections(test[pair[1]], reference_m, score))
-              for pair, (reference_m, arm_m) in chosen.items()}
-    table = decompose(detected, DECOMPOSITION_ATTRIBUTES, pairs=paired)
-    table["threshold_reference"] = [chosen[a, r][0] for a, r in zip(table["arm"], table["reference"])]
-    table["threshold_arm"] = [chosen[a, r][1] for a, r in zip(table["arm"], table["reference"])]
+        table = paired_sensitivity_rows(detected["synthx"], detected["sham"], "phantom", "sham", DECOMPOSITION_ATTRIBUTES)
+        return table.assign(component="ceiling", threshold_reference=m["sham"], threshold_arm=m["synthx"])
+    table = decompose(detected, DECOMPOSITION_ATTRIBUTES)
+    table["threshold_reference"] = table["reference"].map(m)
+    table["threshold_arm"] = table["arm"].map(m)
     return table
 
 
