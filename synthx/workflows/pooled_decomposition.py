@@ -4,7 +4,8 @@ the seeds with its t-interval (:func:`synthx.decomposition.pooled_decomposition`
 the pooled page.
 
 Each replicate's pairs keep the m its own study used: at matched specificity, the two m of each
-pair as the study's decomposition table (``synthx/decomposition.csv`` on its parent run) records them.
+pair as the study's decomposition table (``synthx/decomposition.csv`` on its parent run) records them,
+one m per arm (its m against sham), so the pooled components add up as each seed's do.
 
 Example::
 
@@ -95,5 +96,6 @@ def decomposition_markdown(table: pd.DataFrame) -> list[str]:
         return []
     return [SECTION, "", "Sensitivity differences in percentage points on the same tumors: placement is copy-paste - "
             "sham (SynthX's canvases and placement with real tumors), content SynthX - copy-paste (the generated "
-            "content), total SynthX - sham; each seed's pairs at the m its own study used.", "",
+            "content), total SynthX - sham; each seed's arms at the m its own study used (one m per arm, so "
+            "placement + content = total in every seed and in the mean).", "",
             markdown_table(pd.DataFrame(rows)), ""]

@@ -60,7 +60,7 @@ def decomposition_html(study: StudyRuns, name_of: ArmNamer = arm_label) -> str:
         raise LookupError("the decomposition holds none of the designed subgroups")
     point = point_label(study.parent.data.params.get("endpoint.operating_point", "matched_specificity"))
     head = (f"<p>Sensitivity on the test set's tumor scans at the primary endpoint's operating point ({html.escape(point)}, "
-            "each pair at its own m). Placement: copy-paste (real training tumors pasted at SynthX's sites in SynthX's "
+            "each arm at the m of its comparison against sham, so the components add up). Placement: copy-paste (real training tumors pasted at SynthX's sites in SynthX's "
             "canvases) minus sham (the real tumor cases themselves); content: SynthX minus copy-paste; total: SynthX "
             "minus sham; ceiling: the positive control minus sham. Paired 95% CI (Newcombe), exact McNemar p; in "
             "percentage points.</p>")
