@@ -250,6 +250,11 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     for row in parts.itertuples(index=False):
         for arm, value in ((row.arm, row.threshold_arm), (row.reference, row.threshold_reference)):
             assert m.setdefault(arm, value) == value, f"{arm} judged at two m"
+    # ... the m each arm has in its comparison against sham at the endpoint's operating point.
+    at_point = table[table["operating_point"] == latest.data.params["endpoint.operating_point"]]
+    for arm in ("synthx", "copy_paste"):
+        pair = at_point[(at_point["run"] == arm) & (at_point["reference"] == "sham")].iloc[0]
+        assert (m[arm], m["sham"]) == pytest.approx((pair["threshold_b"], pair["threshold_a"])), arm
     metrics = client.get_run(latest.info.run_id).data.metrics
     assert metrics["decomposition/overall:all/placement/difference"] == pytest.approx(placement["overall", "all"])
     assert {"decomposition/overall:all/content/ci_low", "decomposition/overall:all/total/p"} <= set(metrics)
