@@ -38,7 +38,6 @@ Example::
     targets = resolve_targets("data/phantom", "splits/phantom.csv", "need:40", baseline_records=val_records, threshold=50.0)
     targets = resolve_targets("data/phantom", "splits/phantom.csv", "need:40", baseline_records=val_records,
                               detection=recipe.detection)  # the segmentation recipe's m and score
-    log_targets(targets)  # inside an active MLflow run
 """
 
 from __future__ import annotations
@@ -451,24 +450,6 @@ def requests_from_targets(targets: pd.DataFrame) -> list[dict]:
         for index in range(int(row["requested"])):
             requests.append({"sex": cell[0], "age_band": cell[1], "phase": cell[2], "index": index})
     return requests
-
-
-def log_targets(targets: pd.DataFrame, artifact_file: str = "synthx/targets.json", run_id: str | None = None) -> None:
-    """Log the targeting table to MLflow (a table for the UI and a CSV twin) plus the total requested.
-
-    Args:
-        targets: the table from :func:`resolve_targets`.
-        artifact_file: where the table goes among the run's artifacts (``.json``, as mlflow.log_table needs).
-        run_id: the run to log to; the active run when None.
-    """
-    import mlflow
-
-    mlflow.log_table(data=targets, artifact_file=artifact_file, run_id=run_id)
-    csv_name = str(Path(artifact_file).with_suffix(".csv"))
-    client = mlflow.MlflowClient()
-    active = run_id or mlflow.active_run().info.run_id
-    client.log_text(active, targets.to_csv(index=False), csv_name)
-    client.log_metric(active, "synthx/requested_total", float(targets["requested"].sum()))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ def test_the_diary_check_leaves_generated_results_alone():
 def test_the_readme_blocks_are_the_generated_pages():
     """README's generated blocks say what docs/results.md and docs/seeds.md say (both written by
     ``benchx report --markdown`` from the same runs): no hand edit on one side only."""
-    from synthx.workflows.replicates import PER_SEED_SECTION, SEEDS_BLOCK
+    from synthx.workflows.pooled_page import PER_SEED_SECTION, SEEDS_BLOCK
     from synthx.workflows.report.markdown_page import fill_results_block
 
     readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")

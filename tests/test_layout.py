@@ -195,13 +195,13 @@ SYNTHX_LIBRARIES = (
     "synthx.realism", "synthx.realism_encoder",
     "synthx.training.dataset", "synthx.training.modules", "synthx.generation.canvases",
     "synthx.generation.painting", "synthx.generation.phantom_painter", "synthx.generation.writing",
-    "synthx.generation.copy_paste", "synthx.decomposition", "synthx.quality",
+    "synthx.generation.copy_paste", "synthx.decomposition", "synthx.quality", "synthx.targeting",
 )
-# synthx's modules that sit above its libraries and still call MLflow themselves: targeting reads
-# the baseline's validation records from its run, generation and training runs log their outputs,
-# the pyfunc model wraps the pipeline for the registry. They are workflows in the layout.
+# synthx's modules that sit above its libraries and still call MLflow themselves: generation and
+# training runs log their outputs (the targeting table among them), the pyfunc model wraps the
+# pipeline for the registry. They are workflows in the layout.
 SYNTHX_WORKFLOW_MODULES = (
-    "synthx.targeting", "synthx.generation.run", "synthx.generation.source", "synthx.training.run", "synthx.pyfunc",
+    "synthx.generation.run", "synthx.generation.source", "synthx.training.run", "synthx.pyfunc",
     "synthx.pyfunc_code",
 )
 # Packages whose __init__ only gathers names (no layer of their own).

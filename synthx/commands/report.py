@@ -35,7 +35,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mlflow.tracking import MlflowClient
 
     from lightning_modules.tracking import tracking_uri
-    from synthx.workflows.replicates import POOLED_STAGE, write_pooled_markdown
+    from synthx.workflows.pooled_page import write_pooled_markdown
+    from synthx.workflows.replicates import POOLED_STAGE
     from synthx.workflows.report.html_page import build_report
     from synthx.workflows.report.markdown_page import write_results_markdown
 

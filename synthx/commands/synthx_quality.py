@@ -72,13 +72,12 @@ def log_quality(report, run_id: str, prefix: str = "synthx_quality", client=None
     """
     import mlflow
 
-    from lightning_modules.tracking import log_metrics
+    from lightning_modules.tracking import log_metrics, log_table_with_csv
 
     client = client or mlflow.MlflowClient()
     for name in TABLES:
         table = getattr(report, name)
-        client.log_table(run_id, data=table, artifact_file=f"{prefix}/{name}.json")
-        client.log_text(run_id, table.to_csv(index=False), f"{prefix}/{name}.csv")
+        log_table_with_csv(client, run_id, table, f"{prefix}/{name}.json")
     client.log_figure(run_id, report.figure, f"{prefix}/examples.png")
     metrics = quality_metrics(report, prefix)
     if filtered is not None:

@@ -51,7 +51,7 @@ from lightning_modules.data.metadata import normalize_phase, PHASES
 from lightning_modules.data.splits import load_split
 from lightning_modules.process import git_commit, terminating_signals
 from lightning_modules.run_folder import RunFolderLock
-from lightning_modules.tracking import experiment_id, tracking_uri as resolve_uri
+from lightning_modules.tracking import experiment_id, log_table_with_csv, tracking_uri as resolve_uri
 from synthx.config import MaskPriorConfig, SamplingConfig
 from synthx.generation.canvases import (
     as_requests,
@@ -82,7 +82,7 @@ from synthx.mask_prior import size_class_weights
 from synthx.painters import COPY_PASTE_PAINTER, PAINTERS, PHANTOM_PAINTER, SYNTHX_PAINTER
 from synthx.provenance import check_provenance, GeneratorProvenance, read_provenance
 from synthx.schedulers import SAMPLING_SCHEDULERS
-from synthx.targeting import log_targets, resolve_targets
+from synthx.targeting import resolve_targets
 
 
 log = logging.getLogger(__name__)
@@ -326,8 +326,15 @@ def _open_run(settings: SynthesisSettings, uri: str, manifest: dict, out_root: P
             client.log_param(run_id, key, json.dumps(value) if isinstance(value, dict) else value)
         atomic_write_bytes(record_path, json.dumps({"run_id": run_id, "tracking_uri": uri}).encode())
     if targets is not None:
-        log_targets(targets, run_id=run_id)
+        log_targets(client, run_id, targets)
     return client, run_id
+
+
+def log_targets(client: mlflow.MlflowClient, run_id: str, targets: pd.DataFrame) -> None:
+    """The targeting table (:func:`synthx.targeting.resolve_targets`) on a synthesis run:
+    ``synthx/targets.json`` for the UI, its CSV twin, and the total requested."""
+    log_table_with_csv(client, run_id, targets, "synthx/targets.json")
+    client.log_metric(run_id, "synthx/requested_total", float(targets["requested"].sum()))
 
 
 def _make_case(context: dict, request: SynthesisRequest, rows: dict, summary: SynthesisSummary, seconds: list) -> None:

@@ -338,7 +338,8 @@ def test_the_pooled_page_names_its_runs_and_judges_the_pooled_difference(finishe
     from mlflow.tracking import MlflowClient
 
     from synthx.commands.report import main
-    from synthx.workflows.replicates import POOLED_STAGE, pooled_markdown, pooled_table
+    from synthx.workflows.pooled_page import pooled_markdown
+    from synthx.workflows.replicates import POOLED_STAGE, pooled_table
     from synthx.workflows.report.runs import load_study, verdict_lines
 
     settings, uri, parent_id = finished_study
@@ -406,7 +407,8 @@ def test_pooling_identical_seeds_reproduces_the_studys_own_decomposition(finishe
     from mlflow.tracking import MlflowClient
 
     from synthx.workflows.pooled_decomposition import POOLED_ARTIFACT, pooled_decomposition_table, SECTION
-    from synthx.workflows.replicates import POOLED_STAGE, pooled_markdown, pooled_table, replicate_arms
+    from synthx.workflows.pooled_page import pooled_markdown
+    from synthx.workflows.replicates import POOLED_STAGE, pooled_table, replicate_arms
 
     settings, uri, parent_id = finished_study
     client = MlflowClient(uri)

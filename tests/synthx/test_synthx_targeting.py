@@ -13,7 +13,6 @@ from synthx.targeting import (
     TARGET_COLUMNS,
     TargetingError,
     cell_grid,
-    log_targets,
     parse_rule,
     plan_match,
     plan_need,
@@ -198,15 +197,20 @@ def test_requests_expand_per_cell_indices():
     ]
 
 
-def test_log_targets_round_trips_through_mlflow(cohort_with_split, mlflow_uri):
+def test_log_targets_round_trips_through_mlflow(cohort_with_split, mlflow_uri, tmp_path):
     import mlflow
+
+    from synthx.generation.run import log_targets
 
     root, split = cohort_with_split
     targets = resolve_targets(root, split, "min_positives:2")
+    client = mlflow.MlflowClient()
     with mlflow.start_run() as run:
-        log_targets(targets)
+        log_targets(client, run.info.run_id, targets)
     loaded = mlflow.load_table("synthx/targets.json", run_ids=[run.info.run_id])
     assert loaded[list(TARGET_COLUMNS)].to_dict("records") == targets.to_dict("records")
+    twin = pd.read_csv(client.download_artifacts(run.info.run_id, "synthx/targets.csv", str(tmp_path)))
+    assert twin[list(TARGET_COLUMNS)].to_dict("records") == targets.to_dict("records")
     assert mlflow.get_run(run.info.run_id).data.metrics["synthx/requested_total"] == targets["requested"].sum()
 
 
