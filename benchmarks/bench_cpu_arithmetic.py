@@ -62,7 +62,7 @@ if network == "unet":
         optimizer.step()
 else:
     from synthx.config import load_synthx_recipe
-    from synthx.model import CONDITION_NAMES
+    from synthx.generator.model import CONDITION_NAMES
     from synthx.training.modules import SynthXTrainingModule
 
     recipe = load_synthx_recipe({root!r} + "/recipes/generator/synthx.yaml", ["profile=cpu"])

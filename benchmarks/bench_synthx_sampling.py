@@ -3,7 +3,7 @@
 Tiny settings so that it finishes in minutes on a CPU: a phantom cohort, the generator recipe's CPU
 profile trained for ``--train-steps`` steps (its own MLflow run in a temporary SQLite store), then the
 same requests (the same canvases, tumor masks and seed) painted with each sampler. For each: seconds
-per tumor (measured), and the quality statistics of :func:`synthx.quality.quality_report` over all
+per tumor (measured), and the quality statistics of :func:`synthx.analysis.quality.quality_report` over all
 tumors: mean tumor HU, tumor-to-rim contrast (HU) and the Wasserstein distances of the HU quantiles
 and of the contrast to the real training tumors. The speed ratio is DDPM 1000 / the fast sampler;
 the quality of the fast samplers should be close to DDPM's (a generator trained this briefly is far
@@ -36,7 +36,7 @@ from lightning_modules.cohorts.phantom import generate_phantom_cohort  # noqa: E
 from lightning_modules.data.splits import make_splits, write_split  # noqa: E402
 from synthx.config import load_synthx_recipe  # noqa: E402
 from synthx.generation import SynthesisSettings, synthesize  # noqa: E402
-from synthx.quality import quality_report  # noqa: E402
+from synthx.analysis.quality import quality_report  # noqa: E402
 from synthx.training import train_synthx  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "generator" / "synthx.yaml"

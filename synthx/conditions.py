@@ -1,6 +1,6 @@
 """The generator's condition names that recipes and commands check without loading torch or diffusers:
 the organ each lesion class is painted into (and the mask files that make up each organ), and the
-sampling schedulers a recipe may name (:mod:`synthx.schedulers` builds them)."""
+sampling schedulers a recipe may name (:mod:`synthx.generator.schedulers` builds them)."""
 
 from __future__ import annotations
 
@@ -15,5 +15,5 @@ ORGAN_OF_LESION: dict[str, str] = {
     "liver_lesion": "liver",
     "kidney_lesion": "kidney",
 }
-# The sampling schedulers by name, in the order synthx.schedulers pairs them with diffusers' classes.
+# The sampling schedulers by name, in the order synthx.generator.schedulers pairs them with diffusers' classes.
 SAMPLING_SCHEDULERS = ("ddpm", "ddim", "dpm_solver")

@@ -30,7 +30,7 @@ __all__ = ["SynthXRecipe", "load_synthx_recipe", "check_synthx_recipe", "recipe_
 
 
 # The schema's choices (names equal values, so recipes spell them as before); the sampling
-# schedulers are one member per scheduler class of synthx.schedulers, so the two cannot disagree.
+# schedulers are one member per scheduler class of synthx.generator.schedulers, so the two cannot disagree.
 PredictionType = StrEnum("PredictionType", ["epsilon", "sample", "v_prediction"], module=__name__)
 SamplingScheduler = StrEnum("SamplingScheduler", list(SAMPLING_SCHEDULERS), module=__name__)
 SizeSource = StrEnum("SizeSource", ["training", "weights"], module=__name__)
@@ -162,7 +162,7 @@ class MaskPriorConfig:
     # Where the drawn tumors' size classes come from: "training" (in proportion to the real training
     # tumors, synthx.generation.canvases.training_tumor_diameters) or "weights" (size_class_weights).
     size_source: SizeSource = SizeSource.training
-    # Relative frequency of each size class among the drawn tumors (synthx.mask_prior.SIZE_CLASSES),
+    # Relative frequency of each size class among the drawn tumors (synthx.generator.mask_prior.SIZE_CLASSES),
     # read with size_source "weights" only (a changed value with "training" is refused).
     size_class_weights: dict[str, float] = field(default_factory=lambda: dict(DIFFTUMOR_SIZE_WEIGHTS))
 
@@ -173,7 +173,7 @@ class QualityFilterConfig:
 
     enabled: bool = False
     # A synthetic tumor is dropped when its cross-fitted discriminator score exceeds this quantile of
-    # the real training tumors' scores (synthx.realism.quality_filter).
+    # the real training tumors' scores (synthx.analysis.realism.quality_filter).
     real_quantile: float = 0.95
     # Cross-fitting folds: every tumor is scored by a discriminator trained on the other folds.
     folds: int = 5

@@ -188,24 +188,36 @@ LIBRARY_IMPORTS = {
     "lightning_modules.monitoring": {"lightning_modules.monitoring"},
     "lightning_modules.warnings_filter": {"lightning_modules.warnings_filter"},
 }
-# synthx's libraries: the generator, its pipeline and training pieces, painting and the verdict.
+# synthx's libraries, bottom to top: the recipe schema and vocabularies; the generator; the study's
+# statistics (analysis); the library parts of training (data, Lightning modules) and generation
+# (targeting, canvases, painting, writing).
 SYNTHX_LIBRARIES = (
-    "synthx.conditions", "synthx.model", "synthx.pipeline", "synthx.schedulers", "synthx.labels", "synthx.mask_prior",
-    "synthx.painters", "synthx.config", "synthx.endpoint", "synthx.verdict", "synthx.power", "synthx.provenance",
-    "synthx.realism", "synthx.realism_encoder",
-    "synthx.training.dataset", "synthx.training.modules", "synthx.generation.canvases",
-    "synthx.generation.painting", "synthx.generation.phantom_painter", "synthx.generation.writing",
-    "synthx.generation.copy_paste", "synthx.decomposition", "synthx.quality", "synthx.targeting",
+    "synthx.config", "synthx.conditions", "synthx.painters", "synthx.generator", "synthx.analysis",
+    "synthx.training.dataset", "synthx.training.modules",
+    "synthx.generation.targeting", "synthx.generation.canvases", "synthx.generation.painting",
+    "synthx.generation.phantom_painter", "synthx.generation.writing", "synthx.generation.copy_paste",
 )
+# What each synthx library may import of synthx: the generator knows nothing of the study, the
+# study's statistics nothing of the generator, and neither imports training or generation.
+SYNTHX_LIBRARY_IMPORTS = {
+    "synthx.conditions": {"synthx.conditions"},
+    "synthx.painters": {"synthx.painters"},
+    "synthx.config": {"synthx.config", "synthx.conditions"},
+    "synthx.generator": {"synthx.generator", "synthx.conditions"},
+    "synthx.analysis": {"synthx.analysis", "synthx.painters"},
+    "synthx.training": {"synthx.training", "synthx.generator", "synthx.config", "synthx.conditions"},
+    "synthx.generation": {"synthx.generation", "synthx.generator", "synthx.config", "synthx.conditions", "synthx.painters"},
+}
 # synthx's modules that sit above its libraries and still call MLflow themselves: generation and
-# training runs log their outputs (the targeting table among them), the pyfunc model wraps the
-# pipeline for the registry. They are workflows in the layout.
+# training runs log their outputs (the targeting table among them); the pyfunc model (serving)
+# wraps the pipeline for the registry. They are workflows in the layout.
 SYNTHX_WORKFLOW_MODULES = (
-    "synthx.generation.run", "synthx.generation.source", "synthx.training.run", "synthx.pyfunc",
-    "synthx.pyfunc_code",
+    "synthx.generation.run", "synthx.generation.source", "synthx.training.run", "synthx.serving.pyfunc",
+    "synthx.serving.pyfunc_code",
 )
 # Packages whose __init__ only gathers names (no layer of their own).
-PACKAGE_ROOTS = ("lightning_modules", "synthx", "synthx.generation", "synthx.training")
+PACKAGE_ROOTS = ("lightning_modules", "synthx", "synthx.generation", "synthx.training", "synthx.generator",
+                 "synthx.analysis", "synthx.serving")
 SERVICE_CLIENTS = ("mlflow", "optuna")
 ABOVE_LIBRARIES = ("lightning_modules.tracking", "lightning_modules.workflows", "lightning_modules.commands",
                    "lightning_modules.cli", "lightning_modules.trainer", "synthx.workflows", "synthx.commands")
@@ -245,6 +257,10 @@ def library_violations(imports: dict[str, set[str]]) -> list[str]:
                 _within(target, allowed) for allowed in LIBRARY_IMPORTS[package]
             ):
                 problems.append(f"{module} imports {target}, outside {sorted(LIBRARY_IMPORTS[package])}")
+            elif is_synthx_library and _within(target, "synthx") and (target in sources or target.rsplit(".", 1)[0] in sources):
+                layer = next(p for p in SYNTHX_LIBRARY_IMPORTS if _within(module, p))
+                if not any(_within(target, allowed) for allowed in SYNTHX_LIBRARY_IMPORTS[layer]):
+                    problems.append(f"{module} imports {target}, outside {sorted(SYNTHX_LIBRARY_IMPORTS[layer])}")
     return problems
 
 
@@ -308,7 +324,7 @@ def test_the_library_table_catches_mlflow_a_workflow_and_an_upward_import():
         "lightning_modules.data.mixing": {"mlflow.tracking"},
         "lightning_modules.models.checkpoints": {"lightning_modules.tracking"},
         "lightning_modules.evaluation.records": {"lightning_modules.models.checkpoints"},
-        "synthx.pipeline": {"lightning_modules.workflows.train"},
+        "synthx.generator.pipeline": {"lightning_modules.workflows.train"},
         "lightning_modules.config.recipe": {"lightning_modules.models.backbones"},
         "lightning_modules.data.datamodule": {"lightning_modules.recipe", "lightning_modules.config.recipe"},
         "lightning_modules.workflows.train": {"mlflow"},  # a workflow may
@@ -321,7 +337,22 @@ def test_the_library_table_catches_mlflow_a_workflow_and_an_upward_import():
         "lightning_modules.evaluation.records imports lightning_modules.models.checkpoints, outside "
         "['lightning_modules.config', 'lightning_modules.data', 'lightning_modules.evaluation']",
         "lightning_modules.models.checkpoints imports lightning_modules.tracking",
-        "synthx.pipeline imports lightning_modules.workflows.train",
+        "synthx.generator.pipeline imports lightning_modules.workflows.train",
+    ]
+
+
+def test_the_synthx_layers_catch_an_import_across_them():
+    planted = {
+        "synthx.generator.model": {"synthx.analysis.verdict"},  # the generator knows nothing of the study
+        "synthx.analysis.realism": {"synthx.generator.pipeline", "synthx.painters"},
+        "synthx.generation.canvases": {"synthx.training.dataset", "synthx.generation.targeting.CELL_COLUMNS"},
+        "synthx.training.run": {"synthx.serving.pyfunc"},  # a workflow may
+    }
+    assert library_violations(planted) == [
+        "synthx.analysis.realism imports synthx.generator.pipeline, outside ['synthx.analysis', 'synthx.painters']",
+        "synthx.generation.canvases imports synthx.training.dataset, outside ['synthx.conditions', 'synthx.config', "
+        "'synthx.generation', 'synthx.generator', 'synthx.painters']",
+        "synthx.generator.model imports synthx.analysis.verdict, outside ['synthx.conditions', 'synthx.generator']",
     ]
 
 
@@ -342,10 +373,10 @@ def test_every_module_has_its_place_in_the_layout_table():
 
 
 def test_a_new_module_outside_the_table_is_named():
-    assert unplaced_modules(["synthx.model", "synthx.helpers", "lightning_modules.utils", "lightning_modules"]) == [
+    assert unplaced_modules(["synthx.generator.model", "synthx.helpers", "lightning_modules.utils", "lightning_modules"]) == [
         "lightning_modules.utils", "synthx.helpers"]
 
 
 def test_the_workflow_list_holds_only_modules_that_exist():
     assert set(SYNTHX_WORKFLOW_MODULES) <= set(_sources())
-    assert set(SYNTHX_LIBRARIES) <= set(_sources()) | {"synthx.training", "synthx.generation"}
+    assert set(SYNTHX_LIBRARIES) <= set(_sources())

@@ -22,9 +22,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 EXPECTED_ERRORS: frozenset[str] = frozenset(
     {
         "synthx.generation.canvases.GenerationError",
-        "synthx.provenance.ProvenanceError",
-        "synthx.targeting.TargetingError",
-        "synthx.quality.QualityError",
+        "synthx.generator.provenance.ProvenanceError",
+        "synthx.generation.targeting.TargetingError",
+        "synthx.analysis.quality.QualityError",
         "synthx.workflows.report.runs.ReportError",
         "synthx.workflows.replicates.ReplicateError",
     }

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "arm). copy_paste is refused: a SynthX study trains the copy-paste arm beside SynthX")
     parser.add_argument("--locked-cases", type=bounded(int, 0), default=DEFAULTS["locked_cases"],
                         help="scans of the locked test cohort, a phantom of another seed (default: %(default)s, sized "
-                             "by `python -m synthx.power`; 0: test on the split's test set)")
+                             "by `python -m synthx.analysis.power`; 0: test on the split's test set)")
     parser.add_argument("--locked-seed", type=bounded(int, 0), default=None,
                         help="the locked phantom's seed (default: the development phantom's seed + 1000)")
     parser.add_argument("--experiment", default=DEFAULTS["experiment"], help="MLflow experiment (default: %(default)s)")

@@ -1,5 +1,5 @@
-"""``benchx synthx-quality``: how SynthX tumors compare with the real training tumors (see :mod:`synthx.quality`
-and :mod:`synthx.realism`), logged to MLflow.
+"""``benchx synthx-quality``: how SynthX tumors compare with the real training tumors (see :mod:`synthx.analysis.quality`
+and :mod:`synthx.analysis.realism`), logged to MLflow.
 
 Run::
 
@@ -9,10 +9,10 @@ Run::
         [--detector <training run id> | --detector-checkpoint best.ckpt --detector-recipe recipe.yaml]
 
 With a detector, the realism table adds the Frechet distance of its encoder's bottleneck features
-(:mod:`synthx.realism_encoder`).
+(:mod:`synthx.analysis.realism_encoder`).
 
 With the SynthX recipe's ``quality_filter.enabled``, the synthetic cases a cross-fitted real-vs-synthetic
-discriminator spots are listed as dropped (:func:`synthx.realism.quality_filter`), in
+discriminator spots are listed as dropped (:func:`synthx.analysis.realism.quality_filter`), in
 ``synthx_quality/quality_filter.csv`` and ``--out``.
 """
 
@@ -38,7 +38,7 @@ def quality_metrics(report, prefix: str = "synthx_quality") -> dict[str, float]:
 
     An undefined comparison (no tumor on one side) is left out, never logged as 0.
     """
-    from synthx.quality import LOGGED_STATISTICS
+    from synthx.analysis.quality import LOGGED_STATISTICS
 
     metrics = {}
     for row in report.intensity.to_dict("records"):
@@ -60,14 +60,14 @@ def quality_metrics(report, prefix: str = "synthx_quality") -> dict[str, float]:
 
 
 def log_quality(report, run_id: str, prefix: str = "synthx_quality", client=None, filtered: pd.DataFrame | None = None) -> None:
-    """Log a :class:`synthx.quality.QualityReport` to an MLflow run: tables (JSON and CSV), figure, metrics.
+    """Log a :class:`synthx.analysis.quality.QualityReport` to an MLflow run: tables (JSON and CSV), figure, metrics.
 
     Args:
-        report: from :func:`synthx.quality.quality_report`.
+        report: from :func:`synthx.analysis.quality.quality_report`.
         run_id: the run to log into (e.g. the generation run, so the report sits beside its cases).
         prefix: the artifact folder and metric key prefix.
         client: an MlflowClient (default: one on the current tracking URI).
-        filtered: the quality filter's decisions (:func:`synthx.realism.quality_filter`), logged as
+        filtered: the quality filter's decisions (:func:`synthx.analysis.realism.quality_filter`), logged as
             ``<prefix>/quality_filter.csv`` with ``<prefix>/quality_filter/dropped/<phase>`` counts.
     """
     import mlflow
@@ -89,9 +89,9 @@ def log_quality(report, run_id: str, prefix: str = "synthx_quality", client=None
 
 
 def filter_cases(report, real_quantile: float, folds: int, seed: int = 0) -> pd.DataFrame:
-    """:func:`synthx.realism.quality_filter` over the report's real training tumors and synthetic tumors."""
-    from synthx.quality import realism_frame
-    from synthx.realism import quality_filter
+    """:func:`synthx.analysis.realism.quality_filter` over the report's real training tumors and synthetic tumors."""
+    from synthx.analysis.quality import realism_frame
+    from synthx.analysis.realism import quality_filter
 
     return quality_filter(realism_frame(report.records), real_quantile=real_quantile, folds=folds, seed=seed)
 
@@ -100,16 +100,16 @@ def assess_synthetic_cohort(real_root, split_path, synthetic_root, tracking_uri:
                             experiment: str = "synthx", out=None, lesion_class: str = "pancreatic_lesion",
                             organ_class: str = "pancreas", rim_mm: float = 5.0, seed: int = 0, copy_paste_root=None,
                             quality_filter: dict | None = None, embed=None):
-    """:func:`synthx.quality.quality_report`, logged to MLflow (a new ``synthx-quality`` run unless ``run_id``)
+    """:func:`synthx.analysis.quality.quality_report`, logged to MLflow (a new ``synthx-quality`` run unless ``run_id``)
     and optionally written to ``out``; with ``quality_filter`` (``real_quantile`` and ``folds`` of an enabled
-    recipe section), the filter's decisions too; ``embed``: see :func:`synthx.quality.quality_report`.
+    recipe section), the filter's decisions too; ``embed``: see :func:`synthx.analysis.quality.quality_report`.
 
     A new run ends FINISHED, or FAILED/KILLED when logging fails or is interrupted; an existing run is left as it was.
 
     Returns:
         (the report, the MLflow run id it was logged to, the filter's decisions or None).
     """
-    from synthx.quality import quality_report
+    from synthx.analysis.quality import quality_report
     from lightning_modules.tracking import ended_run, start_run, tracking_client, tracking_uri as resolve_uri
 
     report = quality_report(real_root, split_path, synthetic_root, lesion_class, organ_class, rim_mm, seed=seed,
@@ -166,14 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def detector_embedder(args: argparse.Namespace, folder: Path):
-    """The detector's encoder features (:func:`synthx.realism_encoder.encoder_embedder`), or None without a detector."""
+    """The detector's encoder features (:func:`synthx.analysis.realism_encoder.encoder_embedder`), or None without a detector."""
     if args.detector is None and args.detector_checkpoint is None:
         return None
     import torch
 
     from lightning_modules.models.checkpoints import load_module_from_checkpoint
     from lightning_modules.tracking.artifacts import resolve_model_source
-    from synthx.realism_encoder import encoder_embedder
+    from synthx.analysis.realism_encoder import encoder_embedder
 
     recipe, checkpoint = resolve_model_source(folder, run_id=args.detector, checkpoint=args.detector_checkpoint,
                                               recipe=args.detector_recipe, tracking_uri=args.tracking_uri)

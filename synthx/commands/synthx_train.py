@@ -99,7 +99,7 @@ def _synthetic_batch(size: int, patch, generator):
     region, and random non-null conditions: the shapes a training batch of the recipe has."""
     import torch
 
-    from synthx.model import AGE_BAND_VOCAB, CONDITION_NAMES, ORGAN_VOCAB, PHASE_VOCAB, SEX_VOCAB
+    from synthx.generator.model import AGE_BAND_VOCAB, CONDITION_NAMES, ORGAN_VOCAB, PHASE_VOCAB, SEX_VOCAB
 
     axes = [torch.arange(p, dtype=torch.float32) - (p - 1) / 2 for p in patch]
     grid = torch.stack(torch.meshgrid(*axes, indexing="ij"))
@@ -150,7 +150,7 @@ def _optimisation_step(module, network, stage: str, batch: dict, clip) -> tuple[
 
     import torch
 
-    from synthx.model import CONDITION_NAMES
+    from synthx.generator.model import CONDITION_NAMES
     from synthx.training import drop_conditions
 
     optimizers = module.configure_optimizers()

@@ -9,7 +9,7 @@ Steps of :func:`generate_case`:
    used is recorded in ``synthx_size_class``).
 3. Crop a patch around the tumor and resample it to the generator's voxel size when the canvas'
    differs.
-4. Run :class:`synthx.pipeline.SynthXPipeline` conditioned on the request's cell (which is the
+4. Run :class:`synthx.generator.pipeline.SynthXPipeline` conditioned on the request's cell (which is the
    canvas' own cell), resample back and paste the repainted region into the canvas.
 5. The masks (``pancreatic_lesion`` added, the pancreas grown to include it: AbdomenAtlas
    convention) and the metadata row, which describes the canvas: its patient, sex, age, phase.
@@ -36,8 +36,8 @@ from lightning_modules.data.cohort import Cohort
 from lightning_modules.data.metadata import UNKNOWN
 from synthx.generation.canvases import LESION_CLASS, ORGAN_CLASS, GenerationError, SynthesisRequest
 from lightning_modules.data.lesions import SIZE_CLASS_NAMES, largest_extent_mm, pancreas_location
-from synthx.mask_prior import TumorDoesNotFitError, sample_tumor_mask
-from synthx.pipeline import inpainting_region
+from synthx.generator.mask_prior import TumorDoesNotFitError, sample_tumor_mask
+from synthx.generator.pipeline import inpainting_region
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Steps of :func:`synthesize`: check the settings; read the cohort, split and canvases; turn the
 requests into cases and set aside the unfillable cells (no healthy training scan of that sex, age
 band and phase: reported, counted, logged, never relabeled); load the generator and check its
-provenance (:mod:`synthx.provenance`) and guidance; open the output folder (manifest, finished
+provenance (:mod:`synthx.generator.provenance`) and guidance; open the output folder (manifest, finished
 cases); open the MLflow run; paint each missing case; log the summary.
 
 Determinism and resumption: a request is identified by its cell and its index within the cell;
@@ -78,11 +78,11 @@ from synthx.generation.writing import (
     read_existing_rows,
     remove_stale_staging,
 )
-from synthx.mask_prior import size_class_weights
+from synthx.generator.mask_prior import size_class_weights
 from synthx.painters import COPY_PASTE_PAINTER, PAINTERS, PHANTOM_PAINTER, SYNTHX_PAINTER
-from synthx.provenance import check_provenance, GeneratorProvenance, read_provenance
-from synthx.schedulers import SAMPLING_SCHEDULERS
-from synthx.targeting import resolve_targets
+from synthx.generator.provenance import check_provenance, GeneratorProvenance, read_provenance
+from synthx.generator.schedulers import SAMPLING_SCHEDULERS
+from synthx.generation.targeting import resolve_targets
 
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class SynthesisSettings:
         cohort_root: the real cohort (canvases come from its healthy training cases).
         split_path: its split CSV.
         pipeline: a folder saved with ``save_pretrained``, ``runs:/<id>/pipeline``, a run id, or a
-            loaded :class:`synthx.pipeline.SynthXPipeline` (then ``provenance`` is required); None
+            loaded :class:`synthx.generator.pipeline.SynthXPipeline` (then ``provenance`` is required); None
             with the phantom painter.
         out_root: the synthetic cohort folder (created; an existing one is resumed).
         seed: fixes every case id's canvas, tumor mask and diffusion noise.
@@ -331,7 +331,7 @@ def _open_run(settings: SynthesisSettings, uri: str, manifest: dict, out_root: P
 
 
 def log_targets(client: mlflow.MlflowClient, run_id: str, targets: pd.DataFrame) -> None:
-    """The targeting table (:func:`synthx.targeting.resolve_targets`) on a synthesis run:
+    """The targeting table (:func:`synthx.generation.targeting.resolve_targets`) on a synthesis run:
     ``synthx/targets.json`` for the UI, its CSV twin, and the total requested."""
     log_table_with_csv(client, run_id, targets, "synthx/targets.json")
     client.log_metric(run_id, "synthx/requested_total", float(targets["requested"].sum()))
@@ -384,7 +384,7 @@ def synthesize(settings: SynthesisSettings, requests) -> SynthesisSummary:
 
     Args:
         settings: see :class:`SynthesisSettings` (usually :meth:`SynthesisSettings.from_recipe`).
-        requests: a targeting table (:func:`synthx.targeting.compute_targets`), a rule string such as
+        requests: a targeting table (:func:`synthx.generation.targeting.compute_targets`), a rule string such as
             ``min_positives:4`` or ``need:40`` (computed on the real cohort), a ``{(sex, age band,
             phase): n}`` mapping, or a list of :class:`SynthesisRequest`.
     """

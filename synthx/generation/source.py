@@ -11,8 +11,8 @@ import re
 from pathlib import Path
 
 from synthx.generation.canvases import GenerationError
-from synthx.provenance import GeneratorProvenance, read_provenance
-from synthx.schedulers import SAMPLING_SCHEDULERS, sampling_scheduler
+from synthx.generator.provenance import GeneratorProvenance, read_provenance
+from synthx.generator.schedulers import SAMPLING_SCHEDULERS, sampling_scheduler
 
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -49,7 +49,7 @@ def set_scheduler(pipeline, name: str) -> None:
 def load_pipeline(
     source: str, scheduler: str = "ddim", tracking_uri: str | None = None, device: str = "cpu"
 ) -> tuple[object, str, GeneratorProvenance | None]:
-    """Load a :class:`synthx.pipeline.SynthXPipeline`, swap in the sampling scheduler, read its provenance.
+    """Load a :class:`synthx.generator.pipeline.SynthXPipeline`, swap in the sampling scheduler, read its provenance.
 
     Args:
         source: see :func:`resolve_pipeline_source`.
@@ -60,7 +60,7 @@ def load_pipeline(
     Returns:
         (pipeline, generator run id or ``""`` for a plain folder, provenance or None when not saved).
     """
-    from synthx.pipeline import SynthXPipeline
+    from synthx.generator.pipeline import SynthXPipeline
 
     location, run_id = resolve_pipeline_source(source)
     if not Path(location).is_dir():

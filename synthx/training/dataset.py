@@ -36,8 +36,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_modules.data.cohort import Cohort, load_cohort
 from synthx.config import SynthXDataConfig
-from synthx.model import CONDITION_NAMES, ORGAN_OF_LESION, encode_age_band, encode_organ, encode_phase, encode_sex
-from synthx.pipeline import inpainting_region, normalize_hu
+from synthx.generator.model import CONDITION_NAMES, ORGAN_OF_LESION, encode_age_band, encode_organ, encode_phase, encode_sex
+from synthx.generator.pipeline import inpainting_region, normalize_hu
 
 TRAIN_SPLIT = "train"
 # Air: what lies beyond the scan when a patch reaches past the volume's edge.

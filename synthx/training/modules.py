@@ -31,9 +31,9 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
 from synthx.config import SynthXDataConfig, SynthXModelConfig
-from synthx.model import CONDITION_NAMES, SynthXAutoencoder, SynthXDenoiser
-from synthx.pipeline import SynthXPipeline, cpu_layout
-from synthx.schedulers import build_noise_scheduler, sampling_scheduler
+from synthx.generator.model import CONDITION_NAMES, SynthXAutoencoder, SynthXDenoiser
+from synthx.generator.pipeline import SynthXPipeline, cpu_layout
+from synthx.generator.schedulers import build_noise_scheduler, sampling_scheduler
 
 
 def build_denoiser(model: SynthXModelConfig, data: SynthXDataConfig, in_channels: int = 1) -> SynthXDenoiser:

@@ -41,7 +41,7 @@ from lightning_modules.monitoring import system_callbacks
 from lightning_modules.process import git_commit
 from lightning_modules.tracking import experiment_id, flatten, tracking_uri
 from synthx.config import recipe_to_yaml
-from synthx.provenance import GeneratorProvenance
+from synthx.generator.provenance import GeneratorProvenance
 from synthx.training.dataset import TumorPatchDataModule, recipe_training_cases
 from synthx.training.modules import SynthXAutoencoderModule, SynthXTrainingModule
 
@@ -246,7 +246,7 @@ def _log_generator(recipe, module, trainer, run, logger, folder: Path, case_ids)
             condition_dropout_all=float(recipe.condition_dropout.all),
         ).write(pipeline_dir)
         logger.experiment.log_artifacts(run.run_id, str(pipeline_dir), artifact_path="pipeline")
-        from synthx.pyfunc import log_generator_model
+        from synthx.serving.pyfunc import log_generator_model
 
         log_generator_model(run.run_id, tracking_uri(recipe.tracking.uri), pipeline_dir)
         if math.isfinite(mean_step):

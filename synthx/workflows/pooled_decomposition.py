@@ -1,6 +1,6 @@
 """The decomposition pooled over replicated studies (``benchx study --seeds K``): each component of
-SynthX's difference to sham (:mod:`synthx.decomposition`: placement, content, total) averaged over
-the seeds with its t-interval (:func:`synthx.decomposition.pooled_decomposition`), and its section of
+SynthX's difference to sham (:mod:`synthx.analysis.decomposition`: placement, content, total) averaged over
+the seeds with its t-interval (:func:`synthx.analysis.decomposition.pooled_decomposition`), and its section of
 the pooled page.
 
 Each replicate's pairs keep the m its own study used: at matched specificity, the two m of each
@@ -20,9 +20,9 @@ from typing import Callable
 
 import pandas as pd
 
-from synthx.decomposition import pooled_decomposition
-from synthx.labels import arm_label, attribute_label, group_label
-from synthx.verdict import DECOMPOSITION_WORDS
+from synthx.analysis.decomposition import pooled_decomposition
+from synthx.analysis.labels import arm_label, attribute_label, group_label
+from synthx.analysis.verdict import DECOMPOSITION_WORDS
 from synthx.workflows.report.markdown_page import markdown_table
 
 DECOMPOSITION_ARTIFACT = "synthx/decomposition.csv"  # each study's decomposition, on its parent run

@@ -18,9 +18,9 @@ from mlflow.tracking import MlflowClient
 
 from lightning_modules.evaluation.seed_pooling import comparison_name
 from lightning_modules.monitoring import format_duration
-from synthx.endpoint import family_marks, PrimaryEndpoint
-from synthx.labels import arm_label, attribute_label, group_label, point_label
-from synthx.verdict import Contrast, designed_gap_subgroups, outcome, study_verdict, VERDICT_WORDS
+from synthx.analysis.endpoint import family_marks, PrimaryEndpoint
+from synthx.analysis.labels import arm_label, attribute_label, group_label, point_label
+from synthx.analysis.verdict import Contrast, designed_gap_subgroups, outcome, study_verdict, VERDICT_WORDS
 from synthx.workflows.pooled_decomposition import decomposition_markdown, POOLED_ARTIFACT
 from synthx.workflows.replicates import POOLED_STAGE, REPLICATE_SEED_TAG, ReplicateError
 from synthx.workflows.report.formatting import MARKS_NOTE

@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conftest import new_sqlite_store  # noqa: E402
-from synthx.endpoint import PrimaryEndpoint  # noqa: E402
+from synthx.analysis.endpoint import PrimaryEndpoint  # noqa: E402
 
 GROUPS = [("overall", "all"), ("phase", "non-contrast"), ("phase", "arterial"), ("phase", "venous"), ("phase", "delayed")]
 SENSITIVITY = {
@@ -111,7 +111,7 @@ def decomposition_table() -> pd.DataFrame:
 
 
 def realism_table() -> pd.DataFrame:
-    """A realism table (:func:`synthx.realism.realism_table` columns) with SynthX and copy-paste per phase."""
+    """A realism table (:func:`synthx.analysis.realism.realism_table` columns) with SynthX and copy-paste per phase."""
     rows = []
     for phase in ("arterial", "venous"):
         for comparison, auc, edge in (("synthetic", 0.91, 9.5), ("copy_paste", 0.62, 4.5)):

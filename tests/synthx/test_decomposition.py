@@ -1,4 +1,4 @@
-"""The decomposition of SynthX's shortfall (synthx.decomposition) on simulated paired runs with planted effects.
+"""The decomposition of SynthX's shortfall (synthx.analysis.decomposition) on simulated paired runs with planted effects.
 
 Simulation: every arm decides each test tumor independently with its own planted sensitivity per
 phase. Arterial: sham 0.9, copy_paste 0.9, synthx 0.4, phantom 0.95 (the content costs 0.5, the
@@ -13,7 +13,7 @@ import pytest
 
 from lightning_modules.evaluation.seed_pooling import ArmRecords
 from lightning_modules.evaluation.small_counts import mcnemar_exact_p, newcombe_paired_interval
-from synthx.decomposition import COLUMNS, decompose, detections, pooled_decomposition
+from synthx.analysis.decomposition import COLUMNS, decompose, detections, pooled_decomposition
 
 PLANTED = {"arterial": {"sham": 0.9, "copy_paste": 0.9, "synthx": 0.4, "phantom": 0.95},
            "venous": {"sham": 0.7, "copy_paste": 0.7, "synthx": 0.7, "phantom": 0.7}}

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from lightning_modules.evaluation.multiplicity import holm_adjust
-from synthx.endpoint import PrimaryEndpoint, endpoint_summary, label_results
+from synthx.analysis.endpoint import PrimaryEndpoint, endpoint_summary, label_results
 
 
 def _comparison() -> pd.DataFrame:
@@ -60,7 +60,7 @@ def test_a_missing_endpoint_row_is_said_not_hidden():
 
 
 def test_the_logged_endpoint_reads_back_from_the_run_params():
-    from synthx.endpoint import PrimaryEndpoint
+    from synthx.analysis.endpoint import PrimaryEndpoint
 
     chosen = PrimaryEndpoint(group="non-contrast", operating_point="val_chosen")
     assert PrimaryEndpoint.from_params({**chosen.params(), "other": "x"}) == chosen

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evaluation"))  # t
 from test_detection_metrics import random_records  # noqa: E402
 
 from lightning_modules.workflows.evaluate import EvaluatedRun, _compare_pair  # noqa: E402
-from synthx.endpoint import PrimaryEndpoint, endpoint_rows, endpoint_summary, label_results  # noqa: E402
+from synthx.analysis.endpoint import PrimaryEndpoint, endpoint_rows, endpoint_summary, label_results  # noqa: E402
 
 # The params a study logged before the endpoint had versions.
 OLD_STUDY_PARAMS = {"endpoint.arm": "synthx", "endpoint.reference": "sham", "endpoint.metric": "sensitivity",

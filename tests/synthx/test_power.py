@@ -12,7 +12,7 @@ import pytest
 import scipy.stats
 
 from lightning_modules.evaluation.small_counts import newcombe_paired_interval
-from synthx.power import (LOCKED_CASES, LOCKED_SEED, arterial_tumors, detectable_difference, locked_cases_for,
+from synthx.analysis.power import (LOCKED_CASES, LOCKED_SEED, arterial_tumors, detectable_difference, locked_cases_for,
                           locked_cohort_plan, main, non_inferiority_power, paired_cells, positives_needed, power_table,
                           recommended_locked_cases, seed_effect_sd, superiority_power, tumors_needed)
 

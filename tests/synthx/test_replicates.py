@@ -372,7 +372,7 @@ def test_the_pooled_page_names_its_runs_and_judges_the_pooled_difference(finishe
     assert "- Physics gap (non-contrast): SynthX - sham" in page
     assert "| SynthX - sham | Phase: arterial |" in page and "| baseline - sham | All scans |" in page
     # Each pooled difference carries its mark from Holm over its family, as a single study's tables do.
-    from synthx.endpoint import family_marks, PrimaryEndpoint
+    from synthx.analysis.endpoint import family_marks, PrimaryEndpoint
 
     marks = family_marks(table.assign(run=table["arm"], operating_point="subgroup_matched_specificity", delta=table["mean_delta"]),
                          PrimaryEndpoint())

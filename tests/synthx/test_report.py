@@ -184,8 +184,8 @@ def _comparison(client, parent_id, folder) -> pd.DataFrame:
 
 def _decomposition_lines(client, parent_id, folder) -> list[str]:
     """The verdict's decomposition sentences of the study's own decomposition table."""
-    from synthx.endpoint import PrimaryEndpoint
-    from synthx.verdict import decomposition_sentences
+    from synthx.analysis.endpoint import PrimaryEndpoint
+    from synthx.analysis.verdict import decomposition_sentences
 
     path = client.download_artifacts(parent_id, "synthx/decomposition.csv", str(folder / "decomposition"))
     point = PrimaryEndpoint.from_params(client.get_run(parent_id).data.params).operating_point  # where it was made
@@ -196,7 +196,7 @@ def test_the_verdict_opens_the_report_and_is_the_parent_s_description(finished_s
     import html
     from pathlib import Path
 
-    from synthx.verdict import study_verdict
+    from synthx.analysis.verdict import study_verdict
 
     settings, uri, parent_id = finished_study
     client = MlflowClient(uri)
@@ -216,7 +216,7 @@ def test_the_verdict_opens_the_report_and_is_the_parent_s_description(finished_s
 def test_benchx_report_markdown_writes_the_results_page(finished_study, tmp_path):
     from lightning_modules.cli import main
     from synthx.workflows.report.formatting import pct as _pct
-    from synthx.verdict import study_verdict
+    from synthx.analysis.verdict import study_verdict
 
     settings, uri, parent_id = finished_study
     client = MlflowClient(uri)

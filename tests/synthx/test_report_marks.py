@@ -17,7 +17,7 @@ import fake_study  # noqa: E402
 from test_report_arms import tables_of  # noqa: E402
 
 from lightning_modules.evaluation.small_counts import mcnemar_exact_p, newcombe_paired_interval  # noqa: E402
-from synthx.endpoint import endpoint_summary, family_mark, label_results, PrimaryEndpoint  # noqa: E402
+from synthx.analysis.endpoint import endpoint_summary, family_mark, label_results, PrimaryEndpoint  # noqa: E402
 
 # The fake study's tables hold the overall matched point: the endpoint judged there (version 1).
 ENDPOINT = PrimaryEndpoint.of_version(1)
@@ -112,7 +112,7 @@ def _verdict_table(only_synthx: int, only_sham: int, both: int = 14) -> pd.DataF
 
 
 def test_the_exact_mcnemar_test_decides_where_newcombe_s_interval_disagrees():
-    from synthx.verdict import study_verdict
+    from synthx.analysis.verdict import study_verdict
 
     table = _verdict_table(only_synthx=4, only_sham=0)
     row = table.loc[_row(table, "synthx", "sham", "matched_specificity")].iloc[0]
@@ -131,7 +131,7 @@ def test_the_exact_mcnemar_test_decides_where_newcombe_s_interval_disagrees():
 def test_the_reader_meets_one_named_interval_per_quantity(tmp_path):
     """The primary endpoint's interval is the same in the verdict and the printed summary; a gap's
     in the verdict and the results table. The summary says in words what its p decides."""
-    from synthx.verdict import study_verdict
+    from synthx.analysis.verdict import study_verdict
     from synthx.workflows.report.markdown_page import results_table
 
     table = _verdict_table(only_synthx=4, only_sham=0)

@@ -19,7 +19,7 @@ from lightning_modules.trainer import build_trainer
 from synthx.commands import synthx_quality
 from synthx.config import SynthXRecipe, load_synthx_recipe
 from synthx.generation.run import SynthesisSettings
-from synthx.schedulers import build_noise_scheduler
+from synthx.generator.schedulers import build_noise_scheduler
 from synthx.training import dataset, modules, run
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "generator" / "synthx.yaml"
@@ -119,7 +119,7 @@ def test_a_choice_outside_its_enum_is_refused_naming_the_key_and_the_choices(key
 
 def test_the_sampling_scheduler_choices_are_the_scheduler_classes():
     from synthx.config import SamplingScheduler
-    from synthx.schedulers import SAMPLING_SCHEDULER_CLASSES, sampling_scheduler
+    from synthx.generator.schedulers import SAMPLING_SCHEDULER_CLASSES, sampling_scheduler
 
     recipe = load_synthx_recipe(RECIPE, ["profile=cpu", "sampling.scheduler=dpm_solver"])
     assert [member.value for member in SamplingScheduler] == list(SAMPLING_SCHEDULER_CLASSES)

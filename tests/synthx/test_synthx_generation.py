@@ -30,7 +30,7 @@ from synthx.generation import (
     synthesize,
 )
 from synthx.generation import run as generation
-from synthx.provenance import GeneratorProvenance, ProvenanceError
+from synthx.generator.provenance import GeneratorProvenance, ProvenanceError
 
 SHAPE = (28, 28, 16)
 MODEL_SPACING = (2.5, 2.5, 3.0)
@@ -46,8 +46,8 @@ def tiny_pipeline(tmp_path_factory):
     """An untrained SynthX pipeline small enough for seconds-long tests, saved with save_pretrained."""
     from diffusers import DDPMScheduler
 
-    from synthx.model import SynthXDenoiser
-    from synthx.pipeline import SynthXPipeline
+    from synthx.generator.model import SynthXDenoiser
+    from synthx.generator.pipeline import SynthXPipeline
 
     torch.manual_seed(0)
     unet = SynthXDenoiser(
@@ -473,7 +473,7 @@ def test_trained_generator_follows_the_phase_contrast_of_real_phantom_tumors(tmp
     from lightning_modules.cohorts.phantom import generate_phantom_cohort
     from lightning_modules.data.splits import make_splits, write_split
     from synthx.config import load_synthx_recipe
-    from synthx.quality import quality_report
+    from synthx.analysis.quality import quality_report
     from synthx.training import train_synthx
 
     root, split = tmp_path / "phantom", tmp_path / "split.csv"
@@ -522,7 +522,7 @@ def _tumor_cohort(tmp_path, recorded_mm: dict[str, float]):
 def test_the_default_mask_prior_copies_the_training_tumors_sizes_and_never_reads_val_or_test(tmp_path):
     from lightning_modules.data.splits import load_split
     from synthx.generation.canvases import training_tumor_diameters
-    from synthx.mask_prior import size_class_weights
+    from synthx.generator.mask_prior import size_class_weights
 
     # Recorded sizes win; a case without one is measured on its mask (largest 3D extent); the
     # validation and test tumors' (huge) recorded sizes are never read.

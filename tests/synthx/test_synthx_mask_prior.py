@@ -11,7 +11,7 @@ from scipy.spatial.distance import pdist
 
 from lightning_modules.data.lesions import SIZE_CLASSES, largest_extent_mm
 from lightning_modules.data.lesions import size_class as size_class_of
-from synthx.mask_prior import TumorDoesNotFitError, eroded_organ, sample_size_classes, sample_tumor_mask
+from synthx.generator.mask_prior import TumorDoesNotFitError, eroded_organ, sample_size_classes, sample_tumor_mask
 
 SPACING = (1.5, 1.5, 2.0)
 

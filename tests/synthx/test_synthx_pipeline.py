@@ -17,7 +17,7 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
 
-from synthx.model import (
+from synthx.generator.model import (
     AGE_BAND_VOCAB,
     PHASE_VOCAB,
     SEX_VOCAB,
@@ -29,7 +29,7 @@ from synthx.model import (
     encode_phase,
     encode_sex,
 )
-from synthx.pipeline import SynthXPipeline, blend_weights, denormalize_hu, inpainting_region, normalize_hu
+from synthx.generator.pipeline import SynthXPipeline, blend_weights, denormalize_hu, inpainting_region, normalize_hu
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -198,7 +198,7 @@ def test_save_and_load_round_trip_in_this_and_a_fresh_process(tmp_path):
     expected = run(pipeline, image, organ, seed=5)
     pipeline.save_pretrained(tmp_path / "pipe")
     index = json.loads((tmp_path / "pipe" / "model_index.json").read_text())
-    assert index["unet"] == ["synthx.model", "SynthXDenoiser"] and index["scheduler"] == ["diffusers", "DDIMScheduler"]
+    assert index["unet"] == ["synthx.generator.model", "SynthXDenoiser"] and index["scheduler"] == ["diffusers", "DDIMScheduler"]
 
     loaded = SynthXPipeline.from_pretrained(tmp_path / "pipe")
     loaded.set_progress_bar_config(disable=True)
@@ -212,7 +212,7 @@ def test_save_and_load_round_trip_in_this_and_a_fresh_process(tmp_path):
     script = textwrap.dedent(
         f"""
         import numpy as np, torch
-        from synthx.pipeline import SynthXPipeline
+        from synthx.generator.pipeline import SynthXPipeline
         pipe = SynthXPipeline.from_pretrained({str(tmp_path / 'pipe')!r})
         pipe.set_progress_bar_config(disable=True)
         image, organ = np.load({str(tmp_path / 'image.npy')!r}), np.load({str(tmp_path / 'organ.npy')!r})

@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import REPO_ROOT, new_sqlite_store
 from synthx.config import load_synthx_recipe
-from synthx.pipeline import inpainting_region
+from synthx.generator.pipeline import inpainting_region
 from synthx.training import train_synthx
 
 TINY_GENERATOR = ["trainer.max_steps=2", "model.channels=[8,8,8]", "model.norm_num_groups=4", "model.num_head_channels=8",

@@ -14,7 +14,7 @@ import pytest
 from lightning_modules.data.cohort import load_cohort, write_case, write_metadata
 from synthx.commands.synthx_quality import log_quality, main
 from synthx.config import RecipeError, load_synthx_recipe
-from synthx.quality import (
+from synthx.analysis.quality import (
     centred_patch,
     intensity_table,
     normalized_cross_correlation,
@@ -179,7 +179,7 @@ def test_report_compares_real_and_synthetic_per_phase(cohorts):
 def test_identical_tumors_have_zero_wasserstein_distance(cohorts):
     real, split, _ = cohorts
     cohort = load_cohort(real)
-    from synthx.quality import collect_tumors
+    from synthx.analysis.quality import collect_tumors
 
     records = collect_tumors(cohort, ["Rart0", "Rart1"], 0) + collect_tumors(cohort, ["Rart0", "Rart1"], 1)
     row = intensity_table(records).set_index(["attribute", "group"]).loc[("phase", "arterial")]
@@ -220,7 +220,7 @@ def test_report_is_logged_to_mlflow_and_cli_runs(cohorts, mlflow_uri, tmp_path):
 
 
 def test_a_copy_paste_cohort_without_synthetic_cases_is_refused_by_name(cohorts):
-    from synthx.quality import QualityError
+    from synthx.analysis.quality import QualityError
 
     real, split, synthetic = cohorts
     with pytest.raises(QualityError, match=f"copy-paste cohort {real}.*no synthetic=1 case"):

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 from scipy import ndimage
 
-from synthx.realism import (
+from synthx.analysis.realism import (
     FEATURES,
     bootstrap_frechet,
     bootstrap_mean_difference,
@@ -242,7 +242,7 @@ def _tiny_unet():
 def test_the_bottleneck_is_the_coarsest_activation_before_the_decoder():
     import torch
 
-    from synthx.realism_encoder import encoder_features, find_bottleneck
+    from synthx.analysis.realism_encoder import encoder_features, find_bottleneck
 
     network = _tiny_unet()
     layer = find_bottleneck(network, torch.zeros(1, 1, 16, 16, 16))
@@ -258,7 +258,7 @@ def test_the_bottleneck_is_the_coarsest_activation_before_the_decoder():
 def test_encoder_features_separate_a_shifted_set_and_not_a_matching_one():
     from types import SimpleNamespace
 
-    from synthx.realism_encoder import encoder_embedder
+    from synthx.analysis.realism_encoder import encoder_embedder
 
     data = SimpleNamespace(normalization="window", hu_window=[-175.0, 250.0], patch_size=[16, 16, 16])
     embed = encoder_embedder(_tiny_unet(), data)
@@ -269,7 +269,7 @@ def test_encoder_features_separate_a_shifted_set_and_not_a_matching_one():
 
     real, matching, shifted = vectors(1), vectors(2), vectors(3, contrast=40.0)
     assert real.shape[0] == 16 and real.ndim == 2
-    from synthx.realism import permutation_frechet
+    from synthx.analysis.realism import permutation_frechet
 
     same, _, _ = bootstrap_frechet(real, matching, resamples=50)
     different, _, _ = bootstrap_frechet(real, shifted, resamples=50)
@@ -280,7 +280,7 @@ def test_encoder_features_separate_a_shifted_set_and_not_a_matching_one():
 
 
 def test_realism_summary_shows_one_row_per_phase_and_marks_differences_that_exclude_zero(planted):
-    from synthx.realism import realism_summary
+    from synthx.analysis.realism import realism_summary
 
     frame = pd.concat([planted["real"], planted["seam"]], ignore_index=True)
     table = realism_table(frame)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from synthx.targeting import (
+from synthx.generation.targeting import (
     TARGET_COLUMNS,
     TargetingError,
     cell_grid,
@@ -340,7 +340,7 @@ def test_need_applies_the_recipe_detection_threshold(need_cohort):
     from conftest import RECIPES
     from lightning_modules.config.recipe import DetectionConfig
     from lightning_modules.recipe import load_recipe
-    from synthx.targeting import validation_misses
+    from synthx.generation.targeting import validation_misses
 
     root, split, records = need_cohort
     strict = load_recipe(RECIPES / "unet.yaml", ["detection.threshold_mm3=150"])

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from lightning_modules.data.cohort import load_cohort, write_case, write_metadata
 from lightning_modules.data.splits import load_split
 from synthx.config import RecipeError, load_synthx_recipe
-from synthx.model import AGE_BAND_VOCAB, CONDITION_NAMES, PHASE_VOCAB, SEX_VOCAB
+from synthx.generator.model import AGE_BAND_VOCAB, CONDITION_NAMES, PHASE_VOCAB, SEX_VOCAB
 from synthx.training import (
     SynthXTrainingModule,
     TumorPatchDataset,
@@ -207,7 +207,7 @@ def test_benchx_synthx_train_logs_the_run_and_the_pipeline_to_mlflow(cohort_dir,
     import mlflow
 
     from lightning_modules.cli import main
-    from synthx.pipeline import SynthXPipeline
+    from synthx.generator.pipeline import SynthXPipeline
 
     code = main(
         [
@@ -246,7 +246,7 @@ def test_benchx_synthx_train_logs_the_run_and_the_pipeline_to_mlflow(cohort_dir,
 
 
 def test_latent_mode_trains_the_autoencoder_then_the_generator_on_its_latents(cohort_dir, mlflow_uri, tmp_path):
-    from synthx.model import SynthXAutoencoder
+    from synthx.generator.model import SynthXAutoencoder
     from synthx.training import train_autoencoder, train_synthx
 
     stage_one = tiny_recipe(cohort_dir, "autoencoder.max_steps=3", f"tracking.uri={mlflow_uri}")
@@ -260,7 +260,7 @@ def test_latent_mode_trains_the_autoencoder_then_the_generator_on_its_latents(co
         f"tracking.uri={mlflow_uri}",
     )
     generator = train_synthx(stage_two, output_dir=tmp_path / "gen", enable_progress_bar=False)
-    from synthx.pipeline import SynthXPipeline
+    from synthx.generator.pipeline import SynthXPipeline
 
     pipeline = SynthXPipeline.from_pretrained(generator.pipeline_dir)
     pipeline.set_progress_bar_config(disable=True)
@@ -275,7 +275,7 @@ def test_latent_mode_trains_the_autoencoder_then_the_generator_on_its_latents(co
 def test_a_rerun_resumes_from_the_last_checkpoint_into_the_same_run(cohort_dir, mlflow_uri, tmp_path):
     import mlflow
 
-    from synthx.provenance import read_provenance
+    from synthx.generator.provenance import read_provenance
     from synthx.training import train_synthx
 
     first = train_synthx(tiny_recipe(cohort_dir, "trainer.max_steps=2", "trainer.log_every_n_steps=1", f"tracking.uri={mlflow_uri}"),

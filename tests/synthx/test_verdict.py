@@ -8,8 +8,8 @@ import math
 import pandas as pd
 import pytest
 
-from synthx.endpoint import PrimaryEndpoint
-from synthx.verdict import (
+from synthx.analysis.endpoint import PrimaryEndpoint
+from synthx.analysis.verdict import (
     CLOSED,
     OPEN,
     UNDETERMINED,
@@ -46,7 +46,7 @@ def test_an_open_gap_also_when_nothing_is_found():
 
 def test_the_verdict_reads_newcombe_s_interval_where_the_bootstrap_collapses():
     """0 of 11 against 0 of 11: the bootstrap gives [0, 0]; the sentence shows Newcombe's interval."""
-    from synthx.endpoint import shown_interval
+    from synthx.analysis.endpoint import shown_interval
 
     row = pd.Series({"delta": 0.0, "ci_low": 0.0, "ci_high": 0.0, "newcombe_low": -0.2588, "newcombe_high": 0.2588})
     assert shown_interval(row) == ("Newcombe", -0.2588, 0.2588)
@@ -123,7 +123,7 @@ def test_a_subgroup_without_tumor_scans_is_undetermined_and_says_why():
 
 
 def test_the_decomposition_sentence_of_each_designed_subgroup_names_both_parts_with_intervals():
-    from synthx.verdict import decomposition_sentences
+    from synthx.analysis.verdict import decomposition_sentences
 
     rows = []
     for component, arm, reference, values in (("placement", "copy_paste", "sham", (-0.10, -0.30, 0.05)),

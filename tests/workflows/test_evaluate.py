@@ -310,10 +310,10 @@ def test_tables_mark_a_difference_that_survives_holm_apart_from_one_that_does_no
     assert "+20.0 [+10.0, +30.0]**" in lines["phase:venous"]
     assert "+20.0 [+10.0, +30.0]*" in lines["phase:arterial"] and "**" not in lines["phase:arterial"]
     assert "** also after Holm's correction" in format_comparison(table)
-    # The report marks by Holm over the whole family (synthx.endpoint.label_results), not per attribute:
+    # The report marks by Holm over the whole family (synthx.analysis.endpoint.label_results), not per attribute:
     # the primary row is a family of one (**); the five other rows share one family, where p 0.01 x 5
     # is no longer below 0.05 (*, though two of them survive Holm over their attribute's phases).
-    from synthx.endpoint import label_results, PrimaryEndpoint
+    from synthx.analysis.endpoint import label_results, PrimaryEndpoint
 
     page = comparison_html(label_results(table, PrimaryEndpoint(group="venous", operating_point="fixed")))
     assert page.count("+30.0] **") == 1 and page.count("+30.0] *<") == 5

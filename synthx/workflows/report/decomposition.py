@@ -1,6 +1,6 @@
 """The report's decomposition section: where SynthX's difference to sham comes from (the copy-paste
-arm, :mod:`synthx.decomposition`), and the realism of the synthetic and copy-pasted tumors against
-the real training tumors (:mod:`synthx.realism`).
+arm, :mod:`synthx.analysis.decomposition`), and the realism of the synthetic and copy-pasted tumors against
+the real training tumors (:mod:`synthx.analysis.realism`).
 
 Both are read from what the study logged: the decomposition table on the parent run
 (``synthx/decomposition.csv``, :func:`synthx.workflows.study.publish.publish_decomposition`) and the
@@ -17,9 +17,9 @@ import html
 
 import pandas as pd
 
-from synthx.labels import arm_label, point_label
-from synthx.realism import realism_summary
-from synthx.verdict import ArmNamer, DECOMPOSITION_WORDS, designed_gap_subgroups
+from synthx.analysis.labels import arm_label, point_label
+from synthx.analysis.realism import realism_summary
+from synthx.analysis.verdict import ArmNamer, DECOMPOSITION_WORDS, designed_gap_subgroups
 from synthx.workflows.report.formatting import pct, table_html
 from synthx.workflows.report.runs import study_decomposition, StudyRuns
 
@@ -69,7 +69,7 @@ def decomposition_html(study: StudyRuns, name_of: ArmNamer = arm_label) -> str:
 
 def realism_html(study: StudyRuns) -> str:
     """Per phase, SynthX's tumors and the copy-pasted ones against the real training tumors
-    (:func:`synthx.realism.realism_summary`); LookupError when no synthesis run logged the table."""
+    (:func:`synthx.analysis.realism.realism_summary`); LookupError when no synthesis run logged the table."""
     for step in REALISM_STEPS:
         if step not in study.steps:
             continue
@@ -83,7 +83,7 @@ def realism_html(study: StudyRuns) -> str:
             if not summary.empty:
                 parts.append(f"<h3>Real against {html.escape(title)}</h3>" + table_html(summary))
         if parts:
-            return ("<p>Radiomic features of each tumor (synthx/realism.py): real / other [95% CI of other - real], "
+            return ("<p>Radiomic features of each tumor (synthx/analysis/realism.py): real / other [95% CI of other - real], "
                     "* the interval excludes 0; the classifier AUC tells real from the other set (0.5: "
                     "indistinguishable).</p>" + "".join(parts))
     raise LookupError(f"no synthesis step of the study logged {REALISM_ARTIFACT}")

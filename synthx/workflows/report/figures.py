@@ -11,10 +11,10 @@ import pandas as pd
 
 from lightning_modules.data.metadata import PHASES
 from lightning_modules.evaluation.artifacts import download_records
-from synthx.endpoint import shown_interval
-from synthx.labels import arm_label, metric_label, point_label
-from synthx.quality import DISPLAY_WINDOW
-from synthx.verdict import ArmNamer, designed_gap_subgroups
+from synthx.analysis.endpoint import shown_interval
+from synthx.analysis.labels import arm_label, metric_label, point_label
+from synthx.analysis.quality import DISPLAY_WINDOW
+from synthx.analysis.verdict import ArmNamer, designed_gap_subgroups
 from synthx.workflows.report.formatting import cell_mark, figure_html, pyplot, subgroup_name
 from synthx.workflows.report.runs import HEADLINE_METRICS, study_arm_namer, study_quality, StudyRuns
 

@@ -8,8 +8,8 @@ import io
 import pandas as pd
 
 from lightning_modules.workflows.evaluate import percent
-from synthx.endpoint import family_mark, shown_interval
-from synthx.labels import attribute_label, group_label
+from synthx.analysis.endpoint import family_mark, shown_interval
+from synthx.analysis.labels import attribute_label, group_label
 
 
 def figure_html(figure) -> str:
@@ -35,7 +35,7 @@ def subgroup_name(attribute, group) -> str:
 
 
 def cell_mark(row) -> str:
-    """A row's significance mark from its family's Holm adjustment (:func:`synthx.endpoint.family_mark`);
+    """A row's significance mark from its family's Holm adjustment (:func:`synthx.analysis.endpoint.family_mark`);
     none when the row cannot be judged."""
     try:
         return family_mark(row)

@@ -1,13 +1,13 @@
 """The study report as one self-contained HTML page built from what a study's runs logged in MLflow.
 
-It opens with the verdict (:mod:`synthx.verdict`), then: the baseline by subgroup (sensitivity,
+It opens with the verdict (:mod:`synthx.analysis.verdict`), then: the baseline by subgroup (sensitivity,
 specificity and AUC with CIs, the designed gaps marked), tumors found per subgroup and arm, the
 BenchX table-6 comparison per arm and operating point, a forest plot per operating point
 (significance marked, axis scaled to the data), ROC curves per phase and arm, the worst group per
 attribute, the decomposition of SynthX's difference to sham with the copy-paste arm and the
 realism of the painted tumors, the training curves of every run, the synthetic cohort (cells, real and synthetic
 tumors side by side with their measured contrast, a quality summary), the leakage checks, the
-recipes and the versions. Values are in %, groups carry labels (:mod:`synthx.labels`), and tables
+recipes and the versions. Values are in %, groups carry labels (:mod:`synthx.analysis.labels`), and tables
 fit a 1,280 px screen. Figures are embedded as base64 PNG, so the file opens anywhere (the MLflow
 UI previews it among the parent run's artifacts). An item a study did not log is shown as "not
 available", with the reason.
@@ -26,9 +26,9 @@ from typing import Callable
 
 import pandas as pd
 
-from synthx.labels import arm_label, attribute_label, group_label, metric_label, point_label
+from synthx.analysis.labels import arm_label, attribute_label, group_label, metric_label, point_label
 from synthx.painters import PHANTOM_PAINTER
-from synthx.verdict import arm_results, ArmNamer, POSITIVE_CONTROL_LABEL
+from synthx.analysis.verdict import arm_results, ArmNamer, POSITIVE_CONTROL_LABEL
 from synthx.workflows.report.figures import (
     baseline_subgroup_html,
     example_grid_html,
@@ -166,7 +166,7 @@ def quality_html(study: StudyRuns) -> str:
             "Tumor HU SD, real / synthetic": f"{hu(row['tumor_sd_real'])} / {hu(row['tumor_sd_synthetic'])}".replace("+", ""),
             "Phase recognised (%)": pct(accuracy),
         })
-    return ("<p>Measured in the volumes (synthx/quality.py): contrast is the tumor's mean HU minus that of a "
+    return ("<p>Measured in the volumes (synthx/analysis/quality.py): contrast is the tumor's mean HU minus that of a "
             "5 mm rim of pancreas around it; real tumors are the training split's.</p>" + table_html(pd.DataFrame(rows)))
 
 

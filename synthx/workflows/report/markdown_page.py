@@ -14,9 +14,9 @@ from pathlib import Path
 import pandas as pd
 
 from lightning_modules.monitoring import format_duration
-from synthx.endpoint import shown_interval
-from synthx.labels import arm_label, attribute_label, group_label, point_label
-from synthx.verdict import ArmNamer, available_point, comparison_arms
+from synthx.analysis.endpoint import shown_interval
+from synthx.analysis.labels import arm_label, attribute_label, group_label, point_label
+from synthx.analysis.verdict import ArmNamer, available_point, comparison_arms
 from synthx.workflows.report.formatting import difference_cell, MARKS_NOTE, pct
 from synthx.workflows.report.runs import (
     load_study,
@@ -33,7 +33,7 @@ from synthx.workflows.report.runs import (
 def results_table(comparison: pd.DataFrame, point: str, metric: str = "sensitivity",
                   name_of: ArmNamer = arm_label) -> pd.DataFrame:
     """Overall and per phase: scans, each arm's ``metric`` in % and each compared arm's difference
-    from its reference with its shown 95% CI (:func:`synthx.endpoint.shown_interval`, named in the
+    from its reference with its shown 95% CI (:func:`synthx.analysis.endpoint.shown_interval`, named in the
     header) and its family's mark, at ``point``."""
     table = comparison[comparison["metric"] == metric]
     if "operating_point" in table.columns:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from lightning_modules.tracking.operating_point import operating_point_description
 from lightning_modules.tracking.pyfunc import set_aliases
-from synthx.labels import arm_label
+from synthx.analysis.labels import arm_label
 from synthx.workflows.report.runs import study_arms, StudyRuns
 
 

@@ -19,10 +19,10 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from lightning_modules.evaluation.subgroups import gaps
-from synthx.endpoint import label_results, PrimaryEndpoint
-from synthx.quality import quality_report, QualityError
+from synthx.analysis.endpoint import label_results, PrimaryEndpoint
+from synthx.analysis.quality import quality_report, QualityError
 from synthx.painters import SYNTHX_PAINTER
-from synthx.verdict import (arm_namer, ArmNamer, comparison_arms, decomposition_sentences, REFERENCE_ARM,
+from synthx.analysis.verdict import (arm_namer, ArmNamer, comparison_arms, decomposition_sentences, REFERENCE_ARM,
                             study_verdict, TREATMENT_ARM)
 
 
@@ -170,7 +170,7 @@ def log_headline(client: MlflowClient, parent_id: str, comparison: pd.DataFrame)
 
 def study_comparison(study: StudyRuns) -> pd.DataFrame:
     """The compare step's table with each row's role and family adjustment (``p_family``,
-    ``significant_family``: :func:`synthx.endpoint.label_results` with the study's endpoint, as the
+    ``significant_family``: :func:`synthx.analysis.endpoint.label_results` with the study's endpoint, as the
     study logged it in ``comparison/test_roles.csv``); LookupError when the study has none."""
     endpoint = PrimaryEndpoint.from_params(dict(study.parent.data.params))
     return label_results(study.csv("compare", COMPARISON_ARTIFACT), endpoint)
@@ -185,8 +185,8 @@ def study_decomposition(study: StudyRuns) -> pd.DataFrame:
 
 
 def verdict_lines(study: StudyRuns) -> list[str]:
-    """The study's verdict sentences (:func:`synthx.verdict.study_verdict`), then the decomposition's
-    (:func:`synthx.verdict.decomposition_sentences`) when the study logged one; LookupError without a comparison."""
+    """The study's verdict sentences (:func:`synthx.analysis.verdict.study_verdict`), then the decomposition's
+    (:func:`synthx.analysis.verdict.decomposition_sentences`) when the study logged one; LookupError without a comparison."""
     endpoint = PrimaryEndpoint.from_params(dict(study.parent.data.params))
     name_of = study_arm_namer(study)
     lines = study_verdict(study_comparison(study), PRIMARY_POINT, endpoint=endpoint, name_of=name_of)
@@ -209,7 +209,7 @@ def study_painter(study: StudyRuns) -> str:
 
 
 def study_arm_namer(study: StudyRuns) -> ArmNamer:
-    """How the study's arms are named (:func:`synthx.verdict.arm_namer` of its painter)."""
+    """How the study's arms are named (:func:`synthx.analysis.verdict.arm_namer` of its painter)."""
     return arm_namer(study_painter(study))
 
 
@@ -250,7 +250,7 @@ def logged_table(path: Path) -> pd.DataFrame:
 
 
 def study_quality(study: StudyRuns):
-    """The synthetic cohort measured against the real training tumors (:func:`synthx.quality.quality_report`),
+    """The synthetic cohort measured against the real training tumors (:func:`synthx.analysis.quality.quality_report`),
     computed once per report."""
     if "quality" not in study._cache:
 

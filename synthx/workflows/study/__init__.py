@@ -1,7 +1,7 @@
 """The baseline / sham / SynthX study, the project's main job (``benchx study``, MLproject ``main``).
 
 Before any step, the pre-specified primary endpoint is logged on the parent run
-(:mod:`synthx.endpoint`, ``docs/explanation/study.md "The primary endpoint"``). Steps, each an MLflow child
+(:mod:`synthx.analysis.endpoint`, ``docs/explanation/study.md "The primary endpoint"``). Steps, each an MLflow child
 run of one parent run (``mlflow.parentRunId``):
 
 1. ``data``: the cohort (the embedded phantom is generated when absent) and its split (the
@@ -15,7 +15,7 @@ run of one parent run (``mlflow.parentRunId``):
    (operating point chosen on validation when the recipe says so, ``docs/explanation/detection-and-statistics.md "Scan-level detection"``);
 5. ``targeting``: how many synthetic tumors per (sex, age band, phase) cell. The default rule
    ``need:B`` spends a budget of B cases where the baseline's VALIDATION sensitivity falls short
-   (``synthx.targeting``); it reads the baseline's validation records only, never test labels;
+   (``synthx.generation.targeting``); it reads the baseline's validation records only, never test labels;
 6. ``synthesize_copy_paste``: the targets with the copy-paste painter, the ``synthesize`` step's seed
    and the SynthX recipe's mask prior: real training tumors pasted at the sites SynthX paints in the canvases it paints
    (no generator, so it runs before ``synthx_train`` and a new generator reuses it);
@@ -33,7 +33,7 @@ run of one parent run (``mlflow.parentRunId``):
 13. ``compare``: the BenchX table-6 comparison with paired bootstrap differences against the sham
     arm: SynthX minus sham (the primary endpoint and the secondary family), copy-paste minus sham
     (placement) and baseline minus sham (what the schedule alone does). Then, on the parent run, the
-    decomposition of SynthX minus sham into placement and content (:mod:`synthx.decomposition`,
+    decomposition of SynthX minus sham into placement and content (:mod:`synthx.analysis.decomposition`,
     ``synthx/decomposition.csv``) at the primary endpoint's operating point.
 
 The positive control (``painter="phantom"``, ``benchx study --painter phantom``): on the embedded

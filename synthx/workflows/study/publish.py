@@ -1,5 +1,5 @@
 """The study's results on its parent run: the comparison with each row's role and the primary
-endpoint, the decomposition of SynthX's difference to sham (:mod:`synthx.decomposition`), the
+endpoint, the decomposition of SynthX's difference to sham (:mod:`synthx.analysis.decomposition`), the
 baseline on both test sets, the command that opens the runs, and the verdict.
 
 Example::
@@ -19,9 +19,9 @@ from mlflow.tracking import MlflowClient
 
 from lightning_modules.evaluation.artifacts import download_records
 from lightning_modules.tracking import log_metrics
-from synthx.decomposition import decompose, detections, paired_sensitivity_rows
-from synthx.endpoint import endpoint_summary, label_results, PrimaryEndpoint, shown_interval
-from synthx.verdict import arm_namer, CONTROL_ARM, decomposition_sentences, study_verdict
+from synthx.analysis.decomposition import decompose, detections, paired_sensitivity_rows
+from synthx.analysis.endpoint import endpoint_summary, label_results, PrimaryEndpoint, shown_interval
+from synthx.analysis.verdict import arm_namer, CONTROL_ARM, decomposition_sentences, study_verdict
 from synthx.workflows.study.runner import StudyRunner
 
 # The operating points where each compared pair has its own m (the arm's matched to the reference's).
@@ -81,8 +81,8 @@ def ui_command(uri: str, experiment_id: str, port: int = 5000) -> str:
 
 def verdict_text(comparison: pd.DataFrame, endpoint: PrimaryEndpoint | None = None,
                  decomposition: pd.DataFrame | None = None, painter: str | None = None) -> str:
-    """The verdict sentences the study ends on (:func:`synthx.verdict.study_verdict`), then one per
-    designed subgroup of the decomposition when there is one (:func:`synthx.verdict.decomposition_sentences`).
+    """The verdict sentences the study ends on (:func:`synthx.analysis.verdict.study_verdict`), then one per
+    designed subgroup of the decomposition when there is one (:func:`synthx.analysis.verdict.decomposition_sentences`).
     ``painter`` names the augmented arm (the positive control is not called SynthX)."""
     point = (endpoint or PrimaryEndpoint()).operating_point
     lines = (study_verdict(comparison, endpoint=endpoint, name_of=arm_namer(painter))

@@ -16,7 +16,7 @@ import pandas as pd
 from lightning_modules.cohorts.phantom import PARAMS_FILE
 from lightning_modules.process import exit_on_signal, held_signals, raise_if_signalled, rerun_command, stop_code
 from lightning_modules.run_folder import RunFolderLock
-from synthx.endpoint import log_endpoint
+from synthx.analysis.endpoint import log_endpoint
 from synthx.painters import COPY_PASTE_PAINTER, SYNTHX_PAINTER
 from synthx.workflows.report import publish_study
 from synthx.workflows.study.publish import (baseline_test_sets, publish_comparison, publish_decomposition,

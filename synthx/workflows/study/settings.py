@@ -24,7 +24,7 @@ from lightning_modules.data.exposure import matched_total_steps
 from lightning_modules.data.metadata import normalize_phase, PHASES
 from lightning_modules.recipe import load_recipe, recipe_variant
 from synthx.config import load_synthx_recipe
-from synthx.endpoint import PrimaryEndpoint
+from synthx.analysis.endpoint import PrimaryEndpoint
 from synthx.painters import COPY_PASTE_PAINTER, PAINTERS, PHANTOM_PAINTER, SYNTHX_PAINTER
 
 STEPS = ("data", "locked_cohort", "baseline", "evaluate_baseline", "targeting", "synthesize_copy_paste", "synthx_train",
@@ -37,7 +37,7 @@ COPY_PASTE_REFUSAL = (f"--painter {COPY_PASTE_PAINTER}: every SynthX study alrea
                       "run the study with --painter synthx and read its arm 'copy-paste'")
 TARGETS_ARTIFACT = "synthx/targets.csv"
 # The locked cohort's size: the positive control's effect on arterial sensitivity detectable with 80%
-# power (``python -m synthx.power``, docs/explanation/study.md "The locked test cohort").
+# power (``python -m synthx.analysis.power``, docs/explanation/study.md "The locked test cohort").
 LOCKED_CASES = 307
 LOCKED_SEED_OFFSET = 1000  # the locked phantom's seed: the development phantom's seed + this
 LOCKED_PREFIX = "L"  # the locked cases' and patients' ids in the evaluation view

@@ -34,7 +34,7 @@ from lightning_modules.workflows.train import recipe_fingerprint, train
 from synthx.generation import SynthesisSettings, synthesize
 from synthx.generation.canvases import GenerationError
 from synthx.painters import COPY_PASTE_PAINTER
-from synthx.targeting import resolve_targets
+from synthx.generation.targeting import resolve_targets
 from synthx.training import recipe_key, train_synthx
 from synthx.workflows.study.runner import cohort_lock
 from synthx.workflows.study.settings import LOCKED_PREFIX, segmentation_recipe, StudySettings, TARGETS_ARTIFACT
@@ -257,11 +257,11 @@ def synthesize_action(client: MlflowClient, root: Path, split: Path, settings: S
 
 def log_realism(client: MlflowClient, run_id: str, root: Path, split: Path, synthetic_root: Path,
                 copy_paste_root: str | None, seed: int) -> None:
-    """The painted tumors against the real training tumors (:func:`synthx.quality.quality_report`,
+    """The painted tumors against the real training tumors (:func:`synthx.analysis.quality.quality_report`,
     radiomic realism only, no detector features), logged on ``run_id`` under ``synthx_quality/``
     (``synthx_quality/realism.csv``: per phase, real against ``synthetic`` and ``copy_paste``)."""
     from synthx.commands.synthx_quality import log_quality
-    from synthx.quality import quality_report
+    from synthx.analysis.quality import quality_report
 
     report = quality_report(root, split, synthetic_root, seed=seed, copy_paste_root=copy_paste_root)
     log_quality(report, run_id, client=client)

@@ -17,7 +17,7 @@ significance in the comparison (``p_value``: the exact McNemar test for sensitiv
 
 A contrast without a test p (the pooled seeds) is decided by its interval: closed above 0, not
 closed at or below 0, undetermined across 0. The interval shown is
-:func:`synthx.endpoint.shown_interval`'s: Newcombe's for a paired proportion, else the bootstrap's.
+:func:`synthx.analysis.endpoint.shown_interval`'s: Newcombe's for a paired proportion, else the bootstrap's.
 
 :func:`contrast_sentence` is pure (values in, one sentence out); :func:`study_verdict` reads a
 comparison table.
@@ -36,8 +36,8 @@ from typing import Callable, Sequence
 
 import pandas as pd
 
-from synthx.endpoint import ALPHA, PrimaryEndpoint, shown_interval, TEST_NAMES
-from synthx.labels import arm_label, group_label, point_label
+from synthx.analysis.endpoint import ALPHA, PrimaryEndpoint, shown_interval, TEST_NAMES
+from synthx.analysis.labels import arm_label, group_label, point_label
 from synthx.painters import PHANTOM_PAINTER
 
 CLOSED, OPEN, UNDETERMINED = "closed", "open", "undetermined"
@@ -260,7 +260,7 @@ def empty_sentence(label: str, group: str, missing: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# The decomposition (synthx.decomposition): where SynthX's difference to sham comes from
+# The decomposition (synthx.analysis.decomposition): where SynthX's difference to sham comes from
 
 # component -> what it measures, as the verdict names it.
 DECOMPOSITION_WORDS = {"placement": "canvases and placement", "content": "generated content",
@@ -274,7 +274,7 @@ def _component_text(row, name_of: ArmNamer) -> str:
 
 def decomposition_sentences(table: pd.DataFrame, subgroups: Sequence[tuple[str, str, str]] | None = None,
                             name_of: ArmNamer = arm_label, point: str = "matched_specificity") -> list[str]:
-    """One sentence per designed subgroup of a decomposition table (:func:`synthx.decomposition.decompose`):
+    """One sentence per designed subgroup of a decomposition table (:func:`synthx.analysis.decomposition.decompose`):
     the placement (copy-paste - sham) and content (SynthX - copy-paste) components with their
     paired 95% CIs, the total (SynthX - sham) they add up to, and the positive control's ceiling
     (phantom - sham) when the table has it, each pair at ``point`` (the primary endpoint's). A

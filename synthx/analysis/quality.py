@@ -18,7 +18,7 @@ of the real cohort's TRAINING split, per phase and per subgroup:
 - Diversity: the mean pairwise normalized cross-correlation (NCC) of fixed-size HU patches centred
   on the tumors, per condition (phase, sex, age band), for synthetic and for real tumors. Synthetic
   NCC far above the real one means the generator repeats itself.
-- Realism (:mod:`synthx.realism`): texture, boundary and shape per tumor; per phase, differences
+- Realism (:mod:`synthx.analysis.realism`): texture, boundary and shape per tumor; per phase, differences
   with intervals, a classifier two-sample test and Frechet distances (also for a copy-paste cohort).
 - A grid of example slices (real and synthetic per phase) as a matplotlib figure.
 
@@ -45,7 +45,7 @@ from scipy.stats import wasserstein_distance
 from lightning_modules.data.cohort import Case, Cohort, load_cohort
 from lightning_modules.data.metadata import AGE_BAND_NAMES, PHASES, SEXES, UNKNOWN
 from lightning_modules.data.splits import load_split
-from synthx.realism import FEATURES as REALISM_FEATURES, organ_rim, realism_features, realism_table
+from synthx.analysis.realism import FEATURES as REALISM_FEATURES, organ_rim, realism_features, realism_table
 
 
 PERCENTILES = (5, 25, 50, 75, 95)
@@ -96,7 +96,7 @@ class TumorRecord:
 
 @dataclass
 class QualityReport:
-    """Everything :func:`quality_report` measured (``realism``: :func:`synthx.realism.realism_table`)."""
+    """Everything :func:`quality_report` measured (``realism``: :func:`synthx.analysis.realism.realism_table`)."""
 
     per_tumor: pd.DataFrame
     intensity: pd.DataFrame
@@ -169,7 +169,7 @@ def collect_tumors(
 ) -> list[TumorRecord]:
     """Read each case's CT, lesion and organ masks and measure its tumor (cases without a lesion voxel are skipped).
 
-    Each record carries the intensity statistics and the :func:`synthx.realism.realism_features`.
+    Each record carries the intensity statistics and the :func:`synthx.analysis.realism.realism_features`.
 
     Args:
         cohort: the cohort holding the cases.
@@ -178,7 +178,7 @@ def collect_tumors(
         lesion_class / organ_class: the mask names of the tumor and its organ.
         rim_mm: rim thickness (see :func:`tumor_statistics`).
         patch_size: edge of the cube (voxels) used for diversity.
-        embed: optionally [(CT, tumor)] -> features (:func:`synthx.realism_encoder.encoder_embedder`).
+        embed: optionally [(CT, tumor)] -> features (:func:`synthx.analysis.realism_encoder.encoder_embedder`).
     """
     records = []
     for case_id in case_ids:
@@ -322,7 +322,7 @@ def diversity_table(records: Sequence[TumorRecord]) -> pd.DataFrame:
 
 
 def realism_frame(records: Sequence[TumorRecord], copy_paste: Sequence[TumorRecord] = ()) -> pd.DataFrame:
-    """One row per tumor for :func:`synthx.realism.realism_table`: ``kind`` real, synthetic or copy_paste."""
+    """One row per tumor for :func:`synthx.analysis.realism.realism_table`: ``kind`` real, synthetic or copy_paste."""
     rows = [
         {"case_id": r.case_id, "kind": kind or ("synthetic" if r.synthetic else "real"), "phase": r.phase, **r.realism}
         for group, kind in ((records, None), (copy_paste, "copy_paste"))
@@ -384,7 +384,7 @@ def quality_report(
         seed: for the cross-validation folds and the bootstrap.
         copy_paste_root: optionally a cohort of copy-pasted tumors (its ``synthetic=1`` cases), a
             third set the realism table compares with the real tumors beside SynthX's.
-        embed: optionally the detector's encoder (:func:`synthx.realism_encoder.encoder_embedder`): the
+        embed: optionally the detector's encoder (:func:`synthx.analysis.realism_encoder.encoder_embedder`): the
             realism table then adds the Frechet distance of its features (``frechet_encoder``).
     """
     real_cohort = real_root if isinstance(real_root, Cohort) else load_cohort(real_root)

@@ -33,8 +33,8 @@ from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 from scipy import ndimage
 
-from synthx.mask_prior import sample_tumor_mask
-from synthx.model import SynthXAutoencoder, SynthXDenoiser, encode_conditions
+from synthx.generator.mask_prior import sample_tumor_mask
+from synthx.generator.model import SynthXAutoencoder, SynthXDenoiser, encode_conditions
 
 __all__ = [
     "SynthXPipeline",
@@ -162,7 +162,7 @@ class SynthXPipeline(DiffusionPipeline):
             num_inference_steps: denoising steps of the scheduler.
             guidance_scale: classifier-free guidance weight; 1 disables guidance (no null branch).
             generator: a torch Generator; fixes the noise and the drawn tumor masks.
-            size_class: size class(es) for drawn masks (see :mod:`synthx.mask_prior`).
+            size_class: size class(es) for drawn masks (see :mod:`synthx.generator.mask_prior`).
             erosion_mm: drawn masks keep this distance from the organ's border.
             return_dict: return a :class:`SynthXPipelineOutput` rather than ``(images, tumor_masks)``.
         """

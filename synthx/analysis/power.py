@@ -25,7 +25,7 @@ statsmodels' ``NormalIndPower``) and the seed-level t-test (``TTestPower``) are 
 
 Run::
 
-    python -m synthx.power                 # the tables of docs/design.md
+    python -m synthx.analysis.power                 # the tables of docs/design.md
 """
 
 from __future__ import annotations
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     problems += [f"--{name} {value}" for name, value in (("effect", args.effect), ("margin", args.margin))
                  if not 0 < value < 1] + ([f"--simulations {args.simulations}"] if args.simulations < 100 else [])
     if problems:
-        print(f"synthx.power: out of range: {', '.join(problems)} (sensitivities, effect and margin in (0, 1), "
+        print(f"synthx.analysis.power: out of range: {', '.join(problems)} (sensitivities, effect and margin in (0, 1), "
               "phi in (-1, 1), at least 100 simulations)", file=sys.stderr)
         return 2
     tumors = arterial_tumors(LOCKED_CASES, args.seed)
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         superiority, non_inferiority = power_against_sham(args.sham, tuple(args.phi), tumors, args.effect, args.margin,
                                                           args.seed, args.simulations)
     except ValueError as error:
-        print(f"synthx.power: {error}", file=sys.stderr)
+        print(f"synthx.analysis.power: {error}", file=sys.stderr)
         return 2
     plan = recommended_locked_cases(args.sham, args.effect, args.seed, args.simulations)
     pd.set_option("display.width", 200)

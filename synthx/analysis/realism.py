@@ -6,7 +6,7 @@ the tables). docs/explanation/synthx.md "Synthetic data" describes how they are 
 Per tumor (:func:`realism_features`):
 
 - intensity: ``tumor_mean``, ``tumor_sd`` and ``contrast`` (tumor mean minus the mean of the organ
-  rim within ``rim_mm`` of the tumor, as :mod:`synthx.quality`);
+  rim within ``rim_mm`` of the tumor, as :mod:`synthx.analysis.quality`);
 - texture: GLCM ``glcm_contrast`` and ``glcm_homogeneity`` (skimage ``graycomatrix``/``graycoprops``),
   2D per axial slice (last array axis) of the tumor's bounding box, distance 1 voxel, angles 0, 45,
   90 and 135 degrees, HU clipped to ``hu_window`` and quantized to ``levels`` grey levels; only pairs

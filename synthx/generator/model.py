@@ -16,7 +16,7 @@ and the four indices travel together as a ``(B, 4)`` label tensor.
 Both classes inherit ``ModelMixin, ConfigMixin`` with ``@register_to_config``, so they round-trip
 through ``save_pretrained`` / ``from_pretrained``. ``ModelMixin`` is bound at module level on
 purpose: diffusers finds a custom component's loader by looking that name up in the module that
-``model_index.json`` records (``synthx.model``).
+``model_index.json`` records (``synthx.generator.model``).
 
 Example::
 

@@ -1,4 +1,4 @@
-"""The SynthX generator as an MLflow Model (pyfunc around :class:`synthx.pipeline.SynthXPipeline`).
+"""The SynthX generator as an MLflow Model (pyfunc around :class:`synthx.generator.pipeline.SynthXPipeline`).
 
 ``synthx-train`` logs its saved pipeline as the model ``generator`` and registers it as
 ``synthx-generator``; a study points the alias ``<study name>`` at the version it used. ``predict`` takes a DataFrame with one row per patch: ``image`` (the healthy
@@ -64,7 +64,7 @@ class GeneratorModel(mlflow.pyfunc.PythonModel):
     """Loads the saved diffusers pipeline; paints one tumor per row."""
 
     def load_context(self, context) -> None:
-        from synthx.pipeline import SynthXPipeline
+        from synthx.generator.pipeline import SynthXPipeline
 
         self.pipeline = SynthXPipeline.from_pretrained(context.artifacts[PIPELINE_ARTIFACT])
         self.pipeline.set_progress_bar_config(disable=True)

@@ -1,4 +1,4 @@
-"""Tumor-patch features from a trained detector's encoder, for the Frechet distance of :mod:`synthx.realism`.
+"""Tumor-patch features from a trained detector's encoder, for the Frechet distance of :mod:`synthx.analysis.realism`.
 
 The detector's view of a tumor is what matters for whether synthetic tumors teach it what real ones
 would: the features are the activations of the network's bottleneck (a forward hook), averaged over
