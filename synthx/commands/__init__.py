@@ -23,7 +23,7 @@ EXPECTED_ERRORS: frozenset[str] = frozenset(
     {
         "synthx.generation.canvases.GenerationError",
         "synthx.generator.provenance.ProvenanceError",
-        "synthx.generation.targeting.TargetingError",
+        "synthx.generation.cells.TargetingError",
         "synthx.analysis.quality.QualityError",
         "synthx.workflows.report.runs.ReportError",
         "synthx.workflows.replicates.ReplicateError",

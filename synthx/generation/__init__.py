@@ -1,6 +1,7 @@
 """SynthX generation: paint conditioned synthetic tumors into healthy training scans and write a synthetic cohort.
 
-Parts: :mod:`.canvases` (which scan each request is painted into; unfillable cells), :mod:`.source`
+Parts: :mod:`.cells` (the sex x age band x phase grid and what is counted in it), :mod:`.targeting`
+(how many tumors each cell gets), :mod:`.canvases` (which scan each request is painted into; unfillable cells), :mod:`.source`
 (loading the generator), :mod:`.painting` (one case), :mod:`.phantom_painter` (real-appearance
 tumors rendered by the phantom itself: the study's positive control), :mod:`.copy_paste` (real
 training tumors pasted at SynthX's sites: its placement without its content), :mod:`.writing` (the cohort

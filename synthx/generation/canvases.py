@@ -25,7 +25,8 @@ import pandas as pd
 from lightning_modules.data.cohort import Cohort
 from lightning_modules.data.lesions import largest_lesion_extent_mm
 from lightning_modules.data.metadata import AGE_BAND_NAMES, PHASES, SEXES, UNKNOWN
-from synthx.generation.targeting import CELL_COLUMNS, canvas_mask, labelled_cases, requests_from_targets
+from synthx.generation.cells import CELL_COLUMNS, canvas_mask, labelled_cases
+from synthx.generation.targeting import requests_from_targets
 
 LESION_CLASS = "pancreatic_lesion"
 ORGAN_CLASS = "pancreas"

@@ -54,7 +54,7 @@ from lightning_modules.data.metadata import UNKNOWN
 from synthx.generation.canvases import LESION_CLASS, ORGAN_CLASS, GenerationError, SynthesisRequest
 from synthx.generation.painting import GeneratedCase, PaintSettings, _reorient, draw_tumor, read_canvas, synthetic_row
 from synthx.painters import COPY_PASTE_PAINTER
-from synthx.generation.targeting import labelled_cases
+from synthx.generation.cells import labelled_cases
 
 # The pools a source tumor is drawn from, first non-empty wins (the sham arm's order).
 SOURCE_MATCHES = ("cell", "phase", "any")

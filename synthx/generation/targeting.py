@@ -1,4 +1,5 @@
-"""How many synthetic tumors SynthX should make per (sex, age band, phase) cell.
+"""How many synthetic tumors SynthX should make per (sex, age band, phase) cell (the cells and their
+counts: :mod:`synthx.generation.cells`).
 
 The allocation starts from the TRAINING split's positive (tumor) real cases, counted per cell of
 the grid sex x age band x phase (the subgroups of docs/explanation/detection-and-statistics.md "Subgroups"). A case whose sex,
@@ -51,76 +52,11 @@ import pandas as pd
 
 from lightning_modules.config.recipe import DetectionConfig, DetectionScore
 from lightning_modules.data.cohort import Cohort, load_cohort
-from lightning_modules.data.metadata import AGE_BAND_NAMES, PHASES, SEXES, UNKNOWN, normalize_phase, normalize_sex
+from lightning_modules.data.metadata import AGE_BAND_NAMES, PHASES, SEXES, UNKNOWN
 from lightning_modules.data.splits import SPLITS as SPLIT_NAMES
 from lightning_modules.data.splits import load_split
-
-CELL_COLUMNS = ("sex", "age_band", "phase")
-TARGET_COLUMNS = CELL_COLUMNS + ("real_positives", "requested")
-
-
-class TargetingError(ValueError):
-    """A targeting rule, table or split cannot be used; the message says which and why."""
-
-
-def cell_grid(
-    sexes: Sequence[str] = SEXES,
-    age_bands: Sequence[str] = AGE_BAND_NAMES,
-    phases: Sequence[str] = PHASES,
-) -> pd.DataFrame:
-    """Every (sex, age band, phase) cell in the stable order used by all targeting tables."""
-    for value, allowed, column in ((sexes, SEXES, "sex"), (age_bands, AGE_BAND_NAMES, "age_band"), (phases, PHASES, "phase")):
-        unknown = [v for v in value if v not in allowed]
-        if unknown:
-            raise TargetingError(f"{column} {unknown} is not a cell value (allowed: {', '.join(allowed)})")
-    # Keep the canonical order whatever order the caller listed the values in.
-    rows = [
-        (sex, band, phase)
-        for sex in SEXES
-        if sex in sexes
-        for band in AGE_BAND_NAMES
-        if band in age_bands
-        for phase in PHASES
-        if phase in phases
-    ]
-    return pd.DataFrame(rows, columns=list(CELL_COLUMNS))
-
-
-def labelled_cases(cohort: Cohort, split: pd.DataFrame, lesion_class: str = "pancreatic_lesion") -> pd.DataFrame:
-    """The cohort's normalized metadata with the resolved scan-level ``tumor`` label and each case's ``split``.
-
-    Args:
-        cohort: the real cohort.
-        split: its split table, checked against the cohort (:func:`lightning_modules.data.splits.load_split`).
-        lesion_class: the lesion mask that defines a positive case when ``tumor`` is not recorded.
-
-    Cases missing from the split file get split ``""`` (in no split).
-    """
-    table = cohort.metadata.copy()
-    table["tumor"] = cohort.resolve_tumor_labels(lesion_class).to_numpy()
-    split_of = dict(zip(split["case_id"], split["split"]))
-    table["split"] = [split_of.get(case_id, "") for case_id in table["case_id"]]
-    return table
-
-
-def count_positives(cases: pd.DataFrame, split_name: str, grid: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Positive real cases of one split per cell: the grid with a ``count`` column.
-
-    Synthetic rows and rows with an Unknown sex, age band or phase are not counted.
-    """
-    grid = cell_grid() if grid is None else grid
-    chosen = cases[
-        (cases["split"] == split_name)
-        & (cases["tumor"].astype(int) == 1)
-        & (cases.get("synthetic", 0) == 0)
-        & (cases["sex"] != UNKNOWN)
-        & (cases["age_band"] != UNKNOWN)
-        & (cases["phase"] != UNKNOWN)
-    ]
-    counts = chosen.groupby(list(CELL_COLUMNS)).size().rename("count").reset_index()
-    table = grid.merge(counts, on=list(CELL_COLUMNS), how="left")
-    table["count"] = table["count"].fillna(0).astype(int)
-    return table
+from synthx.generation.cells import (CELL_COLUMNS, TARGET_COLUMNS, TargetingError, cell_grid, count_canvases,
+                                     count_positives, labelled_cases, read_cell)
 
 
 def plan_min_positives(train_counts: pd.DataFrame, k: int) -> pd.DataFrame:
@@ -178,7 +114,7 @@ def plan_explicit(train_counts: pd.DataFrame, explicit: pd.DataFrame, source: st
         raise TargetingError(f"{source}: missing column(s) {missing} (expected sex, age_band, phase, requested)")
     requested: dict[tuple[str, str, str], int] = {}
     for row_number, row in enumerate(explicit.to_dict("records"), start=2):
-        cell = _read_cell(row, f"{source} row {row_number}")
+        cell = read_cell(row, f"{source} row {row_number}")
         try:
             value = int(str(row["requested"]).strip())
         except ValueError:
@@ -305,25 +241,6 @@ def parse_rule(rule: str) -> tuple[str, str]:
     raise TargetingError(f"unknown targeting rule {rule!r}")
 
 
-def count_canvases(cases: pd.DataFrame, grid: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Healthy real training cases per cell (the canvases generation may paint into): the grid with ``count``."""
-    grid = cell_grid() if grid is None else grid
-    counts = cases[canvas_mask(cases)].groupby(list(CELL_COLUMNS)).size().rename("count").reset_index()
-    table = grid.merge(counts, on=list(CELL_COLUMNS), how="left")
-    table["count"] = table["count"].fillna(0).astype(int)
-    return table
-
-
-def canvas_mask(cases: pd.DataFrame) -> pd.Series:
-    """Which rows of :func:`labelled_cases` are canvases: real, healthy, training, with a known phase."""
-    return (
-        (cases["split"] == "train")
-        & (cases["tumor"].astype(int) == 0)
-        & (cases["synthetic"].astype(int) == 0)
-        & (cases["phase"] != UNKNOWN)
-    )
-
-
 def validation_misses(records: pd.DataFrame, split: pd.DataFrame, threshold: float | None = None,
                       score: DetectionScore | str | None = None, detection: DetectionConfig | None = None) -> pd.DataFrame:
     """The baseline's validation positives with ``missed`` (1 = not detected) and their sex, age band, phase.
@@ -446,7 +363,7 @@ def requests_from_targets(targets: pd.DataFrame) -> list[dict]:
         raise TargetingError(f"targeting table lacks column(s) {missing}")
     requests = []
     for row in targets.to_dict("records"):
-        cell = _read_cell(row, "targeting table")
+        cell = read_cell(row, "targeting table")
         for index in range(int(row["requested"])):
             requests.append({"sex": cell[0], "age_band": cell[1], "phase": cell[2], "index": index})
     return requests
@@ -492,21 +409,6 @@ def _round_largest_remainder(values: Sequence[Fraction], total: int) -> list[int
     return floors
 
 
-def _read_cell(row: Mapping, where: str) -> tuple[str, str, str]:
-    try:
-        sex = normalize_sex(row.get("sex"))
-        phase = normalize_phase(row.get("phase"))
-    except ValueError as error:
-        raise TargetingError(f"{where}: {error}") from None
-    band = str(row.get("age_band", "")).strip()
-    if sex == UNKNOWN or phase == UNKNOWN or band not in AGE_BAND_NAMES:
-        raise TargetingError(
-            f"{where}: ({row.get('sex')!r}, {row.get('age_band')!r}, {row.get('phase')!r}) is not a cell "
-            f"(sex F/M, age band one of {', '.join(AGE_BAND_NAMES)}, a known phase; Unknown never forms a cell)"
-        )
-    return sex, band, phase
-
-
 def _read_table(path: Path) -> pd.DataFrame:
     if not path.is_file():
         raise TargetingError(f"targeting table {path} does not exist")
@@ -530,7 +432,7 @@ def _weights_from_table(grid: pd.DataFrame, table: pd.DataFrame, source: str) ->
         raise TargetingError(f"{source}: a match distribution needs columns sex, age_band, phase, weight")
     weights: dict[tuple[str, str, str], Fraction] = {}
     for row_number, row in enumerate(table.to_dict("records"), start=2):
-        cell = _read_cell(row, f"{source} row {row_number}")
+        cell = read_cell(row, f"{source} row {row_number}")
         try:
             weight = Fraction(str(row["weight"]).strip())
         except (ValueError, ZeroDivisionError):

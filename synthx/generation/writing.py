@@ -28,7 +28,7 @@ import pandas as pd
 from lightning_modules.data.cohort import CT_FILE, METADATA_FILE, SEGMENTATION_DIR, atomic_write_bytes
 from lightning_modules.data.metadata import STANDARD_COLUMNS
 from synthx.generation.canvases import LESION_CLASS, ORGAN_CLASS, GenerationError, SynthesisRequest
-from synthx.generation.targeting import CELL_COLUMNS
+from synthx.generation.cells import CELL_COLUMNS
 
 MANIFEST_FILE = "synthx_generation.json"
 QUARANTINE_DIR = ".quarantine"

@@ -9,10 +9,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from synthx.generation.cells import TARGET_COLUMNS, TargetingError, cell_grid
 from synthx.generation.targeting import (
-    TARGET_COLUMNS,
-    TargetingError,
-    cell_grid,
     parse_rule,
     plan_match,
     plan_need,
