@@ -21,12 +21,10 @@ import torch
 
 from lightning_modules.recipe import RecipeError, load_recipe
 from lightning_modules.models.backbones.mednext import build_mednext
-from lightning_modules.models.backbones.mednext import reference_key as mednext_key
+from lightning_modules.models.backbones.reference_keys import mednext_key, stunet_key, universal_model_key as universal_key
 from lightning_modules.models.backbones.stunet import build_stunet
-from lightning_modules.models.backbones.stunet import reference_key as stunet_key
 from lightning_modules.models.backbones.swin_unetr import LEGACY_MERGING_OFFSETS, build_swin_unetr
 from lightning_modules.models.backbones.universal_model import build_universal_model
-from lightning_modules.models.backbones.universal_model import reference_key as universal_key
 from lightning_modules.models.backbones.vsmtrans import build_vsmtrans
 from lightning_modules.tracking import run_tags
 

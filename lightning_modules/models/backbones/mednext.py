@@ -17,7 +17,7 @@ Deliberate differences from MONAI's ``MedNeXt`` and from the reference:
 - MONAI also computes the deep-supervision heads in eval mode and drops them; the outputs are the same.
 
 The reference's state dict (minus ``dummy_tensor``) loads after renaming keys with
-:func:`reference_key`; ``tests/models/test_reference_outputs.py`` checks the outputs against the
+:func:`~lightning_modules.models.backbones.reference_keys.mednext_key`; ``tests/models/test_reference_outputs.py`` checks the outputs against the
 reference's.
 
 Deep supervision: MONAI returns a tuple (full, 1/2, 1/4, 1/8, 1/16 resolution) in train mode and one
@@ -141,27 +141,6 @@ def _use_reference_down_ratios(
         )
         for i in range(n_stages)
     )
-
-
-def reference_key(key: str, n_stages: int = 4) -> str:
-    """A key of the reference's state dict (``enc_block_0.1.conv1.weight``...) renamed to this module's.
-
-    The reference numbers decoder stages by depth (``up_3`` is the first to run); MONAI numbers
-    them in the order they run.
-    """
-    head, _, rest = key.partition(".")
-    kind, _, index = head.rpartition("_")
-    if kind == "enc_block":
-        return f"enc_stages.{index}.{rest}"
-    if kind == "down":
-        return f"down_blocks.{index}.{rest}"
-    if kind == "up":
-        return f"up_blocks.{n_stages - 1 - int(index)}.{rest}"
-    if kind == "dec_block":
-        return f"dec_stages.{n_stages - 1 - int(index)}.{rest}"
-    if kind == "out" and index != "0":
-        return f"out_blocks.{n_stages - int(index)}.{rest}"
-    return key
 
 
 def mednext_divisor(options: dict) -> int:

@@ -43,7 +43,7 @@ Outputs: logits ``(B, out_channels, *patch)``; in training mode with ``deep_supe
 logits from every decoder stage, full resolution first (``len(dims) - 1`` tensors; two of them have
 the same size when the last stride is 1, as in the reference).
 
-The reference's state dict loads after renaming keys with :func:`reference_key`.
+The reference's state dict loads after renaming keys with :func:`~lightning_modules.models.backbones.reference_keys.stunet_key`.
 
 Example::
 
@@ -194,22 +194,6 @@ class STUNet(nn.Module):
 
 
 # The reference's module names -> this file's (its state dict loads after renaming).
-_REFERENCE_NAMES = (
-    ("conv_blocks_context.", "encoder."),
-    ("conv_blocks_localization.", "decoder."),
-    ("upsample_layers.", "upsamplers."),
-    ("seg_outputs.", "heads."),
-    (".conv3.", ".shortcut."),
-)
-
-
-def reference_key(key: str) -> str:
-    """A key of the reference implementation's state dict, renamed to this module's."""
-    for old, new in _REFERENCE_NAMES:
-        key = key.replace(old, new)
-    return key
-
-
 STUNET_B_DIMS = (32, 64, 128, 256, 512, 512)
 TOUCHSTONE_SPACING = (1.5, 1.5, 1.5)  # the spacing BenchX resamples to (recipes pass data.spacing)
 

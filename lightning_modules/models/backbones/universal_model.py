@@ -341,43 +341,6 @@ class UniversalModel(nn.Module):
         return logits.reshape(batch, self.n_classes, *spatial)
 
 
-# The reference's module names -> this file's (its state dict loads after renaming with reference_key).
-_REFERENCE_LEVELS = {"down_tr64": "encoder.0", "down_tr128": "encoder.1", "down_tr256": "encoder.2", "down_tr512": "encoder.3"}
-_REFERENCE_UP = {"up_tr256": "0", "up_tr128": "1", "up_tr64": "2"}
-_REFERENCE_HEADS = (
-    ("precls_conv.", "head_input."),
-    ("GAP.", "image_branch."),
-    ("organ_embedding.weight", "class_embeddings.weight"),  # rand_embedding: a learned nn.Embedding
-    ("text_to_vision.", "text_branch."),
-)
-
-
-def reference_key(key: str) -> str:
-    """A key of the reference ``Universal_model``'s state dict (either backbone), renamed to this module's.
-
-    The word-embedding buffer ``organ_embedding`` (a tensor, not an ``nn.Embedding``) becomes
-    ``text_embeddings``.
-    """
-    if key == "organ_embedding":
-        return "text_embeddings"
-    if key.startswith("backbone.swinViT.") or key.startswith("backbone.encoder") or key.startswith("backbone.decoder"):
-        return "backbone.net." + key[len("backbone."):]
-    for old, new in _REFERENCE_LEVELS.items():  # ops.<layer>.conv1 / .bn1 -> encoder.<level>.<layer>.0 / .1
-        if key.startswith(f"backbone.{old}.ops."):
-            rest = key[len(f"backbone.{old}.ops."):]
-            return f"backbone.{new}." + rest.replace(".conv1.", ".0.").replace(".bn1.", ".1.")
-    for old, index in _REFERENCE_UP.items():
-        if key.startswith(f"backbone.{old}.up_conv."):
-            return f"backbone.upsamplers.{index}." + key[len(f"backbone.{old}.up_conv."):]
-        if key.startswith(f"backbone.{old}.ops."):
-            rest = key[len(f"backbone.{old}.ops."):]
-            return f"backbone.decoder.{index}." + rest.replace(".conv1.", ".0.").replace(".bn1.", ".1.")
-    for old, new in _REFERENCE_HEADS:
-        if key.startswith(old):
-            return new + key[len(old):]
-    return key
-
-
 SWIN_DIVISOR = 32  # SwinUNETR: patch embedding 2, then four 2x merges
 
 

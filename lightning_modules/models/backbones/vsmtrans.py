@@ -364,55 +364,6 @@ class VSmTrans(nn.Module):
         return logits
 
 
-# The reference's names inside one block (after ``VSmViT.layers<i>.0.blocks.<j>.``) -> this file's.
-_REFERENCE_BLOCK_NAMES = (
-    ("attn.rate1", "mixer.alpha"),  # the reference's (1,)-shaped scalars; this file's are 0-dimensional
-    ("attn.rate2", "mixer.beta"),
-    ("attn.qkv.", "mixer.qkv."),
-    ("attn.proj.", "mixer.proj."),
-    ("attn.conv1.", "mixer.fuse.1."),
-    ("attn.norm1.", "mixer.fuse.2."),
-    ("attn.dep_conv.", "mixer.conv.0."),
-    ("attn.norm2.", "mixer.conv.1."),
-    ("mlp.fc1.", "mlp.linear1."),
-    ("mlp.fc2.", "mlp.linear2."),
-)
-
-
-def reference_key(key: str) -> str | None:
-    """A key of the reference ``VSmixTUnet``'s state dict, renamed to this module's; ``None`` for the
-    reference's entries with no counterpart here (the unused fifth deep-supervision head ``out_4`` and
-    the relative-position index buffers, which this module computes). ``rate1``/``rate2`` have shape
-    (1,) there and () here."""
-    parts = key.split(".")
-    if key.startswith("VSmViT.patch_embed."):
-        return key[len("VSmViT."):]
-    if key.startswith("VSmViT.layers"):
-        stage = int(parts[1][len("layers"):]) - 1
-        if parts[2] == "1":  # the stage's patch merging
-            return f"mergers.{stage}." + ".".join(parts[3:])
-        rest = ".".join(parts[5:])
-        if rest.endswith("relative_position_index"):
-            return None
-        if rest.startswith("attn.attns.") and rest.endswith("relative_position_bias_table"):
-            return f"stages.{stage}.{parts[4]}.mixer.attentions.{parts[7]}.relative_position_bias"
-        for old, new in _REFERENCE_BLOCK_NAMES:
-            if rest.startswith(old):
-                rest = new + rest[len(old):]
-                break
-        return f"stages.{stage}.{parts[4]}.{rest}"
-    if parts[0] == "out_4":
-        return None
-    if parts[0].startswith("out_"):
-        return f"deep_heads.{int(parts[0][4:])}.conv.conv." + ".".join(parts[1:])
-    for prefix, first, rest_name in (("encoder", "encoder0", "encoders"), ("decoder", "decoder0", "decoders")):
-        if parts[0].startswith(prefix) and parts[0][len(prefix):].isdigit():
-            index = int(parts[0][len(prefix):])
-            head = first if index == 1 else f"{rest_name}.{index - 2}"
-            return ".".join([head, *parts[1:]])
-    return key
-
-
 def vsmtrans_divisor(options: dict) -> int:
     """patch_embed_size * 2 ** 4: the patch embedding, then one 2x merge per stage."""
     patch_embed_size = options.get("patch_embed_size", 2)
