@@ -4,7 +4,9 @@ Libraries (import no MLflow): ``config`` (the recipe schema, value checks and pi
 imports nothing else of the project), ``data`` (cohorts on disk, metadata, splits, the datamodule,
 mixing and exposure), ``cohorts`` (the phantom, importers and the leakage audit), ``models``
 (backbones, planning, the SegmentationModule, checkpoints), ``evaluation`` (scan-level detection,
-subgroups, thresholds, small-count statistics, the bootstrap and seed pooling) and ``inference``.
+subgroups, thresholds, small-count statistics, the bootstrap and seed pooling) and ``inference``;
+``infrastructure`` (atomic file writes, run folders, the process around a run, monitoring, the
+warnings filter) sits below the layers that use it.
 ``recipe`` loads a whole recipe and has each layer check its section. Above them: ``tracking`` (the
 MLflow adapter, pyfunc serving and the registry's operating point), ``workflows`` (train, evaluate,
 operating points, the comparison table, training overlap), ``trainer``, and ``commands`` with

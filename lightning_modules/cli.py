@@ -9,7 +9,7 @@ none of another package's commands or errors (docs/explanation/architecture.md "
 Errors a user can fix (a mistyped recipe key, a broken cohort, a leaking split, a missing run, ...)
 are caught here, in one place, and printed as a short message with exit code 2; ``--debug`` (anywhere
 on the command line, or ``BENCHX_DEBUG=1``) shows the traceback instead. The library warnings that
-mean nothing to a user are filtered here too (:mod:`lightning_modules.warnings_filter`).
+mean nothing to a user are filtered here too (:mod:`lightning_modules.infrastructure.warnings_filter`).
 
 Example::
 
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(unknown_command_message(name), file=sys.stderr)
         return EXIT_USAGE
     from lightning_modules.commands.common import command_help
-    from lightning_modules.warnings_filter import install
+    from lightning_modules.infrastructure.warnings_filter import install
 
     install()
     # A command's log is read as text: MLflow's artifact download bars (one per file) say nothing there.

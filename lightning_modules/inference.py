@@ -211,7 +211,7 @@ def write_summary(summary: PredictionSummary, out: Path) -> Path:
     """Write the per-case table atomically (rewritten after every case, so a stopped run keeps its rows)."""
     import pandas as pd
 
-    from lightning_modules.data.cohort import atomic_write_csv
+    from lightning_modules.infrastructure.files import atomic_write_csv
 
     path = Path(out) / SUMMARY_FILE
     atomic_write_csv(pd.DataFrame(summary.rows, columns=SUMMARY_COLUMNS), path)

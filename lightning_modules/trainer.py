@@ -36,7 +36,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger, MLFlowLogger
 
-from lightning_modules.process import raise_if_signalled
+from lightning_modules.infrastructure.process import raise_if_signalled
 from lightning_modules.tracking import end_run
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class PeriodicCheckpoint(ModelCheckpoint):
 
 
 class StopOnSignal(Callback):
-    """Raise a SIGTERM/SIGINT recorded under :func:`lightning_modules.process.deferred_signals`
+    """Raise a SIGTERM/SIGINT recorded under :func:`lightning_modules.infrastructure.process.deferred_signals`
     between batches, where stopping leaves no MLflow write or collective half done."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

@@ -26,7 +26,7 @@ from lightning_modules.recipe import load_recipe
 from lightning_modules.data.datamodule import CohortDataModule
 from lightning_modules.evaluation.callback import SubgroupEvaluation
 from lightning_modules.models.checkpoints import load_module_from_checkpoint
-from lightning_modules.run_folder import RunRecord
+from lightning_modules.infrastructure.run_folder import RunRecord
 
 DDP = ["trainer.devices=2", "trainer.strategy=ddp", "trainer.accelerator=cpu"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}

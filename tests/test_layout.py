@@ -171,22 +171,26 @@ def test_two_tables_naming_one_command_are_refused():
 LIBRARY_IMPORTS = {
     # config is the bottom: the schema every layer reads its own section from.
     "lightning_modules.config": {"lightning_modules.config"},
-    "lightning_modules.data": {"lightning_modules.data", "lightning_modules.config"},
-    "lightning_modules.cohorts": {"lightning_modules.cohorts", "lightning_modules.data", "lightning_modules.run_folder"},
+    "lightning_modules.data": {"lightning_modules.data", "lightning_modules.config",
+                               "lightning_modules.infrastructure.files"},
+    "lightning_modules.cohorts": {"lightning_modules.cohorts", "lightning_modules.data",
+                                  "lightning_modules.infrastructure.run_folder", "lightning_modules.infrastructure.files"},
     "lightning_modules.evaluation": {"lightning_modules.evaluation", "lightning_modules.data", "lightning_modules.config"},
     "lightning_modules.models": {"lightning_modules.models", "lightning_modules.config", "lightning_modules.data"},
     "lightning_modules.inference": {"lightning_modules.inference", "lightning_modules.config", "lightning_modules.data",
-                                    "lightning_modules.models"},
+                                    "lightning_modules.models", "lightning_modules.infrastructure.files"},
     # The whole recipe: loaded once, each section checked by the layer that owns it.
     "lightning_modules.recipe": {"lightning_modules.recipe", "lightning_modules.config", "lightning_modules.data",
                                  "lightning_modules.models"},
     # Shared infrastructure, below every layer that uses it: run folders (locks, fingerprints,
-    # resumable checkpoints), process handling (signals, worker lifetimes), resource monitoring and
-    # the warnings filter. Each stands alone.
-    "lightning_modules.run_folder": {"lightning_modules.run_folder"},
-    "lightning_modules.process": {"lightning_modules.process"},
-    "lightning_modules.monitoring": {"lightning_modules.monitoring"},
-    "lightning_modules.warnings_filter": {"lightning_modules.warnings_filter"},
+    # resumable checkpoints), process handling (signals, worker lifetimes), resource monitoring, the
+    # warnings filter and atomic file writes. Each stands alone; run folders write through files.
+    "lightning_modules.infrastructure.files": {"lightning_modules.infrastructure.files"},
+    "lightning_modules.infrastructure.run_folder": {"lightning_modules.infrastructure.run_folder",
+                                                    "lightning_modules.infrastructure.files"},
+    "lightning_modules.infrastructure.process": {"lightning_modules.infrastructure.process"},
+    "lightning_modules.infrastructure.monitoring": {"lightning_modules.infrastructure.monitoring"},
+    "lightning_modules.infrastructure.warnings_filter": {"lightning_modules.infrastructure.warnings_filter"},
 }
 # synthx's libraries, bottom to top: the recipe schema and vocabularies; the generator; the study's
 # statistics (analysis); the library parts of training (data, Lightning modules) and generation
@@ -216,8 +220,8 @@ SYNTHX_WORKFLOW_MODULES = (
     "synthx.serving.pyfunc_code",
 )
 # Packages whose __init__ only gathers names (no layer of their own).
-PACKAGE_ROOTS = ("lightning_modules", "synthx", "synthx.generation", "synthx.training", "synthx.generator",
-                 "synthx.analysis", "synthx.serving")
+PACKAGE_ROOTS = ("lightning_modules", "lightning_modules.infrastructure", "synthx", "synthx.generation", "synthx.training",
+                 "synthx.generator", "synthx.analysis", "synthx.serving")
 SERVICE_CLIENTS = ("mlflow", "optuna")
 ABOVE_LIBRARIES = ("lightning_modules.tracking", "lightning_modules.workflows", "lightning_modules.commands",
                    "lightning_modules.cli", "lightning_modules.trainer", "synthx.workflows", "synthx.commands")
@@ -274,10 +278,10 @@ WHOLE_RECIPE_LIBRARY_FUNCTIONS = {
     "synthx.training.modules.SynthXTrainingModule.from_recipe",
     "synthx.training.modules.SynthXAutoencoderModule.from_recipe",
     # A run folder's identity is the fingerprint of the whole recipe (a changed key refuses a resume).
-    "lightning_modules.run_folder.recipe_keys",
-    "lightning_modules.run_folder.recipe_fingerprint",
-    "lightning_modules.run_folder.RunRecord.for_recipe",
-    "lightning_modules.run_folder.check_same_recipe",
+    "lightning_modules.infrastructure.run_folder.recipe_keys",
+    "lightning_modules.infrastructure.run_folder.recipe_fingerprint",
+    "lightning_modules.infrastructure.run_folder.RunRecord.for_recipe",
+    "lightning_modules.infrastructure.run_folder.check_same_recipe",
 }
 
 

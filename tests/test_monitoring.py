@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from lightning_modules.monitoring import LogProgress, format_duration
+from lightning_modules.infrastructure.monitoring import LogProgress, format_duration
 
 
 class FakeClock:

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import REPO_ROOT
-from lightning_modules.process import Terminated, deferred_signals, git_commit, raise_if_signalled, terminating_signals
+from lightning_modules.infrastructure.process import Terminated, deferred_signals, git_commit, raise_if_signalled, terminating_signals
 
 
 def test_git_commit_names_the_checkout_and_says_unknown_outside_one(tmp_path):

@@ -13,7 +13,7 @@ import torch
 
 from conftest import RECIPES, REPO_ROOT
 from lightning_modules.recipe import load_recipe
-from lightning_modules.run_folder import (
+from lightning_modules.infrastructure.run_folder import (
     FolderLockedError,
     RunFolderError,
     RunFolderLock,
@@ -25,7 +25,7 @@ from lightning_modules.run_folder import (
 
 HOLD = """
 import sys, time
-from lightning_modules.run_folder import RunFolderLock
+from lightning_modules.infrastructure.run_folder import RunFolderLock
 lock = RunFolderLock(sys.argv[1], "holder").acquire()
 print("held", flush=True)
 time.sleep(600)
@@ -79,7 +79,7 @@ def test_another_recipe_is_refused_with_the_keys_that_differ(tmp_path):
 
 
 def test_a_recipe_record_spells_enum_choices_as_text_so_folders_recorded_with_text_still_resume(tmp_path):
-    from lightning_modules.run_folder import recipe_fingerprint, recipe_keys
+    from lightning_modules.infrastructure.run_folder import recipe_fingerprint, recipe_keys
 
     recipe = load_recipe(RECIPES / "unet.yaml", ["profile=cpu", "data.cache=disk", "synthx.mode=displace"])
     keys = recipe_keys(recipe)

@@ -39,9 +39,10 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from lightning_modules.data.cohort import CT_FILE, SEGMENTATION_DIR, atomic_write_bytes, file_sha256
-from lightning_modules.cohorts.importers.resumable_import import run_import
 from lightning_modules.cohorts.importers.nifti import TOTALSEGMENTATOR_MULTILABEL_FILE, list_totalsegmentator
+from lightning_modules.cohorts.importers.resumable_import import run_import
+from lightning_modules.data.cohort import CT_FILE, SEGMENTATION_DIR
+from lightning_modules.infrastructure.files import atomic_write_bytes, file_sha256
 
 logger = logging.getLogger(__name__)
 

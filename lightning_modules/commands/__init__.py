@@ -32,7 +32,7 @@ EXPECTED_ERRORS: frozenset[str] = frozenset(
     {
         "lightning_modules.config.loader.RecipeError",
         "lightning_modules.commands.common.ProfileConflict",
-        "lightning_modules.run_folder.RunFolderError",
+        "lightning_modules.infrastructure.run_folder.RunFolderError",
         "lightning_modules.trainer.RankZeroRefusal",
         "lightning_modules.trainer.CheckpointWriteError",
         "lightning_modules.trainer.MemoryAdviceError",

@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The recipe is read before torch, Lightning and MLflow are imported, so a mistyped key is
     # reported at once.
     recipe = load_recipe(args.recipe, args.overrides)
-    from lightning_modules.process import Terminated
+    from lightning_modules.infrastructure.process import Terminated
     from lightning_modules.trainer import global_rank
     from lightning_modules.workflows.train import TrainSettings, train
 

@@ -18,10 +18,8 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -32,6 +30,7 @@ import pandas as pd
 
 from lightning_modules.data.metadata import METADATA_FILE, MetadataReadError, normalize_metadata, read_metadata_csv
 from lightning_modules.data.problems import Problem
+from lightning_modules.infrastructure.files import atomic_target, atomic_write_csv, publish_mode
 
 # The AbdomenAtlas organ classes this framework knows (docs/explanation/data.md "Cohorts on disk").
 ORGAN_CLASSES = (
@@ -228,51 +227,10 @@ def load_cohort(root: Path | str, strict: bool = True) -> Cohort:
 # Writing (layout A), atomically.
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _publish_mode(path: Path | str, directory: bool = False) -> None:
-    """Give a temp file/folder the permissions a plainly created one would have (mkstemp uses 0600/0700)."""
-    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
-
-
-@contextmanager
-def _atomic_target(path: Path, suffix: str = ".tmp"):
-    """Yield a temporary path beside ``path``; on success it replaces ``path`` (with normal
-    permissions), on any error it is removed, so readers never see a partial file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
-    os.close(fd)
-    try:
-        yield tmp
-        _publish_mode(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    with _atomic_target(path) as tmp:
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-
-
 def atomic_save_nifti(image: nib.Nifti1Image, path: Path) -> None:
     """Save a NIfTI image via a temporary file and rename, so readers never see a partial file."""
-    with _atomic_target(path, suffix=".nii.gz") as tmp:
+    with atomic_target(path, suffix=".nii.gz") as tmp:
         nib.save(image, tmp)
-
-
-def atomic_write_csv(table: pd.DataFrame, path: Path) -> None:
-    atomic_write_bytes(Path(path), table.to_csv(index=False).encode())
 
 
 def write_case(
@@ -294,7 +252,7 @@ def write_case(
         raise ValueError(f"unsafe case id {case_id!r}")
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{case_id}."))
-    _publish_mode(staging, directory=True)
+    publish_mode(staging, directory=True)
     try:
         ct_image = nib.Nifti1Image(np.asarray(ct).astype(np.int16), affine, header)
         ct_image.set_data_dtype(np.int16)
@@ -330,11 +288,3 @@ def write_metadata(root: Path, table: pd.DataFrame) -> Path:
     path = Path(root) / METADATA_FILE
     atomic_write_csv(table, path)
     return path
-
-
-def file_sha256(path: Path | str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

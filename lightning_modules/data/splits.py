@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from lightning_modules.data.cohort import atomic_write_csv, file_sha256, load_cohort
+from lightning_modules.data.cohort import load_cohort
 from lightning_modules.data.problems import Problem
+from lightning_modules.infrastructure.files import atomic_write_csv, file_sha256
 
 if TYPE_CHECKING:
     from lightning_modules.data.cohort import Cohort

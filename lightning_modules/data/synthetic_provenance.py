@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from lightning_modules.data.cohort import atomic_write_bytes
+from lightning_modules.infrastructure.files import atomic_write_bytes
 
 PROVENANCE_FILE = "synthx_provenance.json"
 

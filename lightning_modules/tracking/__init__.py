@@ -20,7 +20,7 @@ Tags on every run: ``backbone``, ``recipe``, ``variant``, ``synthx_ratio``, ``sp
 
 Runs end FINISHED, FAILED or KILLED, never RUNNING: :func:`ended_run` wraps the work of a run and
 sets its final status on success, on an exception and on SIGTERM/SIGINT (turned into
-:class:`lightning_modules.process.Terminated`). A new SQLite store is created once under a file lock (:func:`prepare_store`),
+:class:`lightning_modules.infrastructure.process.Terminated`). A new SQLite store is created once under a file lock (:func:`prepare_store`),
 so several commands started at once on a fresh ``mlflow.db`` do not race in MLflow's table setup.
 
 Example::
@@ -45,7 +45,7 @@ from typing import Iterator
 import mlflow
 from mlflow.tracking import MlflowClient
 
-from lightning_modules.process import Terminated, git_commit, terminating_signals
+from lightning_modules.infrastructure.process import Terminated, git_commit, terminating_signals
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 _RUN_ID = re.compile(r"[0-9a-f]{32}")

@@ -103,7 +103,7 @@ def record_operating_point(evaluation_run_id: str, uri: str) -> dict[str, str] |
 def same_validation_cases(training_run, evaluation_tags: dict) -> bool:
     """Whether an evaluation's validation cases (its ``val_set_sha256``) are the validation cases of
     the split a training run was trained with (its ``data.split``, unchanged since: same sha256)."""
-    from lightning_modules.data.cohort import file_sha256
+    from lightning_modules.infrastructure.files import file_sha256
     from lightning_modules.evaluation.bootstrap import evaluation_set_hash
 
     split = training_run.data.params.get("data.split")

@@ -55,7 +55,7 @@ from lightning_modules.evaluation.records import fixed_rule_score, score_column
 from lightning_modules.evaluation.thresholds import choose_operating_point, RULES
 from lightning_modules.cohorts.audit.signatures import ScanSignatures, scan_signatures
 from lightning_modules.models.checkpoints import load_module_from_checkpoint, ModelSourceError
-from lightning_modules.run_folder import RunRecord
+from lightning_modules.infrastructure.run_folder import RunRecord
 from lightning_modules.tracking import (
     check_run_id,
     ended_run,

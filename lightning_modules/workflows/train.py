@@ -46,19 +46,20 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.cohorts.audit import check_split_leakage
 from lightning_modules.config.recipe import Normalization
-from lightning_modules.recipe import recipe_to_yaml, recipe_variant
-from lightning_modules.data.cohort import atomic_write_bytes, CohortError, load_cohort
+from lightning_modules.data.cohort import CohortError, load_cohort
 from lightning_modules.data.datamodule import CohortDataModule, default_cache_dir
 from lightning_modules.data.intensity import ct_intensity_properties
 from lightning_modules.data.mixing import mixing_datamodule
 from lightning_modules.data.splits import load_split, split_sha256
 from lightning_modules.data.validation import validate_cohort
 from lightning_modules.evaluation.callback import SubgroupEvaluation
+from lightning_modules.infrastructure.files import atomic_write_bytes
 from lightning_modules.models.checkpoints import build_module, RecordProvenance
 from lightning_modules.models.planning import resolve_planned_recipe
-from lightning_modules.monitoring import system_callbacks
-from lightning_modules.process import deferred_signals
-from lightning_modules.run_folder import (
+from lightning_modules.infrastructure.monitoring import system_callbacks
+from lightning_modules.infrastructure.process import deferred_signals
+from lightning_modules.recipe import recipe_to_yaml, recipe_variant
+from lightning_modules.infrastructure.run_folder import (
     check_same_recipe,
     CHECKPOINT_NAMES,
     recipe_fingerprint,

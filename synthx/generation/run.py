@@ -45,12 +45,13 @@ from mlflow.exceptions import MlflowException
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from lightning_modules.data.cohort import atomic_write_bytes, file_sha256, load_cohort, write_case, write_metadata
+from lightning_modules.data.cohort import load_cohort, write_case, write_metadata
 from lightning_modules.data.lesions import SIZE_CLASS_NAMES
 from lightning_modules.data.metadata import normalize_phase, PHASES
 from lightning_modules.data.splits import load_split
-from lightning_modules.process import git_commit, terminating_signals
-from lightning_modules.run_folder import RunFolderLock
+from lightning_modules.infrastructure.files import atomic_write_bytes, file_sha256
+from lightning_modules.infrastructure.process import git_commit, terminating_signals
+from lightning_modules.infrastructure.run_folder import RunFolderLock
 from lightning_modules.tracking import experiment_id, log_table_with_csv, tracking_uri as resolve_uri
 from synthx.config import MaskPriorConfig, SamplingConfig
 from synthx.generation.canvases import (

@@ -25,8 +25,9 @@ import nibabel as nib
 import numpy as np
 import pandas as pd
 
-from lightning_modules.data.cohort import CT_FILE, METADATA_FILE, SEGMENTATION_DIR, atomic_write_bytes
+from lightning_modules.data.cohort import CT_FILE, METADATA_FILE, SEGMENTATION_DIR
 from lightning_modules.data.metadata import STANDARD_COLUMNS
+from lightning_modules.infrastructure.files import atomic_write_bytes
 from synthx.generation.canvases import LESION_CLASS, ORGAN_CLASS, GenerationError, SynthesisRequest
 from synthx.generation.cells import CELL_COLUMNS
 

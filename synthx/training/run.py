@@ -35,10 +35,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.data.cohort import load_cohort
 from lightning_modules.data.splits import load_split, split_sha256
-from lightning_modules.run_folder import RunFolderLock, content_key
+from lightning_modules.infrastructure.run_folder import RunFolderLock, content_key
 from lightning_modules.trainer import build_trainer, global_rank
-from lightning_modules.monitoring import system_callbacks
-from lightning_modules.process import git_commit
+from lightning_modules.infrastructure.monitoring import system_callbacks
+from lightning_modules.infrastructure.process import git_commit
 from lightning_modules.tracking import experiment_id, flatten, tracking_uri
 from synthx.config import recipe_to_yaml
 from synthx.generator.provenance import GeneratorProvenance

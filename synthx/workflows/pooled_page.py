@@ -17,7 +17,7 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from lightning_modules.evaluation.seed_pooling import comparison_name
-from lightning_modules.monitoring import format_duration
+from lightning_modules.infrastructure.monitoring import format_duration
 from synthx.analysis.endpoint import family_marks, PrimaryEndpoint
 from synthx.analysis.labels import arm_label, attribute_label, group_label, point_label
 from synthx.analysis.verdict import Contrast, designed_gap_subgroups, outcome, study_verdict, VERDICT_WORDS

@@ -582,7 +582,7 @@ def test_a_refused_import_leaves_no_output_folder(tmp_path):
 
 
 def test_an_import_into_a_folder_another_process_holds_is_refused(tmp_path):
-    from lightning_modules.run_folder import FolderLockedError, RunFolderLock
+    from lightning_modules.infrastructure.run_folder import FolderLockedError, RunFolderLock
 
     src = tmp_path / "export"
     write_dicom_series(src / "scan_a", dicom_hu(), **GEOMETRY)

@@ -125,7 +125,7 @@ def test_incomplete_case_folder_is_rewritten(cohort_dir, tmp_path):
 
 
 def test_a_killed_runs_staging_folder_is_removed_and_a_held_folder_is_refused(cohort_dir, tmp_path):
-    from lightning_modules.run_folder import FolderLockedError, RunFolderLock
+    from lightning_modules.infrastructure.run_folder import FolderLockedError, RunFolderLock
 
     killed = tmp_path / "killed"
     shutil.copytree(cohort_dir, killed)

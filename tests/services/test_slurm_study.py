@@ -34,7 +34,7 @@ def _array_done(job_id: str, environment) -> bool:
 
 
 def test_a_slurm_array_of_two_replicates_is_pooled(services, tiny_phantom, tmp_path, capsys):
-    from lightning_modules.process import git_commit
+    from lightning_modules.infrastructure.process import git_commit
     from lightning_modules.tracking import experiment_id
     from synthx.commands.study import main
     from synthx.workflows.replicates import finished_replicates, replicate_key

@@ -9,11 +9,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lightning_modules.data.cohort import CT_FILE, file_sha256, load_cohort, write_case, write_metadata
+from lightning_modules.data.cohort import CT_FILE, load_cohort, write_case, write_metadata
 from lightning_modules.data.lesions import largest_extent_mm
 from lightning_modules.data.splits import load_split
 from lightning_modules.data.synthetic_provenance import cohort_provenance_problem, read_provenance
 from lightning_modules.data.validation import validate_cohort
+from lightning_modules.infrastructure.files import file_sha256
 from synthx.generation import (
     CopyPastePainter,
     GenerationError,

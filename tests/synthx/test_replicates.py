@@ -160,7 +160,7 @@ def test_two_replicates_run_as_two_workers_and_are_pooled(tiny_phantom, tmp_path
     from synthx.workflows.replicates import REPLICATE_SEED_TAG, finished_replicates, replicate_key
     from test_synthx_study import _study_settings
 
-    from lightning_modules.process import git_commit
+    from lightning_modules.infrastructure.process import git_commit
     from lightning_modules.tracking import experiment_id
 
     root, split = tiny_phantom

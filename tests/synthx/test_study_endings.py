@@ -320,7 +320,7 @@ def test_replicate_workers_are_stopped_with_their_parent(tmp_path, signum):
 def test_a_killed_seeds_parent_leaves_no_study_worker_and_no_run_running(tiny_phantom, tmp_path):
     """``benchx study --seeds 2`` killed by SIGKILL: each replicate gets SIGTERM, ends its runs KILLED
     and its folder's lock, so a rerun is not refused."""
-    from lightning_modules.run_folder import RunFolderLock
+    from lightning_modules.infrastructure.run_folder import RunFolderLock
 
     root, split = tiny_phantom
     settings = _study_settings(root, split, tmp_path)

@@ -55,7 +55,7 @@ def test_a_rerun_ends_the_runs_of_a_dead_study_on_this_host_only(runner, tmp_pat
 
 
 def test_a_step_stopped_by_a_signal_ends_its_runs_and_the_parent_killed(runner):
-    from lightning_modules.process import Terminated
+    from lightning_modules.infrastructure.process import Terminated
     from synthx.workflows.study.runner import END_TAG, FAILED_STEP_TAG
 
     opened = []

@@ -437,7 +437,7 @@ def test_an_interrupted_synthesis_continues_its_mlflow_run_and_a_held_folder_is_
 ):
     import mlflow
 
-    from lightning_modules.run_folder import FolderLockedError, RunFolderLock
+    from lightning_modules.infrastructure.run_folder import FolderLockedError, RunFolderLock
 
     root, split = cohort
     out = tmp_path / "out"

@@ -13,7 +13,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from conftest import REPO_ROOT
-from lightning_modules.process import Terminated
+from lightning_modules.infrastructure.process import Terminated
 from lightning_modules.trainer import RunLogger
 from lightning_modules.tracking import (
     default_artifact_location,

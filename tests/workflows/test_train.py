@@ -19,7 +19,7 @@ from lightning_modules.data.cohort import CohortError
 from lightning_modules.data.datamodule import CohortDataModule
 from lightning_modules.recipe import load_recipe
 from lightning_modules.models.checkpoints import build_module
-from lightning_modules.run_folder import RunRecord
+from lightning_modules.infrastructure.run_folder import RunRecord
 from lightning_modules.workflows.train import default_output_dir, train
 
 

@@ -32,8 +32,9 @@ import numpy as np
 import torch
 
 from lightning_modules.cohorts.audit.volumes import CONFIRM_SIZE, SIGNATURE_SIZE, canonical_sha256, volume_signatures
-from lightning_modules.data.cohort import Cohort, CohortError, atomic_write_bytes
+from lightning_modules.data.cohort import Cohort, CohortError
 from lightning_modules.data.validation import READ_ERRORS, read_volume
+from lightning_modules.infrastructure.files import atomic_write_bytes
 
 MATCH_THRESHOLD = 0.995
 # Bumped when the signature changes, so cached files of another definition are not reused.

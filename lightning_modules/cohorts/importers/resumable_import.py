@@ -33,16 +33,10 @@ from nibabel.filebasedimages import ImageFileError
 from lightning_modules.cohorts.importers.metadata_rows import _read_rows, _rows_table, build_row
 from lightning_modules.cohorts.importers.source_cases import ImportCaseError, ImportSourceError, LoadedCase, SourceCase
 from lightning_modules.cohorts.importers.volumes import same_grid, spacing_text
-from lightning_modules.data.cohort import (
-    CT_FILE,
-    METADATA_FILE,
-    SEGMENTATION_DIR,
-    atomic_write_csv,
-    write_case,
-    write_metadata,
-)
+from lightning_modules.data.cohort import CT_FILE, METADATA_FILE, SEGMENTATION_DIR, write_case, write_metadata
 from lightning_modules.data.validation import show_progress
-from lightning_modules.run_folder import LOCK_FILE, RunFolderLock
+from lightning_modules.infrastructure.files import atomic_write_csv
+from lightning_modules.infrastructure.run_folder import LOCK_FILE, RunFolderLock
 
 logger = logging.getLogger("lightning_modules.cohorts.importers")
 

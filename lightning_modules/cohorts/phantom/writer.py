@@ -14,8 +14,9 @@ from typing import Sequence
 import pandas as pd
 from threadpoolctl import threadpool_limits
 
-from lightning_modules.data.cohort import CT_FILE, SEGMENTATION_DIR, atomic_write_bytes, write_case, write_metadata
+from lightning_modules.data.cohort import CT_FILE, SEGMENTATION_DIR, write_case, write_metadata
 from lightning_modules.data.metadata import PHASES, normalize_metadata
+from lightning_modules.infrastructure.files import atomic_write_bytes
 from lightning_modules.cohorts.phantom.plan import (
     CASE_ID_PREFIX,
     DEFAULT_CASES,
@@ -26,7 +27,7 @@ from lightning_modules.cohorts.phantom.plan import (
     plan_phantom_cohort,
 )
 from lightning_modules.cohorts.phantom.render import render_scan
-from lightning_modules.run_folder import LOCK_FILE, RunFolderLock
+from lightning_modules.infrastructure.run_folder import LOCK_FILE, RunFolderLock
 
 # Bump when the rendering changes, so a rerun into an older cohort refuses to mix the two.
 PHANTOM_VERSION = 4

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from lightning_modules.monitoring import format_duration
+from lightning_modules.infrastructure.monitoring import format_duration
 from synthx.analysis.endpoint import shown_interval
 from synthx.analysis.labels import arm_label, attribute_label, group_label, point_label
 from synthx.analysis.verdict import ArmNamer, available_point, comparison_arms

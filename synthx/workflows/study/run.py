@@ -14,8 +14,8 @@ from pathlib import Path
 import pandas as pd
 
 from lightning_modules.cohorts.phantom import PARAMS_FILE
-from lightning_modules.process import exit_on_signal, held_signals, raise_if_signalled, rerun_command, stop_code
-from lightning_modules.run_folder import RunFolderLock
+from lightning_modules.infrastructure.process import exit_on_signal, held_signals, raise_if_signalled, rerun_command, stop_code
+from lightning_modules.infrastructure.run_folder import RunFolderLock
 from synthx.analysis.endpoint import log_endpoint
 from synthx.painters import COPY_PASTE_PAINTER, SYNTHX_PAINTER
 from synthx.workflows.report import publish_study

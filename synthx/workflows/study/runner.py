@@ -32,8 +32,8 @@ from typing import Callable
 
 from mlflow.tracking import MlflowClient
 
-from lightning_modules.process import git_commit, held_signals, stop_reason
-from lightning_modules.run_folder import pid_alive
+from lightning_modules.infrastructure.process import git_commit, held_signals, stop_reason
+from lightning_modules.infrastructure.run_folder import pid_alive
 from lightning_modules.tracking import end_run, experiment_id, final_status, mark_model_experiment, tracking_uri
 from synthx.workflows.study.settings import segmentation_recipe, StudySettings
 

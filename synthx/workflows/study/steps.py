@@ -26,8 +26,8 @@ from lightning_modules.data.cohort import CohortError, load_cohort, write_metada
 from lightning_modules.data.splits import load_split, make_splits, split_sha256, write_split
 from lightning_modules.data.validation import validate_cohort
 from lightning_modules.evaluation.artifacts import download_records
-from lightning_modules.process import held_signals
-from lightning_modules.run_folder import content_key
+from lightning_modules.infrastructure.process import held_signals
+from lightning_modules.infrastructure.run_folder import content_key
 from lightning_modules.tracking import end_run, experiment_id, final_status
 from lightning_modules.workflows.evaluate import compare, evaluate, OPERATING_POINT_METRIC
 from lightning_modules.workflows.train import recipe_fingerprint, train

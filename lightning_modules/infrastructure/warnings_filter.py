@@ -6,7 +6,7 @@ by its text and the module that emits it, so a new or different warning still sh
 
 Example::
 
-    from lightning_modules.warnings_filter import install
+    from lightning_modules.infrastructure.warnings_filter import install
     install()
 """
 

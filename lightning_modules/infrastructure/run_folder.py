@@ -32,6 +32,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_modules.infrastructure.files import atomic_write_bytes
+
 LOCK_FILE = ".lock"
 RECORD_FILE = "run.json"
 # Checkpoints a training folder may resume from, newest writer first (see trainer.AtomicCheckpointIO).
@@ -200,10 +202,7 @@ class RunRecord:
             raise RunFolderError(f"{path} is damaged ({error}); start a new run with --fresh or another --out") from error
 
     def write(self, folder: str | Path) -> None:
-        path = Path(folder) / RECORD_FILE
-        temporary = path.with_name(f"{RECORD_FILE}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(asdict(self), indent=1, sort_keys=True))
-        os.replace(temporary, path)
+        atomic_write_bytes(Path(folder) / RECORD_FILE, json.dumps(asdict(self), indent=1, sort_keys=True).encode())
 
 
 def recipe_differences(recorded: dict[str, str], current: dict[str, str]) -> list[str]:
