@@ -22,11 +22,12 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from conftest import RECIPES, REPO_ROOT, tiny_overrides
-from lightning_modules.recipe import load_recipe
 from lightning_modules.data.datamodule import CohortDataModule
 from lightning_modules.evaluation.callback import SubgroupEvaluation
-from lightning_modules.models.checkpoints import load_module_from_checkpoint
 from lightning_modules.infrastructure.run_folder import RunRecord
+from lightning_modules.models.checkpoints import load_module_from_checkpoint
+from lightning_modules.recipe import load_recipe
+from lightning_modules.tracking.recorder import logger_recorder
 
 DDP = ["trainer.devices=2", "trainer.strategy=ddp", "trainer.accelerator=cpu"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
@@ -39,7 +40,7 @@ def _train_command(launcher: list[str], folder: Path, overrides: list[str]) -> l
 def _single_process_validation(recipe, checkpoint: Path) -> dict[str, float]:
     """The validation metrics of a checkpoint on one process (no logger)."""
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[SubgroupEvaluation.from_detection(recipe.detection)])
+                         callbacks=[SubgroupEvaluation.from_detection(recipe.detection, recorder=logger_recorder)])
     trainer.validate(load_module_from_checkpoint(recipe, checkpoint), datamodule=CohortDataModule(recipe.data, recipe.seed))
     return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
 

@@ -175,7 +175,8 @@ LIBRARY_IMPORTS = {
                                "lightning_modules.infrastructure.files"},
     "lightning_modules.cohorts": {"lightning_modules.cohorts", "lightning_modules.data",
                                   "lightning_modules.infrastructure.run_folder", "lightning_modules.infrastructure.files"},
-    "lightning_modules.evaluation": {"lightning_modules.evaluation", "lightning_modules.data", "lightning_modules.config"},
+    "lightning_modules.evaluation": {"lightning_modules.evaluation", "lightning_modules.data", "lightning_modules.config",
+                                     "lightning_modules.infrastructure.recording"},
     "lightning_modules.models": {"lightning_modules.models", "lightning_modules.config", "lightning_modules.data"},
     "lightning_modules.inference": {"lightning_modules.inference", "lightning_modules.config", "lightning_modules.data",
                                     "lightning_modules.models", "lightning_modules.infrastructure.files"},
@@ -191,6 +192,7 @@ LIBRARY_IMPORTS = {
     "lightning_modules.infrastructure.process": {"lightning_modules.infrastructure.process"},
     "lightning_modules.infrastructure.monitoring": {"lightning_modules.infrastructure.monitoring"},
     "lightning_modules.infrastructure.warnings_filter": {"lightning_modules.infrastructure.warnings_filter"},
+    "lightning_modules.infrastructure.recording": {"lightning_modules.infrastructure.recording"},
 }
 # synthx's libraries, bottom to top: the recipe schema and vocabularies; the generator; the study's
 # statistics (analysis); the library parts of training (data, Lightning modules) and generation

@@ -1,5 +1,6 @@
 """``SubgroupEvaluation``: the thin Lightning adapter that turns per-case records into subgroup
-detection metrics in the trainer's MLflow run.
+detection metrics in the trainer's run (metrics through the trainer's logger; tables, figures and
+tags through the recorder the workflow hands in).
 
 At the end of validation and test it takes the module's per-case records (one per case, gathered
 from every process and de-duplicated by case id: DistributedSampler pads with repeated cases) and
@@ -7,13 +8,13 @@ hands them to the pure metrics (``detection``, ``bootstrap``); it logs
 
 - metrics under ``<stage>/<metric>/<attribute>/<group>`` (``metric_keys``), the overall values, and
   per attribute the worst group and the gap;
-- on test (and on validation when ``tables_on_val``): the per-case table, the subgroup table with
-  bootstrap CIs and the figure (``artifacts``).
+- on test (and on validation when ``tables_on_val``), with a recorder: the per-case table, the
+  subgroup table with bootstrap CIs and the figure (``artifacts``).
 
 The detection threshold m is the recipe's (``detection.threshold_mm3``) or, with
 ``detection.threshold_rule`` = ``f1`` / ``youden``, chosen on the validation records and then
 applied unchanged to test (``thresholds.choose_operating_point``). When validation gives nothing to
-choose from, the fixed m is used: a warning is logged and the run gets the tag
+choose from, the fixed m is used: a warning is logged and (with a recorder) the run gets the tag
 ``threshold_fallback`` with the reason; training goes on.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Callable
 
 import lightning.pytorch as pl
 import pandas as pd
@@ -33,6 +35,7 @@ from lightning_modules.evaluation.detection import subgroup_metrics
 from lightning_modules.evaluation.metric_keys import headline_metric_keys, mlflow_metric_keys
 from lightning_modules.evaluation.records import fixed_rule_score
 from lightning_modules.evaluation.thresholds import OperatingPoint, choose_operating_point
+from lightning_modules.infrastructure.recording import RunRecorder
 
 log = logging.getLogger(__name__)
 FALLBACK_TAG = "threshold_fallback"
@@ -53,6 +56,10 @@ class SubgroupEvaluation(Callback):
         tables_on_val: also log tables and the figure at every validation.
         headline_only: log the overall headline keys only (``metric_keys.headline_metric_keys``):
             an evaluation run logs its per-group keys at the validation-chosen point itself.
+        recorder: where tables, figures and the fallback tag go: given the trainer, the recorder
+            of its run (:class:`~lightning_modules.infrastructure.recording.RunRecorder`; e.g.
+            :func:`lightning_modules.tracking.recorder.logger_recorder`), or None off the logging
+            rank; without it only metrics are logged, through the trainer's logger.
     """
 
     def __init__(
@@ -66,6 +73,7 @@ class SubgroupEvaluation(Callback):
         val_resamples: int = 0,
         tables_on_val: bool = False,
         headline_only: bool = False,
+        recorder: Callable[[pl.Trainer], RunRecorder | None] | None = None,
     ):
         self.fixed_threshold = float(threshold_mm3)
         self.threshold = float(threshold_mm3)
@@ -77,6 +85,7 @@ class SubgroupEvaluation(Callback):
         self.val_resamples = int(val_resamples)
         self.tables_on_val = tables_on_val
         self.headline_only = headline_only
+        self.recorder = recorder
         self.operating_point = OperatingPoint("fixed", self.threshold, "fixed")
         self.results: dict[str, pd.DataFrame] = {}
         self.records: dict[str, pd.DataFrame] = {}
@@ -124,9 +133,9 @@ class SubgroupEvaluation(Callback):
     def _report_fallback(self, trainer: pl.Trainer) -> None:
         message = f"threshold rule {self.threshold_rule}: {self.operating_point.fallback}; using the fixed m = {self.fixed_threshold:g}"
         log.warning(message)
-        run_id = getattr(trainer.logger, "run_id", None)
-        if trainer.is_global_zero and run_id:
-            trainer.logger.experiment.set_tag(run_id, FALLBACK_TAG, message[:5000])
+        recorder = self.recorder(trainer) if self.recorder else None
+        if recorder is not None:
+            recorder.set_tags({FALLBACK_TAG: message[:5000]})
 
     def _evaluate(self, trainer, pl_module, stage: str, records: pd.DataFrame, resamples: int, tables: bool) -> None:
         # BenchX's fixed m counts the raw predicted tumor voxels (docs/explanation/detection-and-statistics.md "Scan-level detection").
@@ -148,6 +157,6 @@ class SubgroupEvaluation(Callback):
         if not trainer.is_global_zero or trainer.logger is None:
             return
         trainer.logger.log_metrics({k: v for k, v in metrics.items() if not math.isnan(v)}, step=trainer.global_step)
-        run_id = getattr(trainer.logger, "run_id", None)
-        if tables and run_id:
-            log_evaluation_artifacts(trainer.logger.experiment, run_id, stage, records, table)
+        recorder = self.recorder(trainer) if tables and self.recorder else None
+        if recorder is not None:
+            log_evaluation_artifacts(recorder, stage, records, table)

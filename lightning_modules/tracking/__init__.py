@@ -73,13 +73,6 @@ def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float], st
         client.log_batch(run_id, metrics=entries[start : start + 1000])
 
 
-def log_table_with_csv(client: MlflowClient, run_id: str, table, artifact_file: str) -> None:
-    """A table the MLflow UI shows (``artifact_file``, ``.json`` as MLflow's table view reads it) and
-    its CSV twin beside it (same name, ``.csv``), which the project's readers load."""
-    client.log_table(run_id, data=table, artifact_file=artifact_file)
-    client.log_text(run_id, table.to_csv(index=False), str(Path(artifact_file).with_suffix(".csv")))
-
-
 # Where a direct database store (postgresql://, mysql://, mssql://) puts artifacts: this folder or
 # URI (s3://...) if set, else ~/mlartifacts; one sub-folder per experiment. Several machines writing
 # to one database need a shared place, or the tracking server (scripts/services.sh, docs/scaling.md).

@@ -44,18 +44,17 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig
 
+from lightning_modules.cohorts.audit.signatures import ScanSignatures, scan_signatures
 from lightning_modules.data.datamodule import CohortDataModule, default_cache_dir
 from lightning_modules.data.splits import split_sha256
-from lightning_modules.evaluation.artifacts import download_records
 from lightning_modules.evaluation.bootstrap import evaluation_set_hash
-from lightning_modules.evaluation.paired_comparison import paired_differences
 from lightning_modules.evaluation.callback import FALLBACK_TAG, SubgroupEvaluation
 from lightning_modules.evaluation.figures import close, comparison_figure
+from lightning_modules.evaluation.paired_comparison import paired_differences
 from lightning_modules.evaluation.records import fixed_rule_score, score_column
 from lightning_modules.evaluation.thresholds import choose_operating_point, RULES
-from lightning_modules.cohorts.audit.signatures import ScanSignatures, scan_signatures
-from lightning_modules.models.checkpoints import load_module_from_checkpoint, ModelSourceError
 from lightning_modules.infrastructure.run_folder import RunRecord
+from lightning_modules.models.checkpoints import load_module_from_checkpoint, ModelSourceError
 from lightning_modules.tracking import (
     check_run_id,
     ended_run,
@@ -66,6 +65,7 @@ from lightning_modules.tracking import (
     tracking_uri,
 )
 from lightning_modules.tracking.pyfunc import is_model_uri, model_version_tags, record_operating_point
+from lightning_modules.tracking.recorder import download_records, logger_recorder
 from lightning_modules.trainer import (
     build_trainer,
     FailWithLaunchedProcesses,
@@ -226,7 +226,8 @@ def evaluate(
     with ended_run(uri, run_id, writer=writer):
         module = load_module_from_checkpoint(recipe, checkpoint)
         logger = RunLogger(experiment_name=str(recipe.tracking.experiment), tracking_uri=uri, run_id=run_id)
-        callback = SubgroupEvaluation.from_detection(recipe.detection, tables_on_val=True, headline_only=True)
+        callback = SubgroupEvaluation.from_detection(recipe.detection, tables_on_val=True, headline_only=True,
+                                                     recorder=logger_recorder)
         trainer = build_trainer(recipe.trainer, None, logger=logger, callbacks=[callback, FailWithLaunchedProcesses(uri, run_id)],
                                 enable_model_summary=False, enable_progress_bar=sys.stderr.isatty())
         if datamodule.case_ids("val"):

@@ -16,12 +16,13 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from lightning_modules.evaluation.artifacts import log_evaluation_artifacts
-from lightning_modules.evaluation.subgroup_intervals import bootstrap_subgroup_metrics
 from lightning_modules.evaluation.callback import FALLBACK_TAG, SubgroupEvaluation
 from lightning_modules.evaluation.metric_keys import headline_metric_keys
 from lightning_modules.evaluation.records import fixed_rule_score
+from lightning_modules.evaluation.subgroup_intervals import bootstrap_subgroup_metrics
 from lightning_modules.evaluation.thresholds import choose_operating_point, OperatingPoint, resampled_choices, RULES
 from lightning_modules.tracking import log_metrics
+from lightning_modules.tracking.recorder import MlflowRunRecorder
 
 log = logging.getLogger(__name__)
 OPERATING_POINT_METRIC = "operating_point/{name}"
@@ -99,6 +100,6 @@ def log_operating_points(client, run_id: str, recipe: DictConfig, callback, stag
             metrics = headline_metric_keys(table, name, groups=point.name == "val_chosen")
             metrics[f"{name}/threshold"] = point.threshold
             log_metrics(client, run_id, metrics)
-            log_evaluation_artifacts(client, run_id, name, None, table)
+            log_evaluation_artifacts(MlflowRunRecorder(client, run_id), name, None, table)
             tables[name] = table
     return tables

@@ -54,11 +54,8 @@ from lightning_modules.data.splits import load_split, split_sha256
 from lightning_modules.data.validation import validate_cohort
 from lightning_modules.evaluation.callback import SubgroupEvaluation
 from lightning_modules.infrastructure.files import atomic_write_bytes
-from lightning_modules.models.checkpoints import build_module, RecordProvenance
-from lightning_modules.models.planning import resolve_planned_recipe
 from lightning_modules.infrastructure.monitoring import system_callbacks
 from lightning_modules.infrastructure.process import deferred_signals
-from lightning_modules.recipe import recipe_to_yaml, recipe_variant
 from lightning_modules.infrastructure.run_folder import (
     check_same_recipe,
     CHECKPOINT_NAMES,
@@ -68,10 +65,14 @@ from lightning_modules.infrastructure.run_folder import (
     RunFolderLock,
     RunRecord,
 )
+from lightning_modules.models.checkpoints import build_module, RecordProvenance
+from lightning_modules.models.planning import resolve_planned_recipe
+from lightning_modules.recipe import recipe_to_yaml, recipe_variant
 from lightning_modules.tracking import ended_run, flatten, run_status, run_tags, start_run, tracking_uri
 from lightning_modules.tracking.datasets import log_dataset_inputs, log_exposures, resolve_synthetic_cohort
 from lightning_modules.tracking.provenance import log_training_cases
 from lightning_modules.tracking.pyfunc import log_segmentation_model
+from lightning_modules.tracking.recorder import logger_recorder
 from lightning_modules.trainer import (
     build_trainer,
     FailWithLaunchedProcesses,
@@ -183,7 +184,7 @@ def train(recipe: DictConfig, settings: TrainSettings | None = None, **options) 
             provenance = record_provenance(logger, recipe, datamodule, start)
         module = build_module(recipe)
         best, periodic = checkpoint_callbacks(recipe, checkpoint_dir)
-        evaluation = [SubgroupEvaluation.from_detection(recipe.detection)] if settings.evaluation else []
+        evaluation = [SubgroupEvaluation.from_detection(recipe.detection, recorder=logger_recorder)] if settings.evaluation else []
         trainer = build_trainer(
             recipe.trainer,
             output_dir,

@@ -72,20 +72,19 @@ def log_quality(report, run_id: str, prefix: str = "synthx_quality", client=None
     """
     import mlflow
 
-    from lightning_modules.tracking import log_metrics, log_table_with_csv
+    from lightning_modules.tracking.recorder import MlflowRunRecorder
 
-    client = client or mlflow.MlflowClient()
+    recorder = MlflowRunRecorder(client or mlflow.MlflowClient(), run_id)
     for name in TABLES:
-        table = getattr(report, name)
-        log_table_with_csv(client, run_id, table, f"{prefix}/{name}.json")
-    client.log_figure(run_id, report.figure, f"{prefix}/examples.png")
+        recorder.log_table(getattr(report, name), f"{prefix}/{name}.csv", ui=True)
+    recorder.log_figure(report.figure, f"{prefix}/examples.png")
     metrics = quality_metrics(report, prefix)
     if filtered is not None:
-        client.log_text(run_id, filtered.to_csv(index=False), f"{prefix}/quality_filter.csv")
+        recorder.log_table(filtered, f"{prefix}/quality_filter.csv")
         for phase, group in filtered.groupby("phase"):
             metrics[f"{prefix}/quality_filter/dropped/{phase}"] = float((~group["kept"]).sum())
     if metrics:
-        log_metrics(client, run_id, metrics)
+        recorder.log_metrics(metrics)
 
 
 def filter_cases(report, real_quantile: float, folds: int, seed: int = 0) -> pd.DataFrame:

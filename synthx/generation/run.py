@@ -52,7 +52,8 @@ from lightning_modules.data.splits import load_split
 from lightning_modules.infrastructure.files import atomic_write_bytes, file_sha256
 from lightning_modules.infrastructure.process import git_commit, terminating_signals
 from lightning_modules.infrastructure.run_folder import RunFolderLock
-from lightning_modules.tracking import experiment_id, log_table_with_csv, tracking_uri as resolve_uri
+from lightning_modules.tracking import experiment_id, tracking_uri as resolve_uri
+from lightning_modules.tracking.recorder import MlflowRunRecorder
 from synthx.config import MaskPriorConfig, SamplingConfig
 from synthx.generation.canvases import (
     as_requests,
@@ -334,8 +335,9 @@ def _open_run(settings: SynthesisSettings, uri: str, manifest: dict, out_root: P
 def log_targets(client: mlflow.MlflowClient, run_id: str, targets: pd.DataFrame) -> None:
     """The targeting table (:func:`synthx.generation.targeting.resolve_targets`) on a synthesis run:
     ``synthx/targets.json`` for the UI, its CSV twin, and the total requested."""
-    log_table_with_csv(client, run_id, targets, "synthx/targets.json")
-    client.log_metric(run_id, "synthx/requested_total", float(targets["requested"].sum()))
+    recorder = MlflowRunRecorder(client, run_id)
+    recorder.log_table(targets, "synthx/targets.csv", ui=True)
+    recorder.log_metrics({"synthx/requested_total": float(targets["requested"].sum())})
 
 
 def _make_case(context: dict, request: SynthesisRequest, rows: dict, summary: SynthesisSummary, seconds: list) -> None:
@@ -444,7 +446,7 @@ def synthesize(settings: SynthesisSettings, requests) -> SynthesisSummary:
             marks = {**{c: "generated" for c in summary.generated}, **{c: "skipped" for c in summary.skipped}, **{c: "failed" for c in summary.failed}}
             summary.per_cell = per_cell_table(fillable, marks, unfillable, settings.seed)
             if client is not None:
-                log_summary(client, summary.synthesis_run_id, summary, rows)
+                log_summary(MlflowRunRecorder(client, summary.synthesis_run_id), summary, rows)
                 client.set_terminated(summary.synthesis_run_id, status if status == "KILLED" else ("FAILED" if summary.failed else "FINISHED"))
         return summary
 

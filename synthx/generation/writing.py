@@ -28,6 +28,7 @@ import pandas as pd
 from lightning_modules.data.cohort import CT_FILE, METADATA_FILE, SEGMENTATION_DIR
 from lightning_modules.data.metadata import STANDARD_COLUMNS
 from lightning_modules.infrastructure.files import atomic_write_bytes
+from lightning_modules.infrastructure.recording import RunRecorder
 from synthx.generation.canvases import LESION_CLASS, ORGAN_CLASS, GenerationError, SynthesisRequest
 from synthx.generation.cells import CELL_COLUMNS
 
@@ -155,15 +156,14 @@ def per_cell_table(
     return pd.DataFrame(list(rows.values()), columns=[*CELL_COLUMNS, *counts])
 
 
-def log_summary(client, run_id: str, summary, rows: Mapping[str, dict]) -> None:
+def log_summary(recorder: RunRecorder, summary, rows: Mapping[str, dict]) -> None:
     """The generation run's tables (per cell, unfillable cells, metadata, failures), counts and lineage tags."""
-    client.log_table(run_id, data=summary.per_cell, artifact_file="synthx/per_cell.json")
-    client.log_text(run_id, summary.per_cell.to_csv(index=False), "synthx/per_cell.csv")
-    client.log_text(run_id, summary.unfillable.to_csv(index=False), "synthx/unfillable.csv")
+    recorder.log_table(summary.per_cell, "synthx/per_cell.csv", ui=True)
+    recorder.log_table(summary.unfillable, "synthx/unfillable.csv")
     if rows:
-        client.log_text(run_id, metadata_table(rows).to_csv(index=False), "synthx/metadata.csv")
+        recorder.log_table(metadata_table(rows), "synthx/metadata.csv")
     if summary.failed:
-        client.log_dict(run_id, summary.failed, "synthx/failed.json")
+        recorder.log_dict(summary.failed, "synthx/failed.json")
     metrics = {
         "synthx/cases_requested": summary.requested,
         "synthx/cases_generated": len(summary.generated),
@@ -175,6 +175,5 @@ def log_summary(client, run_id: str, summary, rows: Mapping[str, dict]) -> None:
     }
     if np.isfinite(summary.seconds_per_case):
         metrics["synthx/seconds_per_case"] = summary.seconds_per_case
-    for key, value in metrics.items():
-        client.log_metric(run_id, key, float(value))
-    client.set_tag(run_id, "generator_run_id", summary.generator_run_id)
+    recorder.log_metrics({key: float(value) for key, value in metrics.items()})
+    recorder.set_tags({"generator_run_id": summary.generator_run_id})

@@ -34,11 +34,11 @@ from typing import Sequence
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
-from lightning_modules.evaluation.artifacts import download_records
 from lightning_modules.evaluation.seed_pooling import ArmRecords, format_pooled, pool_seeds
 from lightning_modules.infrastructure.process import exit_on_signal, git_commit, rerun_command, start_worker, stop_workers
 from lightning_modules.infrastructure.run_folder import content_key
 from lightning_modules.tracking import experiment_id, tracking_uri
+from lightning_modules.tracking.recorder import download_records
 from lightning_modules.workflows.evaluate import is_flagged, OPERATING_POINT_METRIC, significance_mark
 from synthx.painters import SYNTHX_PAINTER
 from synthx.workflows.pooled_decomposition import POOLED_ARTIFACT, pooled_decomposition_table

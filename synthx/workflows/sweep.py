@@ -59,8 +59,8 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from lightning_modules.recipe import recipe_variant
 from lightning_modules.evaluation.callback import SubgroupEvaluation
+from lightning_modules.recipe import recipe_variant
 from lightning_modules.tracking import (
     database_url,
     end_run,
@@ -71,6 +71,7 @@ from lightning_modules.tracking import (
     tracking_client,
     tracking_uri,
 )
+from lightning_modules.tracking.recorder import logger_recorder
 from lightning_modules.workflows.train import train
 
 
@@ -278,7 +279,7 @@ def make_objective(
 
             callbacks.append(PyTorchLightningPruningCallback(trial, monitor="val/f1/overall"))
 
-        evaluation = SubgroupEvaluation.from_detection(trial_recipe.detection)
+        evaluation = SubgroupEvaluation.from_detection(trial_recipe.detection, recorder=logger_recorder)
         folder = (output_root or Path(trial_recipe.tracking.output_dir)) / f"sweep-{study_name}" / f"trial-{trial.number}"
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         try:

@@ -199,7 +199,7 @@ def test_study_end_to_end_and_resume_after_a_killed_step(tiny_phantom, tmp_path,
     assert len(test_ids) == 8 and not test_ids & set(development["case_id"])
     assert not set(view.loc[view["split"] == "test", "patient_id"]) & set(development["patient_id"].astype(str))
     assert set(view.loc[view["split"] == "val", "case_id"]) == set(pd.read_csv(split).query("split == 'val'")["case_id"])
-    from lightning_modules.evaluation.artifacts import download_records
+    from lightning_modules.tracking.recorder import download_records
 
     for step in ("evaluate_locked_baseline", "evaluate_sham", "evaluate_synthx", "evaluate_copy_paste"):
         assert client.get_run(steps[step]).data.tags["test_set"] == "locked"

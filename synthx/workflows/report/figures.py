@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from lightning_modules.data.metadata import PHASES
-from lightning_modules.evaluation.artifacts import download_records
+from lightning_modules.tracking.recorder import download_records
 from synthx.analysis.endpoint import shown_interval
 from synthx.analysis.labels import arm_label, metric_label, point_label
 from synthx.analysis.quality import DISPLAY_WINDOW

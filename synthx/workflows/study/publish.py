@@ -17,8 +17,8 @@ from pathlib import Path
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
-from lightning_modules.evaluation.artifacts import download_records
 from lightning_modules.tracking import log_metrics
+from lightning_modules.tracking.recorder import download_records
 from synthx.analysis.decomposition import decompose, detections, paired_sensitivity_rows
 from synthx.analysis.endpoint import endpoint_summary, label_results, PrimaryEndpoint, shown_interval
 from synthx.analysis.verdict import arm_namer, CONTROL_ARM, decomposition_sentences, study_verdict

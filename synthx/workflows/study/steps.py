@@ -25,16 +25,16 @@ from lightning_modules.cohorts.phantom import DEFAULT_CASES, generate_phantom_co
 from lightning_modules.data.cohort import CohortError, load_cohort, write_metadata
 from lightning_modules.data.splits import load_split, make_splits, split_sha256, write_split
 from lightning_modules.data.validation import validate_cohort
-from lightning_modules.evaluation.artifacts import download_records
 from lightning_modules.infrastructure.process import held_signals
 from lightning_modules.infrastructure.run_folder import content_key
 from lightning_modules.tracking import end_run, experiment_id, final_status
+from lightning_modules.tracking.recorder import download_records
 from lightning_modules.workflows.evaluate import compare, evaluate, OPERATING_POINT_METRIC
 from lightning_modules.workflows.train import recipe_fingerprint, train
 from synthx.generation import SynthesisSettings, synthesize
 from synthx.generation.canvases import GenerationError
-from synthx.painters import COPY_PASTE_PAINTER
 from synthx.generation.targeting import resolve_targets
+from synthx.painters import COPY_PASTE_PAINTER
 from synthx.training import recipe_key, train_synthx
 from synthx.workflows.study.runner import cohort_lock
 from synthx.workflows.study.settings import LOCKED_PREFIX, segmentation_recipe, StudySettings, TARGETS_ARTIFACT
