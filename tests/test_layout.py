@@ -200,7 +200,7 @@ LIBRARY_IMPORTS = {
 SYNTHX_LIBRARIES = (
     "synthx.config", "synthx.conditions", "synthx.painters", "synthx.generator", "synthx.analysis",
     "synthx.training.dataset", "synthx.training.modules",
-    "synthx.generation.targeting", "synthx.generation.canvases", "synthx.generation.painting",
+    "synthx.generation.cells", "synthx.generation.targeting", "synthx.generation.canvases", "synthx.generation.painting",
     "synthx.generation.phantom_painter", "synthx.generation.writing", "synthx.generation.copy_paste",
 )
 # What each synthx library may import of synthx: the generator knows nothing of the study, the
@@ -338,10 +338,11 @@ def test_the_library_table_catches_mlflow_a_workflow_and_an_upward_import():
     assert library_violations(planted) == [
         "lightning_modules.config.recipe imports lightning_modules.models.backbones, outside ['lightning_modules.config']",
         "lightning_modules.data.datamodule imports lightning_modules.recipe, outside "
-        "['lightning_modules.config', 'lightning_modules.data']",
+        "['lightning_modules.config', 'lightning_modules.data', 'lightning_modules.infrastructure.files']",
         "lightning_modules.data.mixing imports mlflow.tracking",
         "lightning_modules.evaluation.records imports lightning_modules.models.checkpoints, outside "
-        "['lightning_modules.config', 'lightning_modules.data', 'lightning_modules.evaluation']",
+        "['lightning_modules.config', 'lightning_modules.data', 'lightning_modules.evaluation', "
+        "'lightning_modules.infrastructure.recording']",
         "lightning_modules.models.checkpoints imports lightning_modules.tracking",
         "synthx.generator.pipeline imports lightning_modules.workflows.train",
     ]
