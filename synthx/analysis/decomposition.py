@@ -148,7 +148,7 @@ def paired_sensitivity_rows(arm_table: pd.DataFrame, reference_table: pd.DataFra
 
 
 def decompose(detected: Mapping[str, pd.DataFrame], attributes: Sequence[str] = ("phase",), confidence: float = 0.95,
-              alpha: float = 0.05, pairs: Mapping[tuple[str, str], tuple[pd.DataFrame, pd.DataFrame]] | None = None) -> pd.DataFrame:
+              alpha: float = 0.05) -> pd.DataFrame:
     """The decomposition of one replicate: per component (:data:`COMPONENTS`) and subgroup, arm minus reference.
 
     Args:
@@ -156,19 +156,14 @@ def decompose(detected: Mapping[str, pd.DataFrame], attributes: Sequence[str] = 
             (:func:`detections`); ``sham``, ``copy_paste`` and ``synthx`` are required, ``phantom``
             adds the ceiling.
         attributes: subgroup attributes; confidence / alpha: see :func:`paired_sensitivity_rows`.
-        pairs: ``(arm, reference) -> (arm's table, reference's table)`` for a pair decided at its
-            own operating point (matched specificity sets m per pair); it replaces ``detected`` there.
 
     Returns:
         One row per (component, subgroup) with the columns of :data:`COLUMNS`.
     """
-    pairs = dict(pairs or {})
     frames = []
     for component in _components(list(detected)):
-        arm_table, reference_table = pairs.get((component.arm, component.reference),
-                                               (detected[component.arm], detected[component.reference]))
-        frame = paired_sensitivity_rows(arm_table, reference_table, component.arm, component.reference, attributes,
-                                        confidence, alpha)
+        frame = paired_sensitivity_rows(detected[component.arm], detected[component.reference], component.arm,
+                                        component.reference, attributes, confidence, alpha)
         frame["component"] = component.name
         frames.append(frame)
     return pd.concat(frames, ignore_index=True)[list(COLUMNS)]

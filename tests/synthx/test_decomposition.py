@@ -101,16 +101,6 @@ def test_without_the_positive_control_there_is_no_ceiling_and_a_required_arm_is_
         decompose({arm: found[arm] for arm in ("sham", "synthx")})
 
 
-def test_a_pair_decided_at_its_own_operating_point_replaces_the_arms_tables_for_that_pair_only():
-    found = _simulate(_tumors(40), np.random.default_rng(2), ARMS[:3])
-    everything = found["copy_paste"].assign(detected=1)
-    own = decompose(found, pairs={("copy_paste", "sham"): (everything, found["sham"])}).set_index(["component", "group"])
-    plain = decompose(found).set_index(["component", "group"])
-    sham_arterial = found["sham"].loc[found["sham"]["phase"] == "arterial", "detected"].mean()
-    assert own.loc[("placement", "arterial"), "difference"] == pytest.approx(1 - sham_arterial)
-    assert own.loc[("content", "arterial"), "difference"] == plain.loc[("content", "arterial"), "difference"]
-
-
 def test_unpaired_or_bad_detection_records_are_refused_naming_the_case():
     found = _simulate(_tumors(20), np.random.default_rng(0), ARMS[:3])
     short = dict(found, synthx=found["synthx"].iloc[1:])
