@@ -14,6 +14,9 @@ Per tumor (:func:`realism_features`):
 - boundary: ``edge_gradient``, the mean HU gradient magnitude (np.gradient, HU/mm) on a shell one
   voxel inside and one voxel outside the tumor (binary erosion and dilation). A pasted tumor with a
   seam has a step there; a real tumor fades into its organ;
+- surround: ``shell_fat``, the share of the shell one voxel outside the tumor whose HU lie in the
+  adipose range (-190 to -30 HU). A tumor drawn to the organ's border, in a thin gland such as the
+  pancreas, borders fat where a real tumor of the gland is wrapped in gland tissue;
 - shape and size: ``volume_ml`` (voxel count), ``sphericity`` (pi^(1/3) (6V)^(2/3) / A with A and V
   the area and volume of the marching-cubes surface, skimage) and ``solidity`` (that volume over its
   convex hull's, scipy).
@@ -47,7 +50,9 @@ from lightning_modules.evaluation.small_counts import delong_covariance
 HU_WINDOW = (-175.0, 250.0)  # Touchstone HU window, as used for training
 GLCM_ANGLES = (0.0, np.pi / 4, np.pi / 2, 3 * np.pi / 4)
 # The radiomic vector the classifier and the Frechet distance use (volume enters as its logarithm).
-FEATURES = ("contrast", "tumor_sd", "glcm_contrast", "glcm_homogeneity", "edge_gradient", "volume_ml", "sphericity", "solidity")
+FEATURES = ("contrast", "tumor_sd", "glcm_contrast", "glcm_homogeneity", "edge_gradient", "shell_fat", "volume_ml", "sphericity",
+            "solidity")
+FAT_HU = (-190.0, -30.0)  # the adipose tissue range of CT body-composition work
 TABLE_COLUMNS = ["phase", "comparison", "metric", "n_real", "n_other", "real", "other", "value", "ci_low", "ci_high", "null",
                  "p_value", "method"]
 
@@ -92,6 +97,18 @@ def edge_gradient(ct: np.ndarray, tumor: np.ndarray, spacing: Sequence[float]) -
     return float(magnitude[shell].mean())
 
 
+def shell_fat(ct: np.ndarray, tumor: np.ndarray, fat_hu: Sequence[float] = FAT_HU) -> float:
+    """The share of the shell one voxel outside the tumor (binary dilation) whose HU lie in ``fat_hu``."""
+    coordinates = np.argwhere(tumor)
+    box = tuple(slice(max(int(a) - 1, 0), int(b) + 2) for a, b in zip(coordinates.min(axis=0), coordinates.max(axis=0)))
+    inside = tumor[box]
+    shell = ndimage.binary_dilation(inside) & ~inside
+    values = np.asarray(ct, dtype=np.float64)[box][shell]
+    if values.size == 0:  # the tumor fills the scan up to its edges
+        return math.nan
+    return float(((values >= fat_hu[0]) & (values <= fat_hu[1])).mean())
+
+
 def shape_features(tumor: np.ndarray, spacing: Sequence[float]) -> dict[str, float]:
     """Volume (ml, voxel count), sphericity and solidity of the marching-cubes surface of the tumor."""
     spacing = tuple(float(s) for s in spacing)
@@ -134,6 +151,7 @@ def realism_features(
         "glcm_contrast": glcm_contrast,
         "glcm_homogeneity": glcm_homogeneity,
         "edge_gradient": edge_gradient(ct, tumor, spacing),
+        "shell_fat": shell_fat(ct, tumor),
     }
     features.update(shape_features(tumor, spacing))
     return features
@@ -381,6 +399,7 @@ SUMMARY_FEATURES = {
     "glcm_contrast": ("GLCM contrast", "{:.2f}"),
     "glcm_homogeneity": ("GLCM homogeneity", "{:.2f}"),
     "edge_gradient": ("Edge gradient (HU/mm)", "{:.1f}"),
+    "shell_fat": ("Fat around it", "{:.0%}"),
     "volume_ml": ("Volume (ml)", "{:.1f}"),
     "sphericity": ("Sphericity", "{:.2f}"),
     "solidity": ("Solidity", "{:.2f}"),
