@@ -155,7 +155,7 @@ NOISE = [
 def test_the_command_line_silences_each_known_noise_warning_and_nothing_else():
     import warnings
 
-    from lightning_modules import warnings_filter
+    from lightning_modules.infrastructure import warnings_filter
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -236,7 +236,7 @@ def test_a_recipe_error_is_reported_before_torch_is_imported(tmp_path, override,
 def test_the_command_line_drops_diffusers_accelerate_advice_from_its_log(caplog):
     import logging
 
-    from lightning_modules import warnings_filter
+    from lightning_modules.infrastructure import warnings_filter
 
     warnings_filter.install()
     logger = logging.getLogger("diffusers.models.modeling_utils")
