@@ -45,7 +45,7 @@ from scipy.stats import wasserstein_distance
 from lightning_modules.data.cohort import Case, Cohort, load_cohort
 from lightning_modules.data.metadata import AGE_BAND_NAMES, PHASES, SEXES, UNKNOWN
 from lightning_modules.data.splits import load_split
-from synthx.analysis.realism import FEATURES as REALISM_FEATURES, organ_rim, realism_features, realism_table
+from synthx.analysis.realism import FEATURES as REALISM_FEATURES, organ_rim, SURROUND, realism_features, realism_table
 
 
 PERCENTILES = (5, 25, 50, 75, 95)
@@ -329,7 +329,7 @@ def realism_frame(records: Sequence[TumorRecord], copy_paste: Sequence[TumorReco
         for r in group
         if r.phase != UNKNOWN
     ]
-    return pd.DataFrame(rows, columns=["case_id", "kind", "phase", *REALISM_FEATURES])
+    return pd.DataFrame(rows, columns=["case_id", "kind", "phase", *REALISM_FEATURES, *SURROUND])
 
 
 def example_grid(records: Sequence[TumorRecord], per_kind: int = 2):
@@ -420,7 +420,7 @@ def quality_report(
                 "voxels": r.voxels,
                 "rim_voxels": r.rim_voxels,
                 **r.stats,
-                **{name: r.realism[name] for name in REALISM_FEATURES if name not in r.stats},
+                **{name: r.realism[name] for name in (*REALISM_FEATURES, *SURROUND) if name not in r.stats},
             }
             for r in records
         ]
