@@ -138,6 +138,8 @@ def test_shell_fat_is_the_share_of_the_outer_shell_in_the_adipose_range():
     assert shell_fat(ct, tumor) == pytest.approx(16 / 96)
     ct[7:, :, :] = -1000.0  # air is not fat
     assert shell_fat(ct, tumor) == 0.0
+    # A tumor that fills the scan to its edges has no shell in it: no share to give.
+    assert math.isnan(shell_fat(np.full((4, 4, 4), -100.0), np.ones((4, 4, 4), dtype=bool)))
 
 
 def test_an_empty_tumor_is_refused():
