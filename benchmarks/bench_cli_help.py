@@ -60,14 +60,17 @@ def cell(seconds: float | None) -> str:
     return f"{seconds:>10.2f}{' !' if seconds >= 1.0 else '  '}"
 
 
-def main() -> None:
+def main() -> int:
     sys.path.insert(0, str(REPO_ROOT))
+    from benchmarks.record import Row, add_record_argument, record
     from lightning_modules.cli import COMMANDS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("commands", nargs="*", default=["", *COMMANDS], help="commands to time ('' = benchx --help)")
     parser.add_argument("--repeat", type=int, default=3)
+    add_record_argument(parser)
     args = parser.parse_args()
+    helps, keys = {}, {}
     with tempfile.TemporaryDirectory() as folder:
         # A store that is never created: a refusal must come before any store exists.
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{folder}/mlflow.db"}
@@ -77,7 +80,20 @@ def main() -> None:
             help_s = time_command(argv, args.repeat, 0, env)
             key_s = time_command(MISTYPED_KEY[command], args.repeat, 2, env) if command in MISTYPED_KEY else None
             print(f"{command or '(benchx)':<16}{cell(help_s)}{'':>4}{cell(key_s)}")
+            helps[command or "benchx"] = help_s
+            if key_s is not None:
+                keys[command] = key_s
+    slowest_help, slowest_key = max(helps, key=helps.get), max(keys, key=keys.get)
+    met = all(s < 1.0 for s in [*helps.values(), *keys.values()])  # NaN (a wrong exit code) is not met
+    record(args.record, Row(
+        label=f"`--help` and a mistyped recipe key, {len(helps)} commands, fresh processes",
+        script="bench_cli_help.py",
+        figures={"help": (helps[slowest_help], ".2f"), "key": (keys[slowest_key], ".2f")},
+        text=(f"slowest `--help` {{help}} s (`{slowest_help}`), slowest mistyped key {{key}} s (`{slowest_key}`), "
+              f"median of {args.repeat}"),
+        target="< 1 s each", met=met))
+    return 0 if met else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

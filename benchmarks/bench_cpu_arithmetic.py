@@ -31,6 +31,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.record import Row, add_record_argument, record  # noqa: E402
 
 WORKER = r"""
 import sys, time
@@ -104,12 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per setting (after 3 warm-up steps)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     print(f"{'network':<10} {'pinned ms/step':>15} {'native ms/step':>15} {'pinned / native':>16}")
     for network in ("unet", "generator"):
         pinned = time_step(network, False, args.steps, args.threads)
         native = time_step(network, True, args.steps, args.threads)
         print(f"{network:<10} {pinned:>15.1f} {native:>15.1f} {pinned / native:>16.2f}")
+        record(args.record, Row(
+            label=f"pinned CPU arithmetic, {network} training step, {args.threads} threads",
+            script="bench_cpu_arithmetic.py",
+            figures={"pinned": (pinned, ".1f"), "native": (native, ".1f"), "ratio": (pinned / native, ".2f")},
+            text="pinned {pinned} ms/step, `BENCHX_NATIVE_CPU=1` {native} ms/step", ratio="pinned / native {ratio}"))
     return 0
 
 

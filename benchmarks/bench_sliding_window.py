@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from monai.inferers import sliding_window_inference  # noqa: E402
 
 from benchmarks.peak_memory import PeakMemory  # noqa: E402
+from benchmarks.record import Row, add_record_argument, record  # noqa: E402
 from lightning_modules.recipe import load_recipe  # noqa: E402
 from lightning_modules.models.checkpoints import build_module  # noqa: E402
 
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", type=int, nargs=3, default=(266, 266, 300))
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    add_record_argument(parser)
     args = parser.parse_args(argv)
 
     recipe = load_recipe(args.recipe, [f"profile={args.profile}"])
@@ -78,6 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     ratio = min(times["module.predict_volume"]) / min(times["MONAI directly"])
     same = torch.allclose(outputs["module.predict_volume"], outputs["MONAI directly"], atol=1e-6)
     print(f"ratio module / direct: {ratio:.3f} (target <= 1.0, within timing noise); same logits: {same}")
+    shape = " x ".join(map(str, args.shape))
+    record(args.record, Row(
+        label=f"sliding-window inference, {shape}, {'x'.join(map(str, roi))} windows, overlap {hp.sw_overlap}, "
+              f"{args.device}", script="bench_sliding_window.py",
+        figures={"module": (min(times["module.predict_volume"]), ".2f"), "direct": (min(times["MONAI directly"]), ".2f"),
+                 "ratio": (ratio, ".3f")},
+        text="`module.predict_volume` {module} s, MONAI directly {direct} s" + ("; same logits" if same else
+                                                                               "; the logits differ"),
+        ratio="module / direct {ratio}", target="<= 1.02, same logits", met=ratio <= 1.02 and same))
     return 0 if ratio <= 1.02 and same else 1
 
 

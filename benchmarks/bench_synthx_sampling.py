@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.record import Row, add_record_argument, record  # noqa: E402
 from lightning_modules.data.cohort import load_cohort  # noqa: E402
 from lightning_modules.cohorts.phantom import generate_phantom_cohort  # noqa: E402
 from lightning_modules.data.splits import make_splits, write_split  # noqa: E402
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", type=int, default=40, help="phantom cases")
     parser.add_argument("--train-steps", type=int, default=150, help="generator training steps (CPU profile)")
     parser.add_argument("--tumors", type=int, default=4, help="tumors painted per sampler")
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"generator: CPU profile, {args.train_steps} training steps in {time.perf_counter() - started:.0f} s; "
               f"torch threads {torch.get_num_threads()}")
         requests = {("F", "60-80", "venous"): args.tumors // 2, ("M", "60-80", "arterial"): args.tumors - args.tumors // 2}
+        requests = {cell: count for cell, count in requests.items() if count}
         results = {}
         for scheduler, steps in SAMPLERS:
             out = folder / f"synthetic-{scheduler}-{steps}"
@@ -86,6 +89,19 @@ def main(argv: list[str] | None = None) -> int:
         for (scheduler, steps), (seconds, _) in results.items():
             if scheduler != "ddpm":
                 print(f"speed-up of {scheduler} {steps} over DDPM 1000: {reference / seconds:.1f}x per tumor")
+    reference_mean = results[("ddpm", 1000)][1]["tumor_mean_synthetic"]
+    figures = {f"{scheduler}_{steps}": (seconds, ".2f") for (scheduler, steps), (seconds, _) in results.items()}
+    figures["ddpm_1000"] = (reference, ".1f")
+    figures["within"] = (max(abs(overall["tumor_mean_synthetic"] - reference_mean)
+                             for (scheduler, _), (_, overall) in results.items() if scheduler != "ddpm"), ".1f")
+    figures["speedup"] = (reference / results[("ddim", 20)][0], ".1f")
+    record(args.record, Row(
+        label=(f"SynthX sampling per tumor, CPU-profile generator ({args.train_steps} training steps), "
+               f"{args.tumors} tumors per sampler"),
+        script="bench_synthx_sampling.py", figures=figures,
+        text=("DPM-Solver 20 steps {dpm_solver_20} s, DDIM 20 {ddim_20} s, DDIM 50 {ddim_50} s, DDPM 1000 {ddpm_1000} s; "
+              "tumor mean HU within {within} HU of DDPM's"),
+        ratio="DDPM 1000 / DDIM 20: {speedup}x"))
     return 0
 
 

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning.pytorch as pl  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
+from benchmarks.record import Row, add_record_argument, record  # noqa: E402
 from lightning_modules.recipe import load_recipe  # noqa: E402
 from lightning_modules.models.checkpoints import build_module  # noqa: E402
 
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="cpu")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=2, help="alternate plain/Lightning this many times")
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
@@ -133,6 +135,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{', '.join(f'{t * 1000:.1f}' for t in lightning_times)})")
     ratio = lightning / plain
     print(f"ratio Lightning / plain: {ratio:.3f} (target <= 1.05)")
+    record(args.record, Row(
+        label=f"training step, {recipe.name} {args.profile} profile, {per_step} patches of {'x'.join(map(str, patch))}",
+        script="bench_training_step.py",
+        figures={"plain": (plain * 1000, ".1f"), "lightning": (lightning * 1000, ".1f"), "ratio": (ratio, ".2f")},
+        text="plain loop {plain} ms/step, Lightning {lightning} ms/step", ratio="Lightning / plain {ratio}",
+        target="<= 1.05", met=ratio <= 1.05))
     return 0 if ratio <= 1.05 else 1
 
 

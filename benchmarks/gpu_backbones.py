@@ -40,6 +40,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.peak_memory import PeakMemory  # noqa: E402
+from benchmarks.record import Row, add_record_argument, record  # noqa: E402
 from lightning_modules.recipe import load_recipe  # noqa: E402
 from lightning_modules.models.backbones import BACKBONES  # noqa: E402
 from lightning_modules.models.backbones.nnunet import is_planned  # noqa: E402
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=450.0, help="stop starting new runs after this (7.5 min)")
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
 
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'backbone':<18} {'patch':<15} {'batch':>5} {'variant':<13} {'it/s':>7} {'peak MiB':>9} "
           f"{'table 7 it/s':>12}  GPUs (table 7)")
     started = time.perf_counter()
-    failures = 0
+    failures, ran, rows = 0, 0, []
     for name in args.only:
         recipe = benchmark_recipe(name, args.dry_run)
         patch = "x".join(str(int(p)) for p in recipe.data.patch_size)
@@ -165,7 +167,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             try:
                 rate, peak = run_variant(recipe, variant, device, args.warmup, args.steps)
+                ran += 1
                 print(f"{prefix} {rate:7.2f} {peak:9.0f} {table_7_rate(name):12.2f}  {TABLE_7[name][2]}", flush=True)
+                rows.append(Row(
+                    label=f"{name}, patch {patch}, batch {batch}, {variant}, {name_of_device}", script="gpu_backbones.py",
+                    figures={"rate": (rate, ".2f"), "peak": (peak, ",.0f"), "table_7": (table_7_rate(name), ".2f")},
+                    text=f"{{rate}} it/s, peak {{peak}} MiB; BenchX table 7 {{table_7}} it/s on {TABLE_7[name][2]}"))
             except Exception as error:  # one failing variant (e.g. out of memory) must not hide the rest
                 failures += 1
                 print(f"{prefix} failed: {type(error).__name__}: {str(error).splitlines()[0][:80]}", flush=True)
@@ -173,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     print(f"total {time.perf_counter() - started:.0f} s")
+    if args.dry_run:  # tiny widths on CPU say nothing of GPU speed: the row says what was checked
+        rows = [Row(label="GPU backbones: it/s and peak memory per backbone", script="gpu_backbones.py",
+                    figures={"ran": (ran, ".0f"), "failed": (failures, ".0f")},
+                    text=("not measured: no GPU; the dry run (tiny widths, on CPU) stepped {ran} backbone variants, "
+                          "{failed} failed"))]
+    record(args.record, *rows)
     return 1 if failures else 0
 
 

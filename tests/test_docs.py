@@ -25,7 +25,7 @@ DIARY_PATTERNS = {
 }
 
 # Generated blocks name the run and commit that produced them: that is provenance, not a diary.
-GENERATED_BLOCK = re.compile(r"<!-- benchx-(results|seeds):start -->.*?<!-- benchx-\1:end -->", re.DOTALL)
+GENERATED_BLOCK = re.compile(r"<!-- benchx-(results|seeds|benchmarks):start -->.*?<!-- benchx-\1:end -->", re.DOTALL)
 GENERATED_PAGES = {"docs/results.md", "docs/seeds.md"}
 
 
@@ -60,7 +60,7 @@ def test_the_diary_check_catches_each_kind_of_narrative(pattern_name, line):
 
 
 def test_the_diary_check_leaves_generated_results_alone():
-    for name in ("results", "seeds"):
+    for name in ("results", "seeds", "benchmarks"):
         block = f"<!-- benchx-{name}:start -->\nRun abc, commit `0123456789abcdef`, 2026-12-03\n<!-- benchx-{name}:end -->"
         assert diary_findings(block) == []
     mismatched = "<!-- benchx-results:start -->\ncommit `0123456789abcdef`\n<!-- benchx-seeds:end -->"
@@ -112,6 +112,8 @@ def test_relative_links_in_documents_resolve():
 # What the main job's and the pooled study's figures depend on: a change here makes generated results stale.
 RESULT_CODE_PATHS = ("lightning_modules", "synthx", "recipes", "splits", "MLproject", "pyproject.toml",
                      ".ci/constraints.txt", ".ci/setup")
+# The benchmarks' figures also depend on the scripts that measured them.
+BLOCK_CODE_PATHS = {"benchmarks": (*RESULT_CODE_PATHS, "benchmarks")}
 GENERATED_COMMIT = re.compile(r"at commit `([0-9a-f]{40})`")
 
 
@@ -121,12 +123,15 @@ def stale_generated_blocks(texts: dict[str, str], head: str = "HEAD") -> list[st
     stale = []
     for name, text in texts.items():
         for block in GENERATED_BLOCK.finditer(text):
+            paths = BLOCK_CODE_PATHS.get(block.group(1), RESULT_CODE_PATHS)
+            if "uncommitted changes" in block.group(0):
+                stale.append(f"{name}: its {block.group(1)} block measured uncommitted code")
             for commit in GENERATED_COMMIT.findall(block.group(0)):
                 known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO_ROOT).returncode == 0
                 if not known:
                     stale.append(f"{name}: commit {commit} is not in this repository's history")
                     continue
-                changed = subprocess.run(["git", "diff", "--name-only", commit, head, "--", *RESULT_CODE_PATHS],
+                changed = subprocess.run(["git", "diff", "--name-only", commit, head, "--", *paths],
                                          cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.split()
                 if changed:
                     stale.append(f"{name}: generated at {commit[:12]}, since then {len(changed)} file(s) of its "
@@ -137,7 +142,8 @@ def stale_generated_blocks(texts: dict[str, str], head: str = "HEAD") -> list[st
 def test_generated_results_come_from_the_current_code():
     """README's and the docs' generated blocks name the commit whose code made them; that commit's code
     path must be the current one (regenerate with ``benchx report --markdown`` after a change)."""
-    texts = {name: (REPO_ROOT / name).read_text(encoding="utf-8") for name in ("README.md", *sorted(GENERATED_PAGES))}
+    texts = {name: (REPO_ROOT / name).read_text(encoding="utf-8")
+             for name in ("README.md", *sorted(GENERATED_PAGES), "docs/benchmarks.md")}
     # A page without figures (no run of the current code yet) names no commit and passes; one with
     # figures names its commit (test_a_block_generated_before_a_code_change_is_stale plants an old one).
     stale = stale_generated_blocks(texts)
@@ -151,6 +157,32 @@ def test_a_block_generated_before_a_code_change_is_stale():
     assert stale_generated_blocks({"README.md": block}), "the first commit's code is not today's"
     unknown = block.replace(first, "0" * 40)
     assert "not in this repository's history" in stale_generated_blocks({"README.md": unknown})[0]
+
+
+def test_a_benchmarks_block_is_stale_when_only_a_benchmark_script_changed():
+    """The benchmarks' figures depend on the scripts too; a trial page of uncommitted code never passes."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.split()
+
+    # A commit that changed benchmark scripts and none of the results' code path.
+    scripts_only = next(c for c in git("log", "--format=%H", "--", "benchmarks")
+                        if git("rev-list", "--parents", "-n", "1", c)[1:]
+                        and not git("diff", "--name-only", f"{c}^", c, "--", *RESULT_CODE_PATHS))
+    for name, expected_stale in (("benchmarks", True), ("results", False)):
+        block = f"<!-- benchx-{name}:start -->\nat commit `{git('rev-parse', scripts_only + '^')[0]}`.\n<!-- benchx-{name}:end -->"
+        assert bool(stale_generated_blocks({"docs/benchmarks.md": block}, head=scripts_only)) == expected_stale, name
+    dirty = f"<!-- benchx-benchmarks:start -->\nat commit `{scripts_only}` with uncommitted changes\n<!-- benchx-benchmarks:end -->"
+    assert "uncommitted" in stale_generated_blocks({"docs/benchmarks.md": dirty}, head=scripts_only)[0]
+
+
+def test_the_benchmarks_page_has_no_hand_typed_table():
+    """Every table of docs/benchmarks.md sits in the block benchmarks/write_page.py writes."""
+    page = (REPO_ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    blocks = [b for b in GENERATED_BLOCK.finditer(page) if b.group(1) == "benchmarks"]
+    assert len(blocks) == 1, "docs/benchmarks.md needs its generated block"
+    outside = [line for line in GENERATED_BLOCK.sub("", page).splitlines() if line.lstrip().startswith("|")]
+    assert not outside, f"table rows typed by hand: {outside[:3]}"
+    assert "| benchmark (script) |" in blocks[0].group(0)
 
 
 CITATION = re.compile(r"(docs/[\w/.-]+\.md) \\?\"([^\"\\]+)")
