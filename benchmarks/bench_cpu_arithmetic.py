@@ -110,15 +110,17 @@ def main(argv: list[str] | None = None) -> int:
     add_record_argument(parser)
     args = parser.parse_args(argv)
     print(f"{'network':<10} {'pinned ms/step':>15} {'native ms/step':>15} {'pinned / native':>16}")
+    rows = []
     for network in ("unet", "generator"):
         pinned = time_step(network, False, args.steps, args.threads)
         native = time_step(network, True, args.steps, args.threads)
         print(f"{network:<10} {pinned:>15.1f} {native:>15.1f} {pinned / native:>16.2f}")
-        record(args.record, Row(
+        rows.append(Row(
             label=f"pinned CPU arithmetic, {network} training step, {args.threads} threads",
             script="bench_cpu_arithmetic.py",
             figures={"pinned": (pinned, ".1f"), "native": (native, ".1f"), "ratio": (pinned / native, ".2f")},
             text="pinned {pinned} ms/step, `BENCHX_NATIVE_CPU=1` {native} ms/step", ratio="pinned / native {ratio}"))
+    record(args.record, *rows)
     return 0
 
 

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     figures["speedup"] = (reference / results[("ddim", 20)][0], ".1f")
     record(args.record, Row(
         label=(f"SynthX sampling per tumor, CPU-profile generator ({args.train_steps} training steps), "
-               f"{args.tumors} tumors per sampler"),
+               f"{args.tumors} tumor{'' if args.tumors == 1 else 's'} per sampler"),
         script="bench_synthx_sampling.py", figures=figures,
         text=("DPM-Solver 20 steps {dpm_solver_20} s, DDIM 20 {ddim_20} s, DDIM 50 {ddim_50} s, DDPM 1000 {ddpm_1000} s; "
               "tumor mean HU within {within} HU of DDPM's"),

@@ -34,6 +34,11 @@ class Row:
     met: bool | None = None
     note: str = field(default="")
 
+    def __post_init__(self):
+        # NumPy's scalars (a comparison of NumPy floats gives numpy.bool_) are not JSON: plain values.
+        self.figures = {name: (float(value), str(spec)) for name, (value, spec) in self.figures.items()}
+        self.met = None if self.met is None else bool(self.met)
+
 
 def add_record_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record", type=Path, default=None, metavar="FILE",
@@ -41,12 +46,16 @@ def add_record_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def record(path: Path | None, *rows: Row) -> None:
-    """Append ``rows`` to ``path`` as JSON lines; nothing when ``path`` is None."""
+    """Append ``rows`` to ``path`` as JSON lines, all or none; nothing when ``path`` is None.
+
+    A script calls it once, at its end, with every row: a script that fails on the way records
+    nothing, and the page refuses it rather than print a table with rows missing.
+    """
     if path is None:
         return
+    text = "".join(json.dumps(asdict(row)) + "\n" for row in rows)
     with Path(path).open("a", encoding="utf-8") as out:
-        for row in rows:
-            out.write(json.dumps(asdict(row)) + "\n")
+        out.write(text)
 
 
 def read_rows(path: Path) -> list[Row]:
@@ -54,7 +63,6 @@ def read_rows(path: Path) -> list[Row]:
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         if line.strip():
             data = json.loads(line)
-            data["figures"] = {name: (float(value), spec) for name, (value, spec) in data["figures"].items()}
             rows.append(Row(**data))
     return rows
 

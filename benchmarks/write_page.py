@@ -93,6 +93,9 @@ def measure(scripts: list[tuple[Path, list[str], int]], runs: int) -> list[dict]
                     raise RuntimeError(f"{script.name} exited {code} and recorded no figures (run {run + 1})")
                 for row in rows:
                     by_label.setdefault(row.label, []).append(row)
+            counts = {label: len(rows) for label, rows in by_label.items()}
+            if len(set(counts.values())) > 1:
+                raise RuntimeError(f"{script.name} recorded other rows on other runs: {counts}")
             merged += [merge_runs(rows) for rows in by_label.values()]
     return merged
 

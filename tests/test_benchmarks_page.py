@@ -51,6 +51,20 @@ def test_rows_survive_the_record_file(tmp_path):
     assert read_rows(tmp_path / "rows.jsonl") == [row, row]
 
 
+def test_numpy_scalars_are_recorded_as_plain_values_and_a_failed_row_writes_nothing(tmp_path):
+    import numpy as np
+
+    row = Row(label="wait", script="bench_x.py", figures={"share": (np.float64(4.4), ".1f")}, text="{share} %",
+              target="<= 5 %", met=np.float64(0.044) <= 0.05)
+    record(tmp_path / "rows.jsonl", row)
+    assert read_rows(tmp_path / "rows.jsonl") == [row] and read_rows(tmp_path / "rows.jsonl")[0].met is True
+    unserializable = Row(label="bad", script="bench_x.py", figures={}, text="")
+    unserializable.note = object()  # a value JSON cannot write: nothing of the call may reach the file
+    with pytest.raises(TypeError):
+        record(tmp_path / "rows.jsonl", row, unserializable)
+    assert len(read_rows(tmp_path / "rows.jsonl")) == 1
+
+
 def test_runs_merge_into_ranges_and_say_how_often_the_target_was_met():
     def run(ms, met):
         return Row(label="step", script="bench_x.py", figures={"ms": (ms, ".1f"), "ratio": (ms / 10, ".2f")},
