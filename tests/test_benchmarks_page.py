@@ -108,6 +108,21 @@ def test_a_crashed_benchmark_leaves_the_page_as_it_was(tmp_path, monkeypatch, ca
     assert page.read_text() == PAGE
 
 
+def test_runs_that_record_different_rows_are_refused(tmp_path, monkeypatch, capsys):
+    script = planted_script(tmp_path, """
+        rows = [Row(label="always", script="bench_planted.py", figures={}, text="x")]
+        if run == 1:
+            rows.append(Row(label="first run only", script="bench_planted.py", figures={}, text="y"))
+        record(args.record, *rows)
+    """)
+    page = tmp_path / "benchmarks.md"
+    page.write_text(PAGE)
+    monkeypatch.setattr(write_page, "measured_commit", lambda root=None: ("ab" * 20, []))
+    assert write_page.main(["--runs", "2", "--only", str(script), "--markdown", str(page)]) == 1
+    assert "recorded other rows on other runs" in capsys.readouterr().err
+    assert page.read_text() == PAGE
+
+
 def test_uncommitted_code_or_a_page_without_its_block_is_refused_before_any_run(tmp_path, monkeypatch, capsys):
     script = planted_script(tmp_path, "raise SystemExit('must not run')\n")
     page = tmp_path / "benchmarks.md"
