@@ -9,7 +9,8 @@ per setting (the settings are read once per process):
 - the segmentation U-Net of ``recipes/unet.yaml`` (CPU profile): a Lightning-free step of the
   SegmentationModule on one batch of its patch size;
 - the SynthX generator of ``recipes/generator/synthx.yaml`` (CPU profile): one denoising training
-  step (forward, tumor-weighted loss, backward, AdamW).
+  step (forward, tumor-weighted loss, backward, AdamW), after the training module's own
+  ``on_fit_start`` (on CPU it puts the denoiser in channels-last memory, as ``synthx-train`` does).
 
 It prints milliseconds per step for each setting and the ratio pinned / native. No target: the
 figures say what reproducibility costs on this machine.
@@ -70,6 +71,7 @@ else:
 
     recipe = load_synthx_recipe({root!r} + "/recipes/generator/synthx.yaml", ["profile=cpu"])
     module = SynthXTrainingModule.from_recipe(recipe)
+    module.on_fit_start()  # as in training: on CPU the denoiser runs channels-last
     optimizer = torch.optim.AdamW(module.denoiser.parameters(), lr=1e-3)
     size, batch = [int(v) for v in recipe.data.patch_size], int(recipe.data.batch_size)
     data = {{"image": torch.rand((batch, 1, *size)) * 2 - 1,

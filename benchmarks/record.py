@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
@@ -32,7 +32,6 @@ class Row:
     ratio: str = ""
     target: str = ""
     met: bool | None = None
-    note: str = field(default="")
 
     def __post_init__(self):
         # NumPy's scalars (a comparison of NumPy floats gives numpy.bool_) are not JSON: plain values.
@@ -90,5 +89,4 @@ def merge_runs(runs: list[Row]) -> dict:
     else:
         met = f"on {sum(met_runs)} of {len(met_runs)} runs"
     return {"label": first.label, "script": first.script, "figures": first.text.format(**spans),
-            "ratio": first.ratio.format(**spans) if first.ratio else "", "target": first.target, "met": met,
-            "note": first.note}
+            "ratio": first.ratio.format(**spans) if first.ratio else "", "target": first.target, "met": met}
