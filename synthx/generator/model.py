@@ -48,6 +48,7 @@ from lightning_modules.data.metadata import (
     normalize_phase,
     normalize_sex,
 )
+from lightning_modules.models.pinned_layers import use_pinned_layers
 from synthx.conditions import ORGAN_CLASSES, ORGAN_OF_LESION
 
 __all__ = [
@@ -242,6 +243,8 @@ class SynthXDenoiser(ModelMixin, ConfigMixin):
         self.unet.class_embedding = SummedConditionEmbedding(
             (num_sexes, num_age_bands, num_phases, num_organs), dim=4 * channels[0]
         )
+        # CPU sums that follow neither the machine nor the thread count (lightning_modules.models.pinned_layers).
+        use_pinned_layers(self.unet)
 
     @property
     def downsampling_factor(self) -> int:
@@ -331,6 +334,7 @@ class SynthXAutoencoder(ModelMixin, ConfigMixin):
             with_encoder_nonlocal_attn=False,
             with_decoder_nonlocal_attn=False,
         )
+        use_pinned_layers(self.autoencoder)
 
     @property
     def downsampling_factor(self) -> int:
