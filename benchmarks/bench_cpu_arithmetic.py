@@ -2,7 +2,7 @@
 
 Importing ``lightning_modules`` pins torch's CPU arithmetic (``lightning_modules.config.numerics``):
 ATen on its AVX2 kernels, MKL's conditional reproducibility, oneDNN's convolutions off, so that a
-seed trains the same weights on any x86-64 machine. ``BENCHX_NATIVE_CPU=1`` keeps the machine's
+seed trains the same weights on any Intel x86-64 machine. ``BENCHX_NATIVE_CPU=1`` keeps the machine's
 fastest paths. This script times the two networks the main job trains, each in a fresh process
 per setting (the settings are read once per process):
 

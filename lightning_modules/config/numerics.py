@@ -1,4 +1,4 @@
-"""The same figures from the same seed on any x86-64 machine: CPU arithmetic pinned to one path.
+"""The same figures from the same seed on any Intel x86-64 machine: CPU arithmetic pinned to one path.
 
 Training is chaotic: a last-bit difference in one convolution's sum changes the weights after a few
 hundred steps, and with them which tumors a model finds. On CPUs three things choose how sums run:
@@ -12,8 +12,10 @@ hundred steps, and with them which tumors a model finds. On CPUs three things ch
 :func:`pin_cpu_environment` sets ``ATEN_CPU_CAPABILITY=avx2`` and ``MKL_CBWR=AVX2,STRICT`` (MKL's
 conditional numerical reproducibility: the AVX2 code path, results independent of the thread count)
 and :func:`pin_cpu_kernels` turns oneDNN off, so convolutions run as ATen's unfold + MKL product.
-Then the arithmetic is the same on every processor with AVX2 (x86-64 since 2013), whatever its
-newer instructions or its core count. The settings are read when torch first runs a kernel, so the
+Then the arithmetic is the same on every Intel processor with AVX2 (since 2013), whatever its
+newer instructions or its core count. On other vendors MKL ignores the AVX2 request and takes its
+own dispatch (Intel's conditional-reproducibility guide supports only AUTO and COMPATIBLE there),
+so figures may differ from an Intel machine's. The settings are read when torch first runs a kernel, so the
 environment is pinned when :mod:`lightning_modules` is imported and oneDNN is turned off when
 :mod:`lightning_modules.models` is. ``BENCHX_NATIVE_CPU=1`` leaves the machine's own fastest paths
 (figures may then differ between machines). GPUs are not affected.
@@ -62,3 +64,32 @@ def pin_cpu_kernels() -> bool:
               f"machines' (import lightning_modules before running torch, or set {NATIVE_CPU_VARIABLE}=1)",
               file=sys.stderr)
     return True
+
+
+def arithmetic_host(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """What decides this process's CPU sums: processor vendor and model, torch's thread count, pinned or native.
+
+    Figures reproduce between runs that agree on all four (an Intel processor, the same thread count,
+    pinned arithmetic); the study records them on its parent run so a reader can tell which applies.
+    """
+    import platform
+
+    import torch
+
+    vendor = model = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id" and not vendor:
+                    vendor = value.strip()
+                elif key.strip() == "model name" and not model:
+                    model = value.strip()
+    except OSError:
+        pass
+    return {
+        "host.cpu_vendor": vendor or platform.processor() or platform.machine(),
+        "host.cpu_model": model or platform.machine(),
+        "host.torch_threads": str(torch.get_num_threads()),
+        "host.cpu_arithmetic": "native" if native_cpu(environ) else "pinned",
+    }

@@ -32,6 +32,7 @@ from typing import Callable
 
 from mlflow.tracking import MlflowClient
 
+from lightning_modules.config.numerics import arithmetic_host
 from lightning_modules.infrastructure.process import git_commit, held_signals, stop_reason
 from lightning_modules.infrastructure.run_folder import pid_alive
 from lightning_modules.tracking import end_run, experiment_id, final_status, mark_model_experiment, tracking_uri
@@ -65,6 +66,7 @@ class StudyRunner:
         self.experiment_id = experiment_id(experiment, uri)
         mark_model_experiment(self.client, self.experiment_id)
         self.code_version = code_version
+        parent_tags = {**arithmetic_host(), **(parent_tags or {})}
         self.parent_id = parent_run_id or self.client.create_run(
             self.experiment_id, run_name=parent_name, tags={"stage": "study", "git_commit": code_version, **(parent_tags or {})}
         ).info.run_id
