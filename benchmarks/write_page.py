@@ -8,7 +8,7 @@ rest of the page is prose. The code measured must be committed: the page names t
 test fails once the code it measured changes. On a machine without CUDA the GPU benchmark runs as
 its ``--dry-run`` and its row says so.
 
-Run from the repository root, with nothing else running (about 10 minutes for two runs on 2 cores)::
+Run from the repository root, with nothing else running (about 25 minutes for two runs on 2 cores)::
 
     .venv/bin/python benchmarks/write_page.py
     .venv/bin/python benchmarks/write_page.py --runs 3 --only bench_training_step.py
