@@ -88,3 +88,19 @@ def test_a_comparison_cut_short_ends_its_run(runner, monkeypatch):
     with pytest.raises(MemoryError):
         steps.compare_action(evaluations, runner.uri, runner.experiment, 10)({})
     assert runner.client.get_run(opened[0]).info.status == "FAILED"
+
+
+def test_the_parent_run_names_what_decides_the_cpu_sums(runner):
+    """A reader can tell from the parent run whether a rerun should reproduce its figures."""
+    import torch
+
+    tags = runner.client.get_run(runner.parent_id).data.tags
+    assert tags["host.torch_threads"] == str(torch.get_num_threads())
+    assert tags["host.cpu_arithmetic"] == "pinned"
+    assert tags["host.cpu_vendor"] and tags["host.cpu_model"]
+    with open("/proc/cpuinfo") as cpuinfo:
+        assert f": {tags['host.cpu_vendor']}" in cpuinfo.read()
+
+    from lightning_modules.config.numerics import arithmetic_host
+
+    assert arithmetic_host({"BENCHX_NATIVE_CPU": "1"})["host.cpu_arithmetic"] == "native"
