@@ -159,6 +159,10 @@ DIFFTUMOR_SIZE_WEIGHTS = {"tiny": 1.0, "small": 2.0, "medium": 1.0, "large": 0.0
 class MaskPriorConfig:
     # Drawn tumors keep this distance from the organ's border.
     erosion_mm: float = 1.5
+    # The gland grown around each painted or pasted mass: within rim_mm of the tumor, voxels outside
+    # the pancreas and darker than its parenchyma take the parenchyma's HU (0: no rim;
+    # synthx.generation.painting.grow_rim).
+    rim_mm: float = 0.0
     # Where the drawn tumors' size classes come from: "training" (in proportion to the real training
     # tumors, synthx.generation.canvases.training_tumor_diameters) or "weights" (size_class_weights).
     size_source: SizeSource = SizeSource.training
@@ -255,6 +259,8 @@ def check_synthx_recipe(config: DictConfig, source: str = "recipe") -> None:
         raise RecipeError(f"{source}: mask_prior.size_class_weights has unknown classes {unknown}; expected {', '.join(SIZE_CLASSES)}")
     if any(v < 0 for v in weights.values()) or sum(weights.values()) <= 0:
         raise RecipeError(f"{source}: mask_prior.size_class_weights must be non-negative with a positive sum, got {dict(weights)}")
+    if prior.rim_mm < 0:
+        raise RecipeError(f"{source}: mask_prior.rim_mm must be >= 0 (0: no rim), got {prior.rim_mm}")
     quality = config.quality_filter
     if not 0.0 < quality.real_quantile <= 1.0 or quality.folds < 2:
         raise RecipeError(f"{source}: quality_filter.real_quantile must be in (0, 1] and quality_filter.folds >= 2, "

@@ -24,7 +24,9 @@ running the generator, it takes a REAL tumor of a training case and pastes it th
    the voxels are the source's (rounded to integer HU), outside it they are the canvas' own. With
    ``feather_mm`` > 0 the source's weight rises linearly from the mask's edge to 1 at
    ``feather_mm`` inside it (blended with the canvas in between); the core keeps the source's HU.
-5. The masks (the lesion is the pasted mask, the pancreas grown to include it) and the metadata row
+5. With the mask prior's ``rim_mm`` > 0, the gland grows around the pasted mass as around a painted
+   one (:func:`synthx.generation.painting.grow_rim`).
+6. The masks (the lesion is the pasted mask, the pancreas grown to include it and its rim) and the metadata row
    of the canvas (as the other painters), plus ``tumor_source_case_id``,
    ``tumor_source_patient_id``, ``copy_paste_match`` and ``copy_paste_scale``.
 
@@ -52,7 +54,8 @@ from lightning_modules.data.cohort import Cohort
 from lightning_modules.data.lesions import largest_extent_mm, pancreas_location
 from lightning_modules.data.metadata import UNKNOWN
 from synthx.generation.canvases import LESION_CLASS, ORGAN_CLASS, GenerationError, SynthesisRequest
-from synthx.generation.painting import GeneratedCase, PaintSettings, _reorient, draw_tumor, read_canvas, synthetic_row
+from synthx.generation.painting import (GeneratedCase, PaintSettings, _reorient, draw_tumor, grow_rim, read_canvas,
+                                        synthetic_row)
 from synthx.painters import COPY_PASTE_PAINTER
 from synthx.generation.cells import labelled_cases
 
@@ -237,10 +240,11 @@ class CopyPastePainter:
         scale = largest_extent_mm(site, canvas.spacing) / source.diameter_mm if self.scale_to_site else 1.0
         ct, mask = fit_to_site(source, canvas.spacing, scale)
         new_ct, pasted = paste(canvas.ct, site, ct, mask, feather_weights(mask, canvas.spacing, self.feather_mm))
+        new_ct, rim = grow_rim(new_ct, canvas.ct, canvas.masks[ORGAN_CLASS], pasted, canvas.spacing, self.settings.rim_mm)
         row = synthetic_row(canvas.case_id, canvas_row, request, case_id, pasted, canvas.spacing, size_class, seed)
         masks = dict(canvas.masks)
         masks[LESION_CLASS] = pasted
-        masks[ORGAN_CLASS] = canvas.masks[ORGAN_CLASS] | pasted
+        masks[ORGAN_CLASS] = canvas.masks[ORGAN_CLASS] | pasted | rim
         masks = {name: _reorient(m, canvas.back) for name, m in masks.items()}
         row["tumor_location"] = pancreas_location(masks[ORGAN_CLASS], masks[LESION_CLASS], canvas.image.affine)
         row.update(synthx_painter=COPY_PASTE_PAINTER, tumor_source_case_id=source.case_id,

@@ -11,8 +11,11 @@ Steps of :func:`generate_case`:
    differs.
 4. Run :class:`synthx.generator.pipeline.SynthXPipeline` conditioned on the request's cell (which is the
    canvas' own cell), resample back and paste the repainted region into the canvas.
-5. The masks (``pancreatic_lesion`` added, the pancreas grown to include it: AbdomenAtlas
-   convention) and the metadata row, which describes the canvas: its patient, sex, age, phase.
+5. With ``rim_mm`` > 0, the gland grows around the mass (:func:`grow_rim`): within ``rim_mm`` of
+   the tumor, voxels outside the pancreas take the parenchyma's local HU with the canvas' own noise.
+6. The masks (``pancreatic_lesion`` added, the pancreas grown to include it and its rim:
+   AbdomenAtlas convention) and the metadata row, which describes the canvas: its patient, sex, age,
+   phase.
 
 Example::
 
@@ -49,6 +52,7 @@ class PaintSettings:
     guidance_scale: float = 2.0
     size_classes: Mapping[str, float] = field(default_factory=lambda: {"tiny": 1.0, "small": 2.0, "medium": 1.0})
     erosion_mm: float = 1.5
+    rim_mm: float = 0.0
 
 
 @dataclass
@@ -187,6 +191,47 @@ def paint(canvas: Canvas, patch: Patch, request: SynthesisRequest, rng, pipeline
     return np.clip(np.round(new_ct), np.iinfo(np.int16).min, np.iinfo(np.int16).max)
 
 
+def grow_rim(ct: np.ndarray, canvas_ct: np.ndarray, organ: np.ndarray, tumor: np.ndarray, spacing,
+             rim_mm: float) -> tuple[np.ndarray, np.ndarray]:
+    """The gland grown around a painted mass: ``ct`` with a parenchymal rim, and the rim's mask.
+
+    A pancreatic mass enlarges the gland's contour: it sits inside a rim of enhancing parenchyma
+    where it meets fat or bowel, in real scans as in the embedded phantom (whose tumors carry a 5 mm
+    rim). A tumor painted into a healthy gland has none where it reaches the gland's edge. The rim
+    is every voxel within ``rim_mm`` of the tumor (voxel centers, in mm) outside both the canvas'
+    pancreas and the tumor and darker than the parenchyma (fat, fluid, bowel: an enhancing vessel or
+    bone beside the gland is kept). The parenchyma's HU is the median of the canvas' pancreas within
+    ``2 * rim_mm`` of the tumor (the whole pancreas when none lies there); the rim takes it plus the
+    canvas' own fine texture (the canvas minus its Gaussian smoothing at one voxel), so the rim
+    carries the scan's noise. The rim's outer edge is blended over about a voxel (a Gaussian-smoothed
+    weight), not cut. ``rim_mm`` 0 returns ``ct`` unchanged and an empty rim.
+    """
+    rim = np.zeros(tumor.shape, dtype=bool)
+    if rim_mm <= 0 or not tumor.any():
+        return ct, rim
+    spacing = np.asarray(spacing, dtype=float)
+    corners = np.argwhere(tumor)
+    reach = np.ceil(2 * rim_mm / spacing).astype(int) + 3
+    box = tuple(slice(int(max(a - r, 0)), int(min(b + r + 1, n)))
+                for a, b, r, n in zip(corners.min(axis=0), corners.max(axis=0), reach, tumor.shape))
+    canvas_box, tumor_box = np.asarray(canvas_ct[box], dtype=np.float32), tumor[box]
+    organ_box = np.asarray(organ[box], dtype=bool)
+    distance = ndimage.distance_transform_edt(~tumor_box, sampling=spacing)
+    near = organ_box & ~tumor_box & (distance <= 2 * rim_mm)
+    parenchyma = float(np.median(canvas_box[near])) if near.any() else float(np.median(canvas_ct[organ & ~tumor]))
+    rim_box = (distance <= rim_mm) & ~organ_box & ~tumor_box & (canvas_box < parenchyma)
+    if not rim_box.any():
+        return ct, rim
+    texture = canvas_box - ndimage.gaussian_filter(canvas_box, 1.0)
+    weight = np.clip(ndimage.gaussian_filter(rim_box.astype(np.float32), 0.5), 0.0, 1.0)
+    weight[rim_box] = 1.0
+    weight[organ_box | tumor_box] = 0.0
+    grown = np.array(ct, dtype=np.float32, copy=True)
+    grown[box] = weight * (parenchyma + texture) + (1.0 - weight) * grown[box]
+    rim[box] = rim_box
+    return np.clip(np.round(grown), np.iinfo(np.int16).min, np.iinfo(np.int16).max), rim
+
+
 def describe(canvas: Canvas, canvas_row: Mapping, request: SynthesisRequest, case_id: str, tumor: np.ndarray, size_class: str, seed: int) -> dict:
     """Step 5: the metadata row; sex, age and phase are the canvas' own (they are the request's cell)."""
     return synthetic_row(canvas.case_id, canvas_row, request, case_id, tumor, canvas.spacing, size_class, seed)
@@ -228,11 +273,12 @@ def generate_case(
     tumor, size_class = draw_tumor(canvas, rng, settings)
     patch = crop_patch(canvas, tumor, pipeline, case_id)
     new_ct = paint(canvas, patch, request, rng, pipeline, settings, case_id)
+    new_ct, rim = grow_rim(new_ct, canvas.ct, canvas.masks[ORGAN_CLASS], tumor, canvas.spacing, settings.rim_mm)
     row = describe(canvas, canvas_row, request, case_id, tumor, size_class, settings.seed)
     masks = dict(canvas.masks)
     masks[LESION_CLASS] = tumor
-    # AbdomenAtlas convention: the organ mask includes its lesion.
-    masks[ORGAN_CLASS] = canvas.masks[ORGAN_CLASS] | tumor
+    # AbdomenAtlas convention: the organ mask includes its lesion (and the rim grown around it).
+    masks[ORGAN_CLASS] = canvas.masks[ORGAN_CLASS] | tumor | rim
     masks = {name: _reorient(mask, canvas.back) for name, mask in masks.items()}
     row["tumor_location"] = pancreas_location(masks[ORGAN_CLASS], masks[LESION_CLASS], canvas.image.affine)
     return GeneratedCase(case_id, _reorient(new_ct, canvas.back), canvas.image.affine, masks, row)
