@@ -202,9 +202,10 @@ def grow_rim(ct: np.ndarray, canvas_ct: np.ndarray, organ: np.ndarray, tumor: np
     pancreas and the tumor and darker than the parenchyma (fat, fluid, bowel: an enhancing vessel or
     bone beside the gland is kept). The parenchyma's HU is the median of the canvas' pancreas within
     ``2 * rim_mm`` of the tumor (the whole pancreas when none lies there); the rim takes it plus the
-    canvas' own fine texture (the canvas minus its Gaussian smoothing at one voxel), so the rim
-    carries the scan's noise. The rim's outer edge is blended over about a voxel (a Gaussian-smoothed
-    weight), not cut. ``rim_mm`` 0 returns ``ct`` unchanged and an empty rim.
+    canvas' own fine texture (the canvas minus its 3-voxel median, which keeps organ edges out of it),
+    so the rim carries the scan's noise. The rim's outer edge is blended over about a voxel (a
+    Gaussian-smoothed weight), not cut; changed voxels are rounded to integer HU, the others are
+    ``ct``'s. ``rim_mm`` 0 returns ``ct`` unchanged and an empty rim.
     """
     rim = np.zeros(tumor.shape, dtype=bool)
     if rim_mm <= 0 or not tumor.any():
@@ -214,7 +215,7 @@ def grow_rim(ct: np.ndarray, canvas_ct: np.ndarray, organ: np.ndarray, tumor: np
     reach = np.ceil(2 * rim_mm / spacing).astype(int) + 3
     box = tuple(slice(int(max(a - r, 0)), int(min(b + r + 1, n)))
                 for a, b, r, n in zip(corners.min(axis=0), corners.max(axis=0), reach, tumor.shape))
-    canvas_box, tumor_box = np.asarray(canvas_ct[box], dtype=np.float32), tumor[box]
+    canvas_box, tumor_box = np.asarray(canvas_ct[box], dtype=np.float64), tumor[box]
     organ_box = np.asarray(organ[box], dtype=bool)
     distance = ndimage.distance_transform_edt(~tumor_box, sampling=spacing)
     near = organ_box & ~tumor_box & (distance <= 2 * rim_mm)
@@ -222,14 +223,18 @@ def grow_rim(ct: np.ndarray, canvas_ct: np.ndarray, organ: np.ndarray, tumor: np
     rim_box = (distance <= rim_mm) & ~organ_box & ~tumor_box & (canvas_box < parenchyma)
     if not rim_box.any():
         return ct, rim
-    texture = canvas_box - ndimage.gaussian_filter(canvas_box, 1.0)
-    weight = np.clip(ndimage.gaussian_filter(rim_box.astype(np.float32), 0.5), 0.0, 1.0)
+    texture = canvas_box - ndimage.median_filter(canvas_box, size=3)
+    weight = ndimage.gaussian_filter(rim_box.astype(np.float64), 0.5)
     weight[rim_box] = 1.0
-    weight[organ_box | tumor_box] = 0.0
-    grown = np.array(ct, dtype=np.float32, copy=True)
-    grown[box] = weight * (parenchyma + texture) + (1.0 - weight) * grown[box]
+    weight[organ_box | tumor_box | (weight < 0.01)] = 0.0
+    blend = weight > 0
+    grown = np.array(ct, copy=True)
+    region = grown[box]
+    values = weight[blend] * (parenchyma + texture[blend]) + (1.0 - weight[blend]) * region[blend]
+    region[blend] = np.clip(np.round(values), np.iinfo(np.int16).min, np.iinfo(np.int16).max)
+    grown[box] = region
     rim[box] = rim_box
-    return np.clip(np.round(grown), np.iinfo(np.int16).min, np.iinfo(np.int16).max), rim
+    return grown, rim
 
 
 def describe(canvas: Canvas, canvas_row: Mapping, request: SynthesisRequest, case_id: str, tumor: np.ndarray, size_class: str, seed: int) -> dict:
