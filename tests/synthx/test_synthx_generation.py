@@ -638,3 +638,32 @@ def test_synthesis_stopped_with_sigterm_ends_its_run_killed_and_the_rerun_contin
     [finished] = mlflow.search_runs(experiment_names=["synthx"], output_format="list")
     assert finished.info.status == "FINISHED"
     assert finished.data.metrics["synthx/cases_generated"] + finished.data.metrics["synthx/cases_skipped"] == 12
+
+
+def test_a_rim_from_the_recipe_grows_the_gland_around_the_painted_tumor_and_only_there(cohort, tiny_pipeline, tmp_path):
+    """mask_prior.rim_mm reaches the diffusion painter: the same tumor, the pancreas label grown by a
+    rim that was fat in the canvas and now has the gland's HU; a run without a rim records none."""
+    from synthx.config import load_synthx_recipe
+
+    root, split = cohort
+    cases = {}
+    for rim in (0, 4):
+        recipe = load_synthx_recipe(RECIPES / "generator" / "synthx.yaml", ["profile=cpu", f"mask_prior.rim_mm={rim}"])
+        out = tmp_path / f"rim{rim}"
+        settings = SynthesisSettings.from_recipe(recipe, root, split, tiny_pipeline, out, **FAST)
+        assert settings.paint_settings().rim_mm == rim
+        summary = synthesize(settings, {("F", "20-40", "arterial"): 1})
+        manifest = json.loads((out / "synthx_generation.json").read_text())
+        assert manifest.get("rim_mm") == (float(rim) if rim else None)
+        case = summary.generated[0]
+        masks = {name: np.asarray(nib.load(out / case / "segmentations" / f"{name}.nii.gz").dataobj) > 0
+                 for name in ("pancreas", "pancreatic_lesion")}
+        cases[rim] = (_ct(out / case / "ct.nii.gz"), masks)
+    (plain_ct, plain), (grown_ct, grown) = cases[0], cases[4]
+    assert np.array_equal(plain["pancreatic_lesion"], grown["pancreatic_lesion"])
+    rim = grown["pancreas"] & ~plain["pancreas"]
+    canvas = _ct(root / "H3" / "ct.nii.gz")
+    assert rim.any() and float(canvas[rim].mean()) < -50, "the rim was fat in the canvas"
+    assert abs(float(grown_ct[rim].mean()) - ORGAN_HU["arterial"]) < 15, "and has the gland's HU now"
+    far = ndimage.distance_transform_edt(~grown["pancreatic_lesion"]) > 7  # voxels of at least 1 mm: beyond the rim and its edge
+    assert np.array_equal(grown_ct[far], plain_ct[far])
