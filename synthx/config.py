@@ -163,6 +163,10 @@ class MaskPriorConfig:
     # the pancreas and darker than its parenchyma take the parenchyma's HU (0: no rim;
     # synthx.generation.painting.grow_rim).
     rim_mm: float = 0.0
+    # Clip each drawn tumor to the eroded organ (true) or keep it whole, centred in the organ with at
+    # least half of it inside and the rest bulging out as a real mass does (false; with rim_mm > 0
+    # the gland grows around the bulge).
+    clip_to_organ: bool = True
     # Where the drawn tumors' size classes come from: "training" (in proportion to the real training
     # tumors, synthx.generation.canvases.training_tumor_diameters) or "weights" (size_class_weights).
     size_source: SizeSource = SizeSource.training

@@ -53,6 +53,7 @@ class PaintSettings:
     size_classes: Mapping[str, float] = field(default_factory=lambda: {"tiny": 1.0, "small": 2.0, "medium": 1.0})
     erosion_mm: float = 1.5
     rim_mm: float = 0.0
+    clip_to_organ: bool = True
 
 
 @dataclass
@@ -120,7 +121,7 @@ def draw_tumor(canvas: Canvas, rng: np.random.Generator, settings: PaintSettings
         try:
             mask = sample_tumor_mask(
                 canvas.masks[ORGAN_CLASS], fallback, rng, spacing=canvas.spacing, erosion_mm=settings.erosion_mm,
-                where=f"canvas {canvas.case_id} pancreas",
+                where=f"canvas {canvas.case_id} pancreas", clip=settings.clip_to_organ,
             )
             return mask, fallback
         except TumorDoesNotFitError as error:

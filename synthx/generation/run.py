@@ -103,8 +103,9 @@ class SynthesisSettings:
         out_root: the synthetic cohort folder (created; an existing one is resumed).
         seed: fixes every case id's canvas, tumor mask and diffusion noise.
         scheduler / num_inference_steps / guidance_scale: the recipe's ``sampling`` section.
-        size_classes / erosion_mm / rim_mm: the recipe's ``mask_prior`` section (size class weights,
-            border distance, the parenchymal rim grown around each mass).
+        size_classes / erosion_mm / rim_mm / clip_to_organ: the recipe's ``mask_prior`` section (size
+            class weights, border distance, the parenchymal rim grown around each mass, whether a
+            drawn tumor is clipped to the eroded gland or may bulge out of it).
             ``size_classes=None`` (the recipe's default, ``mask_prior.size_source: training``) draws
             the classes in proportion to the real training tumors (:func:`synthx.generation.canvases.training_tumor_diameters`); the weights
             used are logged and kept in the manifest.
@@ -141,6 +142,7 @@ class SynthesisSettings:
     size_classes: Mapping[str, float] | None = None
     erosion_mm: float = MaskPriorConfig.erosion_mm
     rim_mm: float = MaskPriorConfig.rim_mm
+    clip_to_organ: bool = MaskPriorConfig.clip_to_organ
     budget: int | None = None
     phases: Sequence[str] | None = None
     baseline_records: pd.DataFrame | None = None
@@ -170,6 +172,7 @@ class SynthesisSettings:
             size_classes=None if prior.size_source == "training" else {str(k): float(v) for k, v in prior.size_class_weights.items()},
             erosion_mm=float(prior.erosion_mm),
             rim_mm=float(prior.rim_mm),
+            clip_to_organ=bool(prior.clip_to_organ),
             tracking_uri=recipe.tracking.uri,
             experiment=str(recipe.tracking.experiment),
         )
@@ -177,7 +180,7 @@ class SynthesisSettings:
 
     def paint_settings(self) -> PaintSettings:
         return PaintSettings(int(self.seed), int(self.num_inference_steps), float(self.guidance_scale), dict(self.size_classes or {}), float(self.erosion_mm),
-                             float(self.rim_mm))
+                             float(self.rim_mm), bool(self.clip_to_organ))
 
 
 @dataclass
@@ -280,6 +283,7 @@ def _manifest(settings: SynthesisSettings, source: str, run_id: str, provenance:
         "erosion_mm": float(settings.erosion_mm),
         # Only a manifest with a rim has the key, so folders painted without one keep resuming.
         **({"rim_mm": float(settings.rim_mm)} if settings.rim_mm > 0 else {}),
+        **({"clip_to_organ": False} if not settings.clip_to_organ else {}),
         "cohort_root": str(Path(settings.cohort_root).resolve()),
         "split_sha256": split_hash,
         # Only the copy-paste painter's manifest has the key, so earlier folders keep resuming.

@@ -103,6 +103,7 @@ def sample_tumor_mask(
     min_inside_fraction: float = 0.5,
     max_attempts: int = 64,
     where: str = "organ mask",
+    clip: bool = True,
 ) -> np.ndarray:
     """Draw one tumor mask inside an organ.
 
@@ -111,6 +112,11 @@ def sample_tumor_mask(
     eroded organ (keeping the largest connected piece). An attempt is kept when its largest
     diameter is inside the class range and at least ``min_inside_fraction`` of the drawn shape lies
     inside the eroded organ (so thin organs such as the pancreas do not produce slivers).
+
+    With ``clip=False`` the drawn shape is kept whole: centred in the eroded organ, at least
+    ``min_inside_fraction`` of it inside, the rest bulging out of the organ as a real mass enlarges
+    the gland (its diameter, not the clipped piece's, is checked against the class). The random
+    draws are the same; only which attempt is kept may differ.
 
     Args:
         organ_mask: 3D boolean organ mask on the scan's grid.
@@ -121,6 +127,7 @@ def sample_tumor_mask(
         min_inside_fraction: share of the drawn shape that must fall inside the eroded organ.
         max_attempts: attempts before giving up with :class:`TumorDoesNotFitError`.
         where: names the organ (e.g. ``"case PH0001 pancreas"``) in error messages.
+        clip: clip the shape to the eroded organ (default) or keep it whole.
 
     Returns:
         A boolean array with the organ's shape.
@@ -166,10 +173,11 @@ def sample_tumor_mask(
         best_fraction = max(best_fraction, inside_fraction)
         if inside_fraction < min_inside_fraction:
             continue
-        diameter = largest_extent_mm(clipped, spacing)
+        kept = clipped if clip else _largest_component(shape)
+        diameter = largest_extent_mm(kept, spacing)
         if low < diameter <= high:
             tumor = np.zeros(organ.shape, dtype=bool)
-            tumor[box] = clipped
+            tumor[box] = kept
             return tumor
     raise TumorDoesNotFitError(
         f"{where}: no {size_class} tumor ({low:g}-{high:g} mm) fitted in {max_attempts} attempts with at least "

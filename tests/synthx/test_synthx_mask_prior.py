@@ -50,6 +50,21 @@ def test_masks_lie_in_the_eroded_organ_and_respect_their_size_class(size_class, 
         assert size_class_of(diameter) == size_class
 
 
+def test_an_unclipped_tumor_bulges_out_of_a_thin_organ_with_at_least_half_inside():
+    """clip=False keeps the drawn shape whole: its class holds, at least half of it lies in the
+    eroded organ, and in a gland about 24 mm thick a small tumor's rest bulges out of it."""
+    allowed = eroded_organ(THIN_ORGAN, SPACING, erosion_mm=1.5)
+    bulging = 0
+    for seed in range(6):
+        clipped = sample_tumor_mask(THIN_ORGAN, "small", seed, spacing=SPACING)
+        whole = sample_tumor_mask(THIN_ORGAN, "small", seed, spacing=SPACING, clip=False)
+        assert size_class_of(largest_extent_mm(whole, SPACING)) == "small"
+        assert (whole & allowed).sum() >= 0.5 * whole.sum()
+        assert not (clipped & ~allowed).any()
+        bulging += int((whole & ~allowed).any())
+    assert bulging >= 3, "an unclipped tumor reaches out of the gland"
+
+
 def test_same_seed_same_mask_and_different_seed_different_mask():
     first = sample_tumor_mask(THIN_ORGAN, "small", 7, spacing=SPACING)
     again = sample_tumor_mask(THIN_ORGAN, "small", np.random.default_rng(7), spacing=SPACING)
