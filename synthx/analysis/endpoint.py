@@ -87,6 +87,9 @@ def family_mark(row) -> str:
     return "~" if rejects and not _flag(row.get("supported", True)) else ""
 SUBGROUP_POINT = "subgroup_matched_specificity"
 # What each version of the endpoint changed from the fields' defaults (the operating point).
+# Where the endpoint is judged: the locked test cohort (the study's default) or, for a study run with
+# --locked-cases 0, the split's own test set.
+TEST_SET_LABELS = {"locked": "locked test cohort", "split": "split's test set"}
 ENDPOINT_VERSIONS = {1: {"operating_point": "matched_specificity"}, 2: {"operating_point": SUBGROUP_POINT}}
 CURRENT_VERSION = 2
 # The subgroup's metrics read together with the endpoint's: the same thresholds, each its own test.
@@ -128,9 +131,12 @@ class PrimaryEndpoint:
             return f"specificity matched within {self.subgroup}"
         return self.operating_point.replace("_", " ")
 
+    def test_set_label(self) -> str:
+        return TEST_SET_LABELS.get(self.test_set, f"{self.test_set} test set")
+
     def describe(self) -> str:
         return (f"{self.metric} in {self.subgroup} at {self.point_label()} "
-                f"({self.score} score, {self.test_set} test cohort), {self.arm} minus {self.reference} "
+                f"({self.score} score, {self.test_set_label()}), {self.arm} minus {self.reference} "
                 f"[endpoint version {self.version}]")
 
     def params(self) -> dict[str, str]:

@@ -114,7 +114,7 @@ def pooled_markdown(run_id: str, uri: str) -> str:
            f"in all; from the first start to the last end {format_duration((max(p.info.end_time for p in ended) - min(p.info.start_time for p in ended)) / 1000)}."]
           if len(ended) == len(parents) else []),
         "",
-        f"## Pooled verdict (locked test cohort, {point_label(point)})",
+        f"## Pooled verdict ({endpoint.test_set_label()}, {point_label(point)})",
         "",
         *headline,
         "",

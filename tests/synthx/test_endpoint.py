@@ -67,6 +67,21 @@ def test_the_logged_endpoint_reads_back_from_the_run_params():
     assert PrimaryEndpoint.from_params({}) == PrimaryEndpoint()
 
 
+def test_the_endpoint_names_the_test_set_it_is_read_on():
+    """A study with the locked cohort reads its endpoint there; one run with --locked-cases 0 reads it
+    on the split's test set, and its printed endpoint and pooled page say that, not 'locked'."""
+    from synthx.workflows.study.settings import StudySettings
+
+    locked = StudySettings()
+    locked.check()
+    assert "(volume score, locked test cohort)" in locked.endpoint.describe()
+    split = StudySettings(locked_cases=0)
+    split.check()
+    assert split.endpoint.test_set == "split"
+    assert "(volume score, split's test set)" in split.endpoint.describe() and "locked" not in split.endpoint.describe()
+    assert PrimaryEndpoint.from_params(split.endpoint.params()).test_set_label() == "split's test set"
+
+
 def test_copy_paste_rows_are_their_own_placement_family():
     """Copy-paste minus sham is neither SynthX's secondary family nor the schedule's: its own Holm family."""
     copy_paste = _comparison().query("run == 'baseline'").assign(run="copy_paste", p_value=[0.01, 0.02, 0.03, 0.5, 0.6, 0.7])

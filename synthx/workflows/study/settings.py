@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -83,6 +83,9 @@ class StudySettings:
                              f"({self.phantom_seed}); choose another --locked-seed")
         if self.locked_cases < 0:
             raise ValueError("--locked-cases must be 0 (test on the split's test set) or a number of scans")
+        if not self.locked_cases and self.endpoint.test_set == "locked":
+            # Without a locked cohort the endpoint is read on the split's test set, and says so.
+            self.endpoint = replace(self.endpoint, test_set="split")
         if self.target_phases is not None:
 
             phases = [normalize_phase(p) for p in self.target_phases]
