@@ -432,6 +432,12 @@ def compare(
     client = MlflowClient(tracking_uri=uri)
     with tempfile.TemporaryDirectory() as folder:
         runs = [_load_run(client, run_id, stage, folder) for run_id in run_ids]
+    # A run is named by its variant tag (else its name); two runs of one variant (two ratios of a sweep,
+    # arms evaluated with `benchx evaluate`) keep their rows apart by their ids.
+    names = [run.name for run in runs]
+    for run in runs:
+        if names.count(run.name) > 1:
+            run.name = f"{run.name} ({run.run_id[:8]})"
     hashes = [evaluation_set_hash(run.records["case_id"]) for run in runs]
     if len(set(hashes)) != 1:
         listing = ", ".join(f"{run.run_id}: {h[:12]} ({len(run.records)} cases)" for run, h in zip(runs, hashes))

@@ -330,3 +330,19 @@ def test_a_row_whose_interval_spans_zero_is_never_marked_significant():
     assert significance_mark({**decided, "ci_low": -0.100, "ci_high": 0.411}) == "~"
     assert significance_mark({**decided, "p_value": 0.4, "significant": False, "significant_holm": False,
                               "ci_low": -0.1, "ci_high": 0.4}) == " "
+
+
+def test_compare_keeps_two_runs_of_one_variant_apart(two_models, tiny_phantom, monkeypatch):
+    """Evaluation runs of one variant (two ratios of a sweep, arms evaluated with ``benchx evaluate``)
+    carry the same variant tag and name: the comparison names them by their ids instead of failing."""
+    models, _ = two_models
+    recipe = models[0][0]
+    runs = [evaluate(r, result.best_checkpoint, ("val", "test"), training_run_id=result.run_id)[0] for r, result in models]
+    again, _ = evaluate(models[1][0], models[1][1].best_checkpoint, ("val", "test"), training_run_id=models[1][1].run_id)
+    client = MlflowClient(recipe.tracking.uri)
+    assert client.get_run(again).data.tags["variant"] == client.get_run(runs[1]).data.tags["variant"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", recipe.tracking.uri)
+    table, _ = compare([*runs, again], "test", experiment="", n_resamples=20)
+    names = sorted(set(table["run"]))
+    assert len(names) == 2 and names == sorted(f"{client.get_run(r).data.tags['variant']} ({r[:8]})" for r in (runs[1], again))
+    assert "overall" in format_comparison(table)
